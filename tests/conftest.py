@@ -1,0 +1,18 @@
+"""Shared test set-up: the repository root on sys.path (so ``tests.cases`` imports) and seeds."""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+# The test models are tiny: one thread avoids OpenMP start-up and, on a busy 2-core machine,
+# spinning threads that made single small ops a hundred times slower.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

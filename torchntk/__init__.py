@@ -1,0 +1,23 @@
+"""torchntk: empirical neural tangent and NNGP kernels of PyTorch models."""
+
+from ._types import NtkImplementation as NtkImplementation
+from .empirical import empirical_kernel_fn as empirical_kernel_fn
+from .empirical import empirical_nngp_fn as empirical_nngp_fn
+from .empirical import empirical_ntk_fn as empirical_ntk_fn
+from .empirical import empirical_ntk_vp_fn as empirical_ntk_vp_fn
+from .taylor import linearize as linearize
+from .taylor import taylor_expand as taylor_expand
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # kernels
+    "empirical_ntk_fn",
+    "empirical_nngp_fn",
+    "empirical_kernel_fn",
+    "empirical_ntk_vp_fn",
+    "NtkImplementation",
+    # expansions
+    "linearize",
+    "taylor_expand",
+]

@@ -1,0 +1,98 @@
+"""Assembling a kernel from blocks of examples, to bound memory and reuse symmetry.
+
+NOTE: [Blocks of examples]
+With ``vmap_axes`` and a ``chunk_size``, x1 and x2 are cut into runs of at most ``chunk_size``
+examples (the last one may be shorter). Each implementation supplies how to prepare one run of
+a side (e.g. its Jacobians) and how to turn a pair of prepared runs into kernel blocks; this
+module loops over the pairs and writes each block into one preallocated kernel per output leaf,
+at the places the :class:`~torchntk._layout.KernelLayout` gives for the batch axis:
+
+* batch axis kept: block ``(i, j)`` goes to rows ``i`` and columns ``j``;
+* batch axis diagonal: only pairs ``i == j`` exist, written along the single axis;
+* batch axis traced: only pairs ``i == j`` exist, and they are summed.
+
+When x2 is None the kernel is symmetric, so only pairs ``i <= j`` are computed and block
+``(j, i)`` is block ``(i, j)`` with every x1/x2 axis pair swapped. Without ``vmap_axes`` there is
+a single block covering everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ._call import KernelCall
+
+Prepare = Callable[[Any], Any]
+Contract = Callable[[Any, Any, Sequence[bool]], list[Optional[torch.Tensor]]]
+
+
+def _runs(size: int, chunk_size: Optional[int]) -> list[tuple[int, int]]:
+    if chunk_size is None or chunk_size >= size:
+        return [(0, size)]
+    return [(start, min(chunk_size, size - start)) for start in range(0, size, chunk_size)]
+
+
+def assemble(call: KernelCall, prepare1: Prepare, prepare2: Prepare, contract: Contract, *, reuse_prepared: bool) -> list[torch.Tensor]:
+    """Computes every output leaf's unnormalised kernel block by block.
+
+    Args:
+        prepare1, prepare2: ``side -> prepared data`` for a run of x1 / x2 examples.
+        contract: ``(prepared1, prepared2, needed) -> blocks``, one unnormalised block per output
+            leaf, ``None`` where ``needed`` is False.
+        reuse_prepared: whether ``prepare1`` and ``prepare2`` return the same thing, so that a
+            diagonal pair with x2 None prepares its run once.
+    """
+    side1 = call.side1
+    side2 = call.side2 if call.side2 is not None else call.side1
+    if not side1.mapped:
+        prepared2 = prepare2(side2)
+        prepared1 = prepared2 if (call.reuses_x1 and reuse_prepared) else prepare1(side1)
+        return contract(prepared1, prepared2, [True] * len(call.layouts))
+
+    batch_kinds = [layout.kind(axis) for layout, axis in zip(call.layouts, side1.out_axes)]
+    runs1 = _runs(side1.batch_size(), call.chunk_size)
+    runs2 = runs1 if call.reuses_x1 else _runs(side2.batch_size(), call.chunk_size)
+    if len(runs1) == 1 and len(runs2) == 1:
+        prepared2 = prepare2(side2)
+        prepared1 = prepared2 if (call.reuses_x1 and reuse_prepared) else prepare1(side1)
+        return contract(prepared1, prepared2, [True] * len(call.layouts))
+
+    kernels = [
+        torch.zeros(shape, dtype=dtype, device=output.device)
+        for shape, dtype, output in zip(call.kernel_shapes(), call.dtypes, call.outputs1)
+    ]
+    for j, (start2, length2) in enumerate(runs2):
+        prepared2 = prepare2(side2.narrow(start2, length2))
+        for i, (start1, length1) in enumerate(runs1):
+            if call.reuses_x1 and i > j:
+                continue  # mirrored from pair (j, i)
+            needed = [kind == "kept" or i == j for kind in batch_kinds]
+            if not any(needed):
+                continue
+            if call.reuses_x1 and reuse_prepared and i == j:
+                prepared1 = prepared2
+            else:
+                prepared1 = prepare1(side1.narrow(start1, length1))
+            blocks = contract(prepared1, prepared2, needed)
+            for kernel, block, layout, axis, kind in zip(kernels, blocks, call.layouts, side1.out_axes, batch_kinds):
+                if block is None:
+                    continue
+                positions = layout.kernel_positions(axis)
+                if kind == "trace":
+                    kernel += block
+                    continue
+                kernel[_index(positions, (start1, length1), (start2, length2))] = block
+                if call.reuses_x1 and i != j and kind == "kept":
+                    mirrored = block.permute(layout.swap_permutation())
+                    kernel[_index(positions, (start2, length2), (start1, length1))] = mirrored
+    return kernels
+
+
+def _index(positions: tuple[int, ...], run1: tuple[int, int], run2: tuple[int, int]) -> tuple:
+    index: list[Any] = [slice(None)] * (positions[-1] + 1)
+    index[positions[0]] = slice(run1[0], run1[0] + run1[1])
+    if len(positions) == 2:
+        index[positions[1]] = slice(run2[0], run2[0] + run2[1])
+    return tuple(index)

@@ -1,0 +1,181 @@
+"""Validation and preparation shared by every kernel function call.
+
+The front end (``empirical.py``) turns a user call into a :class:`KernelCall`: the model in
+functional form, both sides, one :class:`~torchntk._layout.KernelLayout` per output leaf and the
+result dtypes. Implementations only compute; they never validate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ._checks import show
+from ._layout import KernelLayout, check_shapes, make_layout
+from ._model import FunctionalModel, functional_model, reject_vmap_with_coupling, warn_training_mode
+from ._per_example import Side
+from ._tree import Flat, describe, is_all_none
+from ._vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """Everything an implementation needs for one kernel evaluation.
+
+    Attributes:
+        side1, side2: the x1 and x2 sides; ``side2`` is None when x2 is None (x1 is reused).
+        outputs1, outputs2: output leaves of the model on x1 and x2 (no autograd graph).
+        output_tree: the structure of the model output, to rebuild one kernel per leaf.
+        layouts: one layout per output leaf.
+        dtypes: the result dtype per output leaf.
+        chunk_size: the memory knob (examples per block when mapped, else vectors at once).
+    """
+
+    where: str
+    model: FunctionalModel
+    side1: Side
+    side2: Optional[Side]
+    outputs1: tuple[torch.Tensor, ...]
+    outputs2: tuple[torch.Tensor, ...]
+    output_tree: Flat
+    layouts: tuple[KernelLayout, ...]
+    dtypes: tuple[torch.dtype, ...]
+    chunk_size: Optional[int]
+
+    @property
+    def reuses_x1(self) -> bool:
+        return self.side2 is None
+
+    def kernel_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(
+            layout.kernel_shape(one.shape, two.shape)
+            for layout, one, two in zip(self.layouts, self.outputs1, self.outputs2)
+        )
+
+    def normalise(self, kernels: list[torch.Tensor], dtypes: Optional[tuple[torch.dtype, ...]] = None) -> Any:
+        """Divides by traced sizes, casts to the result dtypes and rebuilds the output tree."""
+        results = [
+            (kernel / layout.trace_size(output.shape)).to(dtype).contiguous()
+            for kernel, layout, output, dtype in zip(kernels, self.layouts, self.outputs1, dtypes or self.dtypes)
+        ]
+        return self.output_tree.rebuild(results)
+
+
+def prepare_call(
+    f: Any,
+    x1: Any,
+    x2: Any,
+    params: Any,
+    kwargs: Mapping[str, Any],
+    *,
+    where: str,
+    trace_axes: tuple[int, ...],
+    diagonal_axes: tuple[int, ...],
+    vmap_axes: Optional[ParsedVmapAxes] = None,
+    check_vmap_axes: bool = True,
+    chunk_size: Optional[int] = None,
+    include_params_in_dtype: bool = True,
+) -> KernelCall:
+    """Validates a kernel call and evaluates the model once on each side.
+
+    Raises:
+        TypeError: outputs that are not tensors; bad ``params``.
+        ValueError: output structures or ndims that differ between x1 and x2, bad axes, traced
+            or diagonal sizes that differ, ``vmap_axes`` that do not fit the data or the model.
+    """
+    if x1 is None or is_all_none(x1):
+        raise ValueError(f"{where}: `x1` must contain at least one tensor, got {show(x1)}.")
+    model = functional_model(f, params, where)
+    warn_training_mode(model, where)
+    reuse = is_all_none(x2)
+    kwargs1, kwargs2 = split_kwargs(kwargs, reuse, where)
+    with torch.no_grad():
+        output1 = Flat.of(model.apply(model.params, x1, kwargs1))
+        output2 = output1 if reuse else Flat.of(model.apply(model.params, x2, kwargs2))
+    _check_outputs(output1, output2, where)
+    leaves1, leaves2 = output1.leaves, output2.leaves
+    layouts = []
+    for index, (one, two) in enumerate(zip(leaves1, leaves2)):
+        leaf = "the output" if len(leaves1) == 1 else f"output leaf {index} of {len(leaves1)}"
+        layout = make_layout(one.ndim, trace_axes, diagonal_axes, where, leaf)
+        check_shapes(layout, one.shape, two.shape, where, leaf)
+        layouts.append(layout)
+
+    resolved1 = resolved2 = out_axes = None
+    if vmap_axes is not None:
+        resolved1 = resolve_inputs(vmap_axes, x1, kwargs1, where)
+        resolved2 = resolved1 if reuse else resolve_inputs(vmap_axes, x2, kwargs2, where)
+        if resolved1 is not None or resolved2 is not None:
+            if resolved1 is None or resolved2 is None:
+                raise ValueError(f"{where}: `vmap_axes` maps the inputs of only one of x1 and x2.")
+            out_axes = resolve_outputs(vmap_axes, output1.rebuild(leaves1), where)
+            reject_vmap_with_coupling(model, where)
+    side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where)
+    side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where)
+    if side1.mapped and check_vmap_axes:
+        for side, leaves, name in ((side1, leaves1, "x1"), (side2, leaves2, "x2")):
+            if side is not None:
+                _check_per_example(side, leaves, name, where)
+
+    param_dtype = model.param_dtype
+    dtypes = tuple(
+        torch.promote_types(leaf.dtype, param_dtype) if include_params_in_dtype else leaf.dtype for leaf in leaves1
+    )
+    return KernelCall(where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size)
+
+
+def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:
+    for flat in (output1, output2):
+        for leaf in flat.leaves:
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"{where}: the model must return tensors (or pytrees of tensors), got a leaf {show(leaf)}.")
+    if not flat.leaves:
+        raise ValueError(f"{where}: the model returned no tensor.")
+    if not output1.same_structure(output2):
+        raise ValueError(
+            f"{where}: the model returns differently structured outputs for x1 and x2: "
+            f"{describe(output1.rebuild(output1.leaves))} vs {describe(output2.rebuild(output2.leaves))}."
+        )
+    for index, (one, two) in enumerate(zip(output1.leaves, output2.leaves)):
+        if one.ndim != two.ndim:
+            raise ValueError(
+                f"{where}: output leaf {index} has shape {tuple(one.shape)} for x1 but "
+                f"{tuple(two.shape)} for x2; the outputs must have the same number of axes."
+            )
+
+
+_PER_EXAMPLE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.complex128: 1e-9, torch.complex64: 1e-4}
+
+
+def _check_per_example(side: Side, expected: tuple[torch.Tensor, ...], name: str, where: str) -> None:
+    """Compares the per-example (vmapped) outputs with the whole-batch outputs.
+
+    NOTE: [Checking vmap_axes]
+    ``vmap_axes`` is a promise that examples do not interact. Breaking it (batch statistics,
+    attention across the batch, a wrong axis) makes every implementation return silently wrong
+    kernels, so we evaluate the model once more per example and compare with the whole-batch
+    output. It costs one forward pass, small next to the ``O`` backward passes of a kernel.
+    """
+    with torch.no_grad():
+        got = side.forward()
+    for index, (want, have) in enumerate(zip(expected, got)):
+        if want.shape != have.shape:
+            raise ValueError(
+                f"{where}: with `vmap_axes`, output leaf {index} for {name} has shape {tuple(have.shape)} "
+                f"when evaluated per example but {tuple(want.shape)} for the whole batch. Check `vmap_axes`."
+            )
+        if want.numel() == 0:
+            continue
+        scale = max(want.abs().max().item(), have.abs().max().item())
+        error = (want - have).abs().max().item()
+        if not error <= _PER_EXAMPLE_RTOL.get(want.dtype, 1e-2) * scale:
+            raise ValueError(
+                f"{where}: `vmap_axes` says examples are independent, but output leaf {index} for "
+                f"{name} differs between the whole batch and a per-example evaluation (max abs "
+                f"difference {error:.3g}, max abs value {scale:.3g}). The model couples examples "
+                f"(batch statistics, attention across the batch, ...) or `vmap_axes` names the wrong "
+                f"axes. Pass vmap_axes=None, fix the axes, or pass check_vmap_axes=False if the "
+                f"difference is expected rounding."
+            )

@@ -1,0 +1,28 @@
+"""The table from :class:`~torchntk.NtkImplementation` to the function computing the NTK.
+
+Each entry takes a validated :class:`~torchntk._call.KernelCall` and returns one unnormalised
+kernel per output leaf (see :meth:`KernelCall.normalise`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .._call import KernelCall
+from .._types import NtkImplementation
+from .jacobian_contraction import jacobian_contraction_ntk
+from .ntk_vector_products import ntk_vector_products_ntk
+
+NtkFunction = Callable[[KernelCall], list[torch.Tensor]]
+
+IMPLEMENTATIONS: dict[NtkImplementation, NtkFunction] = {
+    NtkImplementation.JACOBIAN_CONTRACTION: jacobian_contraction_ntk,
+    NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products_ntk,
+}
+
+NOT_YET_AVAILABLE = {
+    NtkImplementation.STRUCTURED_DERIVATIVES: "structured derivatives",
+    NtkImplementation.AUTO: "automatic selection between implementations",
+}

@@ -1,0 +1,56 @@
+"""NTK implementation 1: Jacobian contraction.
+
+``K = sum_p J1_p J2_p^T`` where ``J_p`` is the Jacobian of the outputs with respect to parameter
+tensor ``p``. Jacobians come from reverse mode (per example under ``vmap_axes``), and each
+parameter tensor is contracted on its own, so the concatenated Jacobian of all parameters never
+exists. The contraction only forms what the layout keeps: traced axes are summed inside the
+matrix product and diagonal axes are batch axes of it (see NOTE: [Kernel layout]).
+
+Cost: ``O (N1 + N2)`` backward passes of one example, plus ``N1 N2 O1 O2 P / |T|`` multiply-adds,
+where ``|T|`` is the number of traced output coordinates.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .._blocks import assemble
+from .._call import KernelCall
+from .._per_example import Side
+
+Jacobians = tuple[tuple[torch.Tensor, ...], ...]
+
+
+def jacobian_contraction_ntk(call: KernelCall) -> list[torch.Tensor]:
+    jacobian_chunk = None if call.side1.mapped else call.chunk_size
+
+    def prepare(side: Side) -> Jacobians:
+        return side.jacobians(chunk_size=jacobian_chunk)
+
+    def contract(jacobians1: Jacobians, jacobians2: Jacobians, needed: Sequence[bool]) -> list[Optional[torch.Tensor]]:
+        blocks: list[Optional[torch.Tensor]] = []
+        for layout, per_param1, per_param2, is_needed in zip(call.layouts, jacobians1, jacobians2, needed):
+            if not is_needed:
+                blocks.append(None)
+                continue
+            total = None
+            for one, two in zip(per_param1, per_param2):
+                term = layout.contract(_flatten_param(one, layout.ndim), _flatten_param(two, layout.ndim))
+                total = term if total is None else _accumulate(total, term)
+            blocks.append(total)
+        return blocks
+
+    return assemble(call, prepare, prepare, contract, reuse_prepared=True)
+
+
+def _flatten_param(jacobian: torch.Tensor, output_ndim: int) -> torch.Tensor:
+    """``(*output, *param) -> (*output, param_size)``."""
+    return jacobian.reshape(*jacobian.shape[:output_ndim], -1)
+
+
+def _accumulate(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    if total.dtype == torch.promote_types(total.dtype, term.dtype):
+        return total.add_(term)
+    return total + term

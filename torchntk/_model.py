@@ -1,0 +1,209 @@
+"""One functional form for every model: ``call(param_leaves, args, kwargs) -> output pytree``.
+
+NOTE: [Modules are never mutated]
+For an ``nn.Module`` the differentiated parameters are passed to ``torch.func.functional_call``
+as detached tensors; every other parameter is passed detached (a constant) and every buffer as a
+clone, so running statistics updated in training mode land in throw-away copies and the user's
+module, its parameters and its buffers are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from ._checks import show
+from ._tree import Flat
+
+Call = Callable[[tuple, tuple, Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class FunctionalModel:
+    """A model reduced to a function of a flat tuple of parameter tensors.
+
+    Attributes:
+        call: ``call(param_leaves, args, kwargs)`` evaluates the model on positional ``args``.
+        params: the tensors to differentiate, detached.
+        names: a readable name per parameter tensor, for messages.
+        batch_coupled: module paths whose output depends on other examples (BatchNorm using
+            batch statistics); empty for functional models.
+        random: module paths drawing random numbers in the forward pass (active dropout).
+    """
+
+    call: Call
+    params: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    batch_coupled: tuple[str, ...] = ()
+    random: tuple[str, ...] = ()
+    params_tree: Optional[Flat] = None
+
+    def leaves_like_params(self, values: Any, name: str, where: str) -> tuple[torch.Tensor, ...]:
+        """The tensors of ``values``, which must be structured like the differentiated parameters."""
+        if self.params_tree is None:
+            if not isinstance(values, Mapping) or set(values) != set(self.names):
+                raise ValueError(
+                    f"{where}: `{name}` must be a mapping with exactly the differentiated parameter "
+                    f"names {sorted(self.names)}, got {show(values)}."
+                )
+            leaves = tuple(values[key] for key in self.names)
+        else:
+            flat = Flat.of(values)
+            if not flat.same_structure(self.params_tree):
+                raise ValueError(f"{where}: `{name}` must have the structure of `params`, got {show(values)}.")
+            leaves = flat.leaves
+        for leaf, reference, label in zip(leaves, self.params, self.names):
+            if not isinstance(leaf, torch.Tensor) or leaf.shape != reference.shape:
+                raise ValueError(
+                    f"{where}: `{name}` entry {label!r} must be a tensor of shape "
+                    f"{tuple(reference.shape)}, got {show(leaf)}."
+                )
+        return leaves
+
+    def apply(self, param_leaves: tuple, x: Any, kwargs: Mapping[str, Any]) -> Any:
+        """The model on one input pytree ``x``: ``f(params, x, **kwargs)`` or ``module(x, **kwargs)``."""
+        return self.call(param_leaves, (x,), kwargs)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        dtype = self.params[0].dtype
+        for param in self.params[1:]:
+            dtype = torch.promote_types(dtype, param.dtype)
+        return dtype
+
+
+def functional_model(f: Any, params: Any, where: str) -> FunctionalModel:
+    """Builds the :class:`FunctionalModel` of an ``nn.Module`` or of ``f(params, x, **kwargs)``.
+
+    Raises:
+        TypeError: ``params`` of the wrong type, or parameters that are not floating tensors.
+        ValueError: unknown parameter names, wrong shapes, or nothing to differentiate.
+    """
+    if isinstance(f, nn.Module):
+        return _module_model(f, params, where)
+    return _callable_model(f, params, where)
+
+
+def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str) -> FunctionalModel:
+    all_params = dict(module.named_parameters(remove_duplicate=False))
+    if params is None:
+        chosen = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        if not chosen:
+            raise ValueError(
+                f"{where}: the module has no parameter with requires_grad=True to differentiate "
+                f"({len(all_params)} parameters in all). Unfreeze some, or pass `params`."
+            )
+    else:
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                f"{where}: for an nn.Module, `params` must be None or a mapping from parameter "
+                f"name to tensor (e.g. dict(model.named_parameters())), got {show(params)}."
+            )
+        if not params:
+            raise ValueError(f"{where}: `params` is an empty mapping; there is no parameter to differentiate.")
+        unknown = sorted(set(params) - set(all_params))
+        if unknown:
+            raise ValueError(
+                f"{where}: `params` has names {unknown} that are not parameters of the module; "
+                f"expected names from {sorted(all_params)}."
+            )
+        chosen = dict(params)
+        for name, value in chosen.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{where}: `params[{name!r}]` must be a tensor, got {show(value)}.")
+            if value.shape != all_params[name].shape:
+                raise ValueError(
+                    f"{where}: `params[{name!r}]` has shape {tuple(value.shape)}, but the module's "
+                    f"parameter has shape {tuple(all_params[name].shape)}."
+                )
+    names = tuple(chosen)
+    leaves = tuple(_check_float(value, name, where).detach() for name, value in chosen.items())
+    chosen_ids = {id(all_params[name]) for name in chosen}
+    # A tied parameter has several names for one tensor; every alias of a chosen one is chosen.
+    constants = {name: p.detach() for name, p in all_params.items() if id(p) not in chosen_ids}
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+
+    def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        tensors = {name: buffer.clone() for name, buffer in buffers.items()}
+        tensors.update(constants)
+        tensors.update(zip(names, param_leaves))
+        return torch.func.functional_call(module, tensors, args, dict(kwargs), tie_weights=True, strict=False)
+
+    coupled, random = _training_mode_layers(module)
+    return FunctionalModel(call, leaves, names, coupled, random)
+
+
+def _training_mode_layers(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    coupled, random = [], []
+    for path, sub in module.named_modules():
+        label = f"{type(sub).__name__} at {path!r}" if path else type(sub).__name__
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and (sub.training or not sub.track_running_stats):
+            coupled.append(label)
+        dropout = isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0
+        attention_dropout = isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0
+        if sub.training and (dropout or attention_dropout):
+            random.append(label)
+    return tuple(coupled), tuple(random)
+
+
+def _callable_model(f: Callable, params: Any, where: str) -> FunctionalModel:
+    if params is None:
+        raise TypeError(
+            f"{where}: `f` is a function f(params, x, **kwargs), so `params` is required (the "
+            f"pytree of tensors to differentiate); only nn.Modules supply their own parameters."
+        )
+    flat = Flat.of(params)
+    if not flat.leaves:
+        raise ValueError(f"{where}: `params` has no tensors, so there is no parameter to differentiate.")
+    names = tuple(f"params leaf {index}" for index in range(len(flat.leaves)))
+    leaves = tuple(_check_float(leaf, name, where).detach() for leaf, name in zip(flat.leaves, names))
+
+    def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        return f(flat.rebuild(param_leaves), *args, **kwargs)
+
+    return FunctionalModel(call, leaves, names, params_tree=flat)
+
+
+def _check_float(value: Any, name: str, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: parameter {name!r} must be a tensor, got {show(value)}.")
+    if not (value.is_floating_point() or value.is_complex()):
+        raise TypeError(
+            f"{where}: parameter {name!r} has dtype {value.dtype}; only floating-point "
+            f"parameters can be differentiated."
+        )
+    return value
+
+
+def warn_training_mode(model: FunctionalModel, where: str) -> None:
+    """Warns when a module in training mode has batch statistics or random layers."""
+    layers = model.batch_coupled + model.random
+    if layers:
+        warnings.warn(
+            f"{where}: the module is in training mode and {', '.join(layers)} "
+            f"{'makes' if len(layers) == 1 else 'make'} the output depend on the rest of the batch "
+            f"or on random numbers, so the kernel is not that of a fixed per-example function. "
+            f"Call model.eval() for the kernel of the evaluation-mode network.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def reject_vmap_with_coupling(model: FunctionalModel, where: str) -> None:
+    """``vmap_axes`` promises per-example independence, which these layers break."""
+    if model.batch_coupled:
+        raise ValueError(
+            f"{where}: `vmap_axes` says examples are independent, but {', '.join(model.batch_coupled)} "
+            f"normalises with batch statistics, which couples them. Call model.eval() (running "
+            f"statistics) or pass vmap_axes=None."
+        )
+    if model.random:
+        raise ValueError(
+            f"{where}: `vmap_axes` is set, but {', '.join(model.random)} draws random numbers in "
+            f"training mode, which a per-example evaluation cannot reproduce. Call model.eval() or "
+            f"pass vmap_axes=None."
+        )

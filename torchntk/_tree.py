@@ -1,0 +1,67 @@
+"""Pytree helpers on top of :mod:`torch.utils._pytree`.
+
+NOTE: [None is an empty subtree]
+neural-tangents inherits JAX's rule that ``None`` is a container with no leaves, so a
+model may return ``(y, None)`` and an input tree may contain ``None`` placeholders.
+``torch.utils._pytree`` treats ``None`` as a leaf instead. Every place in torchntk that
+walks a pytree goes through :class:`Flat`, which keeps the ``None`` positions aside so that
+the tensor leaves are what transforms see and the original structure can be rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A pytree split into its non-``None`` leaves and a recipe to rebuild it."""
+
+    leaves: tuple
+    spec: pytree.TreeSpec
+    none_positions: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tree: Any) -> "Flat":
+        all_leaves, spec = pytree.tree_flatten(tree)
+        none_positions = tuple(i for i, leaf in enumerate(all_leaves) if leaf is None)
+        leaves = tuple(leaf for leaf in all_leaves if leaf is not None)
+        return cls(leaves, spec, none_positions)
+
+    def rebuild(self, leaves: Sequence[Any]) -> Any:
+        """Rebuilds the tree with ``leaves`` in place of the non-``None`` leaves."""
+        leaves = list(leaves)
+        if len(leaves) != len(self.leaves):
+            raise AssertionError(f"expected {len(self.leaves)} leaves, got {len(leaves)}")
+        for position in self.none_positions:
+            leaves.insert(position, None)
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def same_structure(self, other: "Flat") -> bool:
+        return self.spec == other.spec and self.none_positions == other.none_positions
+
+
+def is_all_none(tree: Any) -> bool:
+    """True when ``tree`` has no leaves other than ``None`` (``None`` itself, ``()``, ``[None]``)."""
+    return len(Flat.of(tree).leaves) == 0
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """Maps ``fn`` over the non-``None`` leaves of trees of equal structure."""
+    flat = Flat.of(tree)
+    others = [Flat.of(other).leaves for other in rest]
+    return flat.rebuild([fn(*leaves) for leaves in zip(flat.leaves, *others)])
+
+
+def describe(tree: Any) -> str:
+    """A short structural description of a pytree, shapes in place of tensors, for messages."""
+    def show(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return f"Tensor{tuple(leaf.shape)}"
+        return leaf
+
+    return str(pytree.tree_map(show, tree))

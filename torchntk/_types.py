@@ -1,0 +1,50 @@
+"""Documented type aliases and the :class:`NtkImplementation` enum."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+PyTree = Any
+"""Nested ``tuple``/``list``/``dict``/namedtuple of tensors; ``None`` is an empty subtree."""
+
+Axes = Union[int, Sequence[int]]
+"""One output axis or several; negative values count from the end of each output leaf."""
+
+VMapAxis = Optional[PyTree]
+"""``None``, an ``int`` for every leaf, or a pytree of ``int``/``None`` matching a prefix of the data."""
+
+VMapAxes = Union[VMapAxis, Tuple[VMapAxis, VMapAxis, Mapping[str, VMapAxis]]]
+"""Either one :data:`VMapAxis` used for inputs and outputs, or ``(in_axes, out_axes, kwargs_axes)``."""
+
+ApplyFn = Callable[..., PyTree]
+"""A functional model ``f(params, x, **kwargs) -> output pytree``."""
+
+Model = Union[torch.nn.Module, ApplyFn]
+"""What every kernel builder accepts: an ``nn.Module`` or an :data:`ApplyFn`."""
+
+
+class NtkImplementation(enum.IntEnum):
+    """How the empirical NTK is computed. Plain ints ``0``-``3`` are accepted everywhere.
+
+    With ``N`` examples, ``O`` outputs per example, ``P`` parameters and ``F`` the cost of one
+    forward pass on one example:
+
+    * ``JACOBIAN_CONTRACTION`` (1): per-example Jacobians by reverse mode (``N O`` backward
+      passes), then one contraction per parameter tensor, ``N1 N2 O1 O2 P`` multiply-adds for the
+      full kernel and ``O`` times fewer when the output axis is traced. Best when ``O`` is small or
+      the output axis is traced.
+    * ``NTK_VECTOR_PRODUCTS`` (2): reverse mode over the ``x2`` outputs, then one forward-mode
+      pass over the whole ``x1`` batch per ``x2`` output entry, ``~N1 N2 O2 F`` work, never
+      contracting over ``P``. Best for the full kernel of models whose forward pass is cheap
+      relative to their parameter count (wide MLPs, many outputs).
+    * ``STRUCTURED_DERIVATIVES`` (3) and ``AUTO`` (0): not available yet; selecting them raises
+      :class:`NotImplementedError`.
+    """
+
+    AUTO = 0
+    JACOBIAN_CONTRACTION = 1
+    NTK_VECTOR_PRODUCTS = 2
+    STRUCTURED_DERIVATIVES = 3

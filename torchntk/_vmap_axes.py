@@ -1,0 +1,218 @@
+"""``vmap_axes`` canonicalisation and the split of keyword arguments between x1 and x2.
+
+NOTE: [vmap_axes contract]
+``vmap_axes`` certifies that ``f(params, x, **kwargs)`` is the concatenation, along the output
+axes, of ``f`` applied to size-1 slices of ``x`` (and of the kwargs listed in ``kwargs_axes``)
+along the input axes. It is either ``(in_axes, out_axes, kwargs_axes)`` (a tuple of exactly three
+elements) or a single value used for both inputs and outputs. An ``int`` applies to every leaf of
+the tree it describes; a pytree of ``int``/``None`` matches the data tree (dicts by key, so key
+order does not matter). Each axis is taken modulo the ndim of its own leaf, so ``-1`` works.
+``None`` for an input leaf means "shared by every example". Kwargs not named in ``kwargs_axes``
+are passed whole to every per-example call.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ._checks import show
+from ._tree import Flat
+
+
+@dataclass(frozen=True)
+class ParsedVmapAxes:
+    """``vmap_axes`` split into its three parts, checked for type but not yet matched to data."""
+
+    in_axes: Any
+    out_axes: Any
+    kwargs_axes: Any  # None, an int, or a mapping kwarg name -> axis tree
+
+
+@dataclass(frozen=True)
+class ResolvedVmapAxes:
+    """Per-leaf axes resolved against concrete inputs (``None`` when nothing is vmapped)."""
+
+    x_axes: tuple[Optional[int], ...]
+    kwarg_axes: dict[str, tuple[Optional[int], ...]]
+    batch_size: int
+
+
+def parse_vmap_axes(vmap_axes: Any, where: str) -> ParsedVmapAxes:
+    if isinstance(vmap_axes, tuple) and len(vmap_axes) == 3:
+        in_axes, out_axes, kwargs_axes = vmap_axes
+    else:
+        in_axes, out_axes, kwargs_axes = vmap_axes, vmap_axes, None
+    for name, tree in (("in_axes", in_axes), ("out_axes", out_axes)):
+        _check_axis_tree(tree, f"vmap_axes ({name})", where)
+    if kwargs_axes is not None and not isinstance(kwargs_axes, (numbers.Integral, Mapping)) or isinstance(
+        kwargs_axes, bool
+    ):
+        raise TypeError(
+            f"{where}: the kwargs part of `vmap_axes` must be None, an int or a dict "
+            f"{{kwarg name: axes}}, got {show(kwargs_axes)}."
+        )
+    if isinstance(kwargs_axes, Mapping):
+        for key, tree in kwargs_axes.items():
+            _check_axis_tree(tree, f"vmap_axes (kwargs_axes[{key!r}])", where)
+    return ParsedVmapAxes(in_axes, out_axes, kwargs_axes)
+
+
+def _check_axis_tree(tree: Any, name: str, where: str) -> None:
+    if tree is None:
+        return
+    if isinstance(tree, bool) or not isinstance(tree, (numbers.Integral, Mapping, list, tuple)):
+        raise TypeError(f"{where}: `{name}` must be None, an int or a pytree of ints, got {show(tree)}.")
+    if isinstance(tree, Mapping):
+        for value in tree.values():
+            _check_axis_tree(value, name, where)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            _check_axis_tree(value, name, where)
+
+
+def broadcast_axes(axes: Any, data: Any, name: str, where: str) -> tuple[Optional[int], ...]:
+    """Matches an axis tree to ``data`` and returns one axis per leaf of ``Flat.of(data)``.
+
+    Axes are reduced modulo each leaf's ndim; non-tensor leaves are never mapped.
+    """
+    per_leaf: list[Optional[int]] = []
+
+    def walk(axes_node: Any, data_node: Any, path: str) -> None:
+        if data_node is None:
+            return
+        if axes_node is None or isinstance(axes_node, numbers.Integral):
+            for leaf in Flat.of(data_node).leaves:
+                per_leaf.append(_leaf_axis(axes_node, leaf, name, path, where))
+            return
+        if isinstance(axes_node, Mapping):
+            if not isinstance(data_node, Mapping) or set(axes_node) != set(data_node):
+                raise ValueError(
+                    f"{where}: `{name}` has a dict with keys {sorted(map(str, axes_node))} at {path or 'the root'}, "
+                    f"but the data there is {_kind(data_node)}."
+                )
+            for key in data_node:
+                walk(axes_node[key], data_node[key], f"{path}[{key!r}]")
+            return
+        if not isinstance(data_node, (list, tuple)) or len(data_node) != len(axes_node):
+            raise ValueError(
+                f"{where}: `{name}` has a {type(axes_node).__name__} of {len(axes_node)} axes at "
+                f"{path or 'the root'}, but the data there is {_kind(data_node)}."
+            )
+        for index, (axes_child, data_child) in enumerate(zip(axes_node, data_node)):
+            walk(axes_child, data_child, f"{path}[{index}]")
+
+    walk(axes, data, "")
+    return tuple(per_leaf)
+
+
+def _kind(node: Any) -> str:
+    if isinstance(node, torch.Tensor):
+        return f"a tensor of shape {tuple(node.shape)}"
+    if isinstance(node, Mapping):
+        return f"a dict with keys {sorted(map(str, node))}"
+    if isinstance(node, (list, tuple)):
+        return f"a {type(node).__name__} of length {len(node)}"
+    return f"a {type(node).__name__}"
+
+
+def _leaf_axis(axis: Optional[int], leaf: Any, name: str, path: str, where: str) -> Optional[int]:
+    if axis is None or not isinstance(leaf, torch.Tensor):
+        return None
+    ndim = leaf.ndim
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"{where}: `{name}` gives axis {axis} for the leaf at {path or 'the root'} of shape "
+            f"{tuple(leaf.shape)}; expected -{ndim}..{ndim - 1}."
+        )
+    return int(axis) % ndim
+
+
+def resolve_inputs(parsed: ParsedVmapAxes, x: Any, kwargs: Mapping[str, Any], where: str) -> Optional[ResolvedVmapAxes]:
+    """Resolves the input and kwarg axes against ``x`` and ``kwargs``; None when nothing is mapped."""
+    x_axes = broadcast_axes(parsed.in_axes, x, "vmap_axes (in_axes)", where)
+    kwarg_axes: dict[str, tuple[Optional[int], ...]] = {}
+    kwargs_axes = parsed.kwargs_axes
+    if isinstance(kwargs_axes, Mapping):
+        unknown = sorted(set(kwargs_axes) - set(kwargs))
+        if unknown:
+            raise ValueError(
+                f"{where}: `vmap_axes` names keyword arguments {unknown} that were not passed "
+                f"(passed: {sorted(kwargs)})."
+            )
+    for key, value in kwargs.items():
+        axes = kwargs_axes.get(key) if isinstance(kwargs_axes, Mapping) else kwargs_axes
+        kwarg_axes[key] = broadcast_axes(axes, value, f"vmap_axes (kwargs_axes[{key!r}])", where)
+    if all(axis is None for axis in x_axes) and all(
+        axis is None for axes in kwarg_axes.values() for axis in axes
+    ):
+        return None
+    sizes = {}
+    for leaf, axis in zip(Flat.of(x).leaves, x_axes):
+        if axis is not None:
+            sizes[f"x leaf of shape {tuple(leaf.shape)} (axis {axis})"] = leaf.shape[axis]
+    for key, axes in kwarg_axes.items():
+        for leaf, axis in zip(Flat.of(kwargs[key]).leaves, axes):
+            if axis is not None:
+                sizes[f"kwarg {key!r} of shape {tuple(leaf.shape)} (axis {axis})"] = leaf.shape[axis]
+    if len(set(sizes.values())) > 1:
+        listing = ", ".join(f"{where_} has {size}" for where_, size in sizes.items())
+        raise ValueError(f"{where}: the vmapped axes must all have the same size, but {listing}.")
+    return ResolvedVmapAxes(x_axes, kwarg_axes, next(iter(sizes.values())))
+
+
+def resolve_outputs(parsed: ParsedVmapAxes, output: Any, where: str) -> tuple[int, ...]:
+    """One output axis per output leaf; every output leaf must carry the batch axis."""
+    axes = broadcast_axes(parsed.out_axes, output, "vmap_axes (out_axes)", where)
+    for leaf, axis in zip(Flat.of(output).leaves, axes):
+        if axis is None:
+            raise ValueError(
+                f"{where}: `vmap_axes` maps the inputs but gives no output axis (out_axes) for "
+                f"the output leaf of shape {tuple(getattr(leaf, 'shape', ()))}; every output leaf "
+                f"must have a batch axis."
+            )
+    return tuple(int(axis) for axis in axes)  # type: ignore[arg-type]
+
+
+def split_kwargs(kwargs: Mapping[str, Any], x2_is_none: bool, where: str) -> tuple[dict, dict]:
+    """Splits every 2-tuple keyword argument ``(for_x1, for_x2)``; others go to both sides.
+
+    When ``x2`` is None the x1 computation is reused for x2, so both halves must be equal.
+    """
+    first: dict = {}
+    second: dict = {}
+    for key, value in kwargs.items():
+        if isinstance(value, tuple) and len(value) == 2:
+            if x2_is_none and not _same(value[0], value[1]):
+                raise ValueError(
+                    f"{where}: keyword argument {key!r} is a 2-tuple, i.e. separate values for x1 "
+                    f"and x2, but x2 is None and the two values differ. Pass x2 explicitly, or "
+                    f"pass a single value."
+                )
+            first[key], second[key] = value
+        else:
+            first[key] = second[key] = value
+    return first, second
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    flat_a, flat_b = Flat.of(a), Flat.of(b)
+    if not flat_a.same_structure(flat_b):
+        return False
+    for leaf_a, leaf_b in zip(flat_a.leaves, flat_b.leaves):
+        if isinstance(leaf_a, torch.Tensor) or isinstance(leaf_b, torch.Tensor):
+            if not (
+                isinstance(leaf_a, torch.Tensor)
+                and isinstance(leaf_b, torch.Tensor)
+                and leaf_a.shape == leaf_b.shape
+                and torch.equal(leaf_a, leaf_b)
+            ):
+                return False
+        elif leaf_a != leaf_b:
+            return False
+    return True

@@ -1,0 +1,342 @@
+"""Empirical NNGP and NTK kernels of ``nn.Module`` and functional models.
+
+Every builder takes the model ``f``: an ``nn.Module`` (its parameters with
+``requires_grad=True`` are differentiated; frozen parameters and buffers are constants) or a
+function ``f(params, x, **kwargs)`` of a pytree of parameter tensors. The kernel functions they
+return take ``(x1, x2=None, params=None, **kwargs)``; ``x2=None`` means ``x2 = x1`` and reuses the
+x1 work. Keyword arguments given as a 2-tuple are split: the first element goes with x1, the
+second with x2.
+
+Kernel shapes follow NOTE: [Kernel layout] in ``torchntk/_layout.py`` and the "Kernel layout"
+page of the documentation: output axes in order, kept axes doubled (x1 then x2), diagonal axes
+once, traced axes averaged away. Pytree outputs give one kernel per output leaf.
+
+Example:
+    >>> import torch, torchntk
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    >>> x1, x2 = torch.randn(5, 3), torch.randn(4, 3)
+    >>> torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2).shape           # traced logits
+    torch.Size([5, 4])
+    >>> torchntk.empirical_ntk_fn(model, trace_axes=())(x1, x2).shape         # full kernel
+    torch.Size([5, 4, 2, 2])
+    >>> torchntk.empirical_nngp_fn(model, diagonal_axes=(0,))(x1).shape      # per-example
+    torch.Size([5])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch.func import jvp, vjp
+
+from . import _checks
+from ._call import prepare_call
+from ._implementations import IMPLEMENTATIONS, NOT_YET_AVAILABLE
+from ._implementations.nngp import nngp
+from ._model import functional_model, warn_training_mode
+from ._outputs import canonical_get, combine
+from ._tree import Flat, describe, is_all_none
+from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
+from ._vmap_axes import ParsedVmapAxes, parse_vmap_axes, split_kwargs
+
+DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
+"""Jacobian contraction: exact, general, and the fastest of 1 and 2 for traced kernels."""
+
+KernelFn = Callable[..., PyTree]
+
+
+def _ntk_builder(
+    f: Model,
+    trace_axes: Axes,
+    diagonal_axes: Axes,
+    vmap_axes: VMapAxes,
+    implementation: Union[NtkImplementation, int],
+    chunk_size: Optional[int],
+    check_vmap_axes: bool,
+    where: str,
+):
+    """Validates the builder arguments once and returns ``(prepare, compute)`` for calls."""
+    _checks.callable_model_argument(f, where)
+    traced = _checks.axes_argument(trace_axes, "trace_axes", where)
+    diagonal = _checks.axes_argument(diagonal_axes, "diagonal_axes", where)
+    parsed = parse_vmap_axes(vmap_axes, where)
+    chosen = _checks.implementation_argument(implementation, where)
+    chunk = _checks.chunk_size_argument(chunk_size, where)
+    check = _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where)
+    if chosen in NOT_YET_AVAILABLE:
+        raise NotImplementedError(
+            f"{where}: implementation={int(chosen)} ({chosen.name}, {NOT_YET_AVAILABLE[chosen]}) is "
+            f"not available yet. Use implementation=1 (JACOBIAN_CONTRACTION) or 2 (NTK_VECTOR_PRODUCTS)."
+        )
+
+    def prepare(x1: Any, x2: Any, params: Any, kwargs: dict, call_where: str):
+        return prepare_call(
+            f, x1, x2, params, kwargs, where=call_where, trace_axes=traced, diagonal_axes=diagonal,
+            vmap_axes=parsed, check_vmap_axes=check, chunk_size=chunk,
+        )
+
+    return prepare, IMPLEMENTATIONS[chosen], traced, diagonal
+
+
+def empirical_ntk_fn(
+    f: Model,
+    trace_axes: Axes = (-1,),
+    diagonal_axes: Axes = (),
+    vmap_axes: VMapAxes = None,
+    implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
+    *,
+    chunk_size: Optional[int] = None,
+    check_vmap_axes: bool = True,
+) -> KernelFn:
+    """Returns a function computing the empirical neural tangent kernel of ``f``.
+
+    ``NTK(x1, x2) = sum_p J_p(x1) J_p(x2)^T`` over the differentiated parameters ``p``, where
+    ``J_p(x)`` is the Jacobian of ``f``'s output on ``x`` with respect to ``p``, laid out as
+    described in NOTE: [Kernel layout] (``torchntk/_layout.py``).
+
+    Args:
+        f: an ``nn.Module`` (differentiated: its parameters with ``requires_grad=True``, each tied
+            parameter once; frozen parameters and buffers are constants; the module is never
+            mutated) or a function ``f(params, x, **kwargs)`` of a pytree of parameter tensors.
+        trace_axes: output axes to trace over, i.e. contract and average. An int is one axis;
+            negative axes count from the end of each output leaf. Default: ``(-1,)`` (logits).
+        diagonal_axes: output axes of which only the diagonal (equal x1 and x2 indices) is kept.
+            Default: ``()``.
+        vmap_axes: certifies that ``f`` treats examples independently along these axes, which
+            lets Jacobians be formed per example (``O(N)`` instead of ``O(N^2)`` work). ``None``
+            (no such promise), an int (same axis for inputs and outputs, e.g. ``0``), a pytree of
+            axes, or ``(in_axes, out_axes, kwargs_axes)``. See NOTE: [vmap_axes contract] in
+            ``torchntk/_vmap_axes.py``. Default: ``None``.
+        implementation: an :class:`NtkImplementation` or its int value. ``1`` (Jacobian
+            contraction) or ``2`` (NTK-vector products); ``0`` and ``3`` are not available yet.
+            Default: ``1``.
+        chunk_size: bounds peak memory. With ``vmap_axes``: at most this many examples of x1 and of
+            x2 have their derivatives in memory at once (the kernel is assembled from blocks;
+            with x2 None only blocks on and above the diagonal are computed). Without
+            ``vmap_axes``: at most this many output entries are differentiated at once. ``None``:
+            everything at once (fastest). Default: ``None``.
+        check_vmap_axes: when ``vmap_axes`` is given, compare one per-example forward pass with the
+            whole-batch forward pass and raise if they differ, so a model that couples examples
+            cannot give silently wrong kernels. Default: ``True``.
+
+    Returns:
+        ``ntk_fn(x1, x2=None, params=None, **kwargs)``. ``x1``/``x2`` are inputs (tensors or
+        pytrees); ``x2=None`` means x1. ``params``: for a module, an optional mapping
+        ``name -> tensor`` choosing which parameters are differentiated (at these values; the
+        others keep the module's values); for a function, the required parameter pytree.
+        ``kwargs`` go to ``f``; a 2-tuple value is split between x1 and x2. The result is a tensor
+        (one per output leaf for pytree outputs) on the outputs' device, in the dtype promoted
+        from the output and the parameters.
+
+    Raises:
+        TypeError: at build time, arguments of the wrong type; at call time, bad ``params`` or
+            non-tensor outputs.
+        ValueError: ``implementation`` outside 0..3; at call time, axes out of range, duplicated,
+            or both traced and diagonal; traced/diagonal sizes or output ndims that differ
+            between x1 and x2; ``vmap_axes`` that do not fit the data or a model that couples
+            examples; nothing to differentiate.
+        NotImplementedError: ``implementation`` 0 (AUTO) or 3 (structured derivatives).
+
+    Example:
+        >>> import torch, torchntk
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> x1, x2 = torch.randn(6, 3), torch.randn(5, 3)
+        >>> ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0)
+        >>> ntk_fn(x1, x2).shape                                    # (N1, N2, O1, O2)
+        torch.Size([6, 5, 4, 4])
+        >>> last = {"2.weight": model[2].weight}                   # only the last layer
+        >>> ntk_fn(x1, None, last).shape
+        torch.Size([6, 6, 4, 4])
+        >>> f = lambda params, x: torch.func.functional_call(model, params, (x,))
+        >>> params = dict(model.named_parameters())
+        >>> k = torchntk.empirical_ntk_fn(f, implementation=2)(x1, x2, params)   # (N1, N2)
+        >>> torch.allclose(k, torchntk.empirical_ntk_fn(model)(x1, x2), atol=1e-5)
+        True
+    """
+    where = "empirical_ntk_fn"
+    prepare, compute, _, _ = _ntk_builder(
+        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, where
+    )
+
+    def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
+        call = prepare(x1, x2, params, kwargs, "ntk_fn")
+        return call.normalise(compute(call))
+
+    return ntk_fn
+
+
+def empirical_nngp_fn(f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = ()) -> KernelFn:
+    """Returns a function computing the empirical NNGP kernel ``f(x1) f(x2)^T`` of ``f``.
+
+    The outputs themselves are contracted with the layout of NOTE: [Kernel layout]; no
+    derivative is taken.
+
+    Args:
+        f: an ``nn.Module`` or a function ``f(params, x, **kwargs)``, as in :func:`empirical_ntk_fn`.
+        trace_axes: output axes to trace over (averaged). Default: ``(-1,)``.
+        diagonal_axes: output axes of which only the diagonal is kept. Default: ``()``.
+
+    Returns:
+        ``nngp_fn(x1, x2=None, params=None, **kwargs)``, arguments as for
+        :func:`empirical_ntk_fn`'s ``ntk_fn``. The result has the output's dtype.
+
+    Raises:
+        TypeError: arguments of the wrong type.
+        ValueError: bad axes, or traced/diagonal sizes or output ndims that differ between x1 and x2.
+
+    Example:
+        >>> import torch, torchntk
+        >>> model = torch.nn.Linear(3, 2)
+        >>> x1, x2 = torch.randn(4, 3), torch.randn(5, 3)
+        >>> k = torchntk.empirical_nngp_fn(model)(x1, x2)           # (N1, N2), mean over logits
+        >>> torch.allclose(k, model(x1) @ model(x2).T / 2)
+        True
+    """
+    where = "empirical_nngp_fn"
+    _checks.callable_model_argument(f, where)
+    traced = _checks.axes_argument(trace_axes, "trace_axes", where)
+    diagonal = _checks.axes_argument(diagonal_axes, "diagonal_axes", where)
+
+    def nngp_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
+        call = prepare_call(
+            f, x1, x2, params, kwargs, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal,
+            include_params_in_dtype=False,
+        )
+        return call.normalise(nngp(call))
+
+    return nngp_fn
+
+
+def empirical_kernel_fn(
+    f: Model,
+    trace_axes: Axes = (-1,),
+    diagonal_axes: Axes = (),
+    vmap_axes: VMapAxes = None,
+    implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
+    *,
+    chunk_size: Optional[int] = None,
+    check_vmap_axes: bool = True,
+) -> KernelFn:
+    """Returns a function computing the empirical NNGP and/or NTK of ``f`` in one call.
+
+    Arguments are those of :func:`empirical_ntk_fn`; ``vmap_axes``, ``implementation``,
+    ``chunk_size`` and ``check_vmap_axes`` only affect the NTK. The model's forward pass is
+    shared between the two kernels.
+
+    Returns:
+        ``kernel_fn(x1, x2=None, get=None, params=None, **kwargs)``. ``get`` chooses the kernels:
+        ``"ntk"`` or ``"nngp"`` returns that kernel bare; a tuple such as ``("ntk", "nngp")``
+        returns a namedtuple ``EmpiricalKernel`` with those fields in that order; ``None`` means
+        ``("nngp", "ntk")``. Names are case-insensitive. For a tuple/list/dict output the result
+        is a container of the same structure holding one result per output leaf.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: as :func:`empirical_ntk_fn`; also a ``get``
+            that is empty, repeats a name or names an unknown kernel (ValueError).
+
+    Example:
+        >>> import torch, torchntk
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> kernel_fn = torchntk.empirical_kernel_fn(model, vmap_axes=0)
+        >>> x1, x2 = torch.randn(4, 3), torch.randn(3, 3)
+        >>> both = kernel_fn(x1, x2, ("ntk", "nngp"))
+        >>> both.ntk.shape, both.nngp.shape
+        (torch.Size([4, 3]), torch.Size([4, 3]))
+        >>> kernel_fn(x1, None, "ntk").shape
+        torch.Size([4, 4])
+    """
+    where = "empirical_kernel_fn"
+    prepare, compute, traced, diagonal = _ntk_builder(
+        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, where
+    )
+
+    def kernel_fn(
+        x1: PyTree, x2: Optional[PyTree] = None, get: Union[None, str, Sequence[str]] = None,
+        params: Any = None, **kwargs: Any,
+    ) -> Any:
+        names, bare = canonical_get(get, "kernel_fn")
+        if "ntk" in names:
+            call = prepare(x1, x2, params, kwargs, "kernel_fn")
+        else:
+            call = prepare_call(
+                f, x1, x2, params, kwargs, where="kernel_fn", trace_axes=traced, diagonal_axes=diagonal
+            )
+        kernels = {}
+        if "nngp" in names:
+            kernels["nngp"] = call.normalise(nngp(call), dtypes=tuple(o.dtype for o in call.outputs1))
+        if "ntk" in names:
+            kernels["ntk"] = call.normalise(compute(call))
+        return combine(kernels, names, bare)
+
+    return kernel_fn
+
+
+def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> Callable[[PyTree], PyTree]:
+    """Returns ``v -> NTK(x1, x2) v`` without forming the kernel.
+
+    The product runs over the fully flattened outputs (cross terms between output leaves
+    included; no trace, diagonal or averaging): ``result = J(x1) (J(x2)^T v)``. The reverse pass
+    over x2 is linearised once when this function is built; each product then costs one
+    backward pass over x2 and one forward-mode pass over x1, with the memory of one backward pass.
+
+    Args:
+        f: an ``nn.Module`` or a function ``f(params, x, **kwargs)``.
+        x1: first inputs.
+        x2: second inputs; ``None`` means x1. Default: ``None``.
+        params: as in the ``ntk_fn`` of :func:`empirical_ntk_fn`. Default: ``None``.
+        **kwargs: passed to ``f``; 2-tuples are split between x1 and x2.
+
+    Returns:
+        ``ntk_vp_fn(cotangents)``: ``cotangents`` has the structure and shapes of ``f(x2)``; the
+        result has those of ``f(x1)``, in the output dtype.
+
+    Raises:
+        ValueError: cotangents whose structure or shapes differ from ``f(x2)``'s; bad ``params``.
+
+    Example:
+        >>> import torch, torchntk
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> x1, x2 = torch.randn(4, 3), torch.randn(5, 3)
+        >>> v = torch.randn(5, 2)                                   # like model(x2)
+        >>> product = torchntk.empirical_ntk_vp_fn(model, x1, x2)(v)   # like model(x1)
+        >>> full = torchntk.empirical_ntk_fn(model, trace_axes=())(x1, x2)   # (4, 5, 2, 2)
+        >>> torch.allclose(product, torch.einsum("nmab,mb->na", full, v), atol=1e-5)
+        True
+    """
+    where = "empirical_ntk_vp_fn"
+    _checks.callable_model_argument(f, where)
+    model = functional_model(f, params, where)
+    warn_training_mode(model, where)
+    reuse = is_all_none(x2)
+    kwargs1, kwargs2 = split_kwargs(kwargs, reuse, where)
+    structure: dict[str, Flat] = {}
+
+    def on(x: Any, side_kwargs: dict, key: str):
+        def forward(param_leaves: tuple) -> tuple:
+            flat = Flat.of(model.apply(param_leaves, x, side_kwargs))
+            structure[key] = flat
+            return flat.leaves
+        return forward
+
+    forward1 = on(x1, kwargs1, "x1")
+    forward2 = forward1 if reuse else on(x2, kwargs2, "x2")
+    outputs2, pullback = vjp(forward2, model.params)
+    output2_tree = structure["x1" if reuse else "x2"]
+
+    def ntk_vp_fn(cotangents: PyTree) -> PyTree:
+        flat = Flat.of(cotangents)
+        shapes_match = flat.same_structure(output2_tree) and all(
+            isinstance(c, torch.Tensor) and c.shape == o.shape for c, o in zip(flat.leaves, outputs2)
+        )
+        if not shapes_match:
+            raise ValueError(
+                f"ntk_vp_fn: `cotangents` must have the structure and shapes of f(x2) "
+                f"{describe(output2_tree.rebuild(outputs2))}, got {describe(cotangents)}."
+            )
+        leaves = tuple(c.to(o.dtype) for c, o in zip(flat.leaves, outputs2))
+        (tangents,) = pullback(leaves)
+        _, product = jvp(forward1, (model.params,), (tangents,))
+        return structure["x1"].rebuild(product)
+
+    return ntk_vp_fn
