@@ -154,7 +154,7 @@ class KernelLayout:
             product = (left[0] @ right[0].T).unsqueeze(0)
         else:
             product = torch.bmm(left, right.transpose(1, 2))
-        return product.reshape(*diagonal_shape, *rows, *columns).permute(result)
+        return product.reshape((*diagonal_shape, *rows, *columns)).permute(result)
 
     def from_full(self, full: torch.Tensor) -> torch.Tensor:
         """Extracts the layout from an unzipped kernel of shape ``shape1 + shape2`` (unnormalised)."""

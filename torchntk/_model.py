@@ -9,6 +9,8 @@ module, its parameters and its buffers are left exactly as they were.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
@@ -181,16 +183,26 @@ def _check_float(value: Any, name: str, where: str) -> torch.Tensor:
 
 def warn_training_mode(model: FunctionalModel, where: str) -> None:
     """Warns when a module in training mode has batch statistics or random layers."""
-    layers = model.batch_coupled + model.random
+    layers = [f"{layer} (batch statistics)" for layer in model.batch_coupled]
+    layers += [f"{layer} (random in training mode)" for layer in model.random]
     if layers:
         warnings.warn(
-            f"{where}: the module is in training mode and {', '.join(layers)} "
-            f"{'makes' if len(layers) == 1 else 'make'} the output depend on the rest of the batch "
-            f"or on random numbers, so the kernel is not that of a fixed per-example function. "
-            f"Call model.eval() for the kernel of the evaluation-mode network.",
+            f"{where}: {', '.join(layers)} {'makes' if len(layers) == 1 else 'make'} the output "
+            f"depend on the rest of the batch or on random numbers, so the kernel is not that of a "
+            f"fixed per-example function. Call model.eval() for the kernel of the evaluation-mode "
+            f"network.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=_first_frame_outside_torchntk(),
         )
+
+
+def _first_frame_outside_torchntk() -> int:
+    """The ``stacklevel`` that attributes a warning to the user's line, not to torchntk."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def reject_vmap_with_coupling(model: FunctionalModel, where: str) -> None:

@@ -1,0 +1,47 @@
+"""Larger models (marked slow; run by the second step of ``.ci/run``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchntk
+from torchntk.testing import assert_kernels_close, reference_ntk
+
+pytestmark = pytest.mark.slow
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, stride=2), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 4 * 4, 5),
+    ).double().eval()
+
+
+def test_medium_cnn_full_kernel_every_route_agrees_with_brute_force():
+    model = cnn()
+    x1, x2 = torch.randn(10, 3, 8, 8, dtype=torch.float64), torch.randn(7, 3, 8, 8, dtype=torch.float64)
+    expected = reference_ntk(model, x1, x2, trace_axes=())
+    for implementation in (1, 2):
+        for vmap_axes, chunk_size in [(None, None), (0, None), (0, 3), (None, 16)]:
+            ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes,
+                                               implementation=implementation, chunk_size=chunk_size)
+            assert_kernels_close(ntk_fn(x1, x2), expected)
+
+
+def test_wide_mlp_traced_kernel_float32_matches_float64():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    x = torch.randn(32, 64)
+    expected = torchntk.empirical_ntk_fn(model.double(), vmap_axes=0)(x.double())
+    model.float()
+    for implementation in (1, 2):
+        actual = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, chunk_size=8)(x)
+        assert actual.dtype == torch.float32
+        # Diagonal entries sum ~1.1M positive float32 products: ~3e-4 relative rounding is expected
+        # (neural-tangents' own cross-implementation tolerance in float32 is 5e-3).
+        assert_kernels_close(actual, expected.float(), rtol=1e-3, atol=1e-3 * expected.abs().max().item())

@@ -1,0 +1,181 @@
+"""nn.Module handling: what is differentiated, what is constant, what is never mutated, warnings."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchntk
+from torchntk.testing import assert_kernels_close, reference_ntk
+
+
+def batchnorm_model(training: bool) -> nn.Module:
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    model = model.double().train(training)
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    return model
+
+
+X1 = torch.randn(4, 2, 4, 4, dtype=torch.float64)
+X2 = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("implementation", [1, 2])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_module_parameters_and_buffers_are_never_mutated(implementation, training):
+    model = batchnorm_model(training)
+    before = snapshot(model)
+    kernel_fn = torchntk.empirical_kernel_fn(model, implementation=implementation)
+    with pytest.warns(UserWarning) if training else _no_warning():
+        kernel_fn(X1, X2)
+        torchntk.empirical_ntk_vp_fn(model, X1, X2)(torch.randn(3, 2, dtype=torch.float64))
+    for name, value in snapshot(model).items():
+        assert torch.equal(value, before[name]), name
+    assert all(p.requires_grad for p in model.parameters())
+
+
+class _no_warning:
+    """Fails if torchntk warns (torch's own deprecation warnings are not ours to judge)."""
+
+    def __enter__(self):
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self._catcher.__exit__(*exc)
+        ours = [w for w in self._caught if "model.eval()" in str(w.message)]
+        assert not ours, [str(w.message) for w in ours]
+
+
+@pytest.mark.parametrize("implementation", [1, 2])
+def test_training_mode_batchnorm_without_vmap_is_the_batch_coupled_kernel(implementation):
+    model = batchnorm_model(True)
+    expected = reference_ntk(copy.deepcopy(model), X1, X2)
+    with pytest.warns(UserWarning, match=r"BatchNorm2d at '1' \(batch statistics\).*model.eval\(\)"):
+        actual = torchntk.empirical_ntk_fn(model, implementation=implementation)(X1, X2)
+    assert_kernels_close(actual, expected)
+
+
+@pytest.mark.parametrize("implementation", [1, 2])
+def test_batch_coupled_module_with_vmap_axes_raises(implementation):
+    model = batchnorm_model(True)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"BatchNorm2d at '1' normalises with batch statistics.*model.eval\(\)"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)(X1, X2)
+    no_running_stats = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False)).eval()
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="batch statistics"):
+        torchntk.empirical_ntk_fn(no_running_stats, vmap_axes=0)(torch.randn(5, 3))
+
+
+def test_training_mode_dropout_warns_and_refuses_vmap():
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2)).train()
+    with pytest.warns(UserWarning, match=r"Dropout at '1' \(random in training mode\)"):
+        torchntk.empirical_ntk_fn(model)(torch.randn(4, 3))
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="draws random numbers in training mode"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0)(torch.randn(4, 3))
+    model.eval()
+    with _no_warning():
+        torchntk.empirical_ntk_fn(model, vmap_axes=0)(torch.randn(4, 3))
+
+
+class CentreOverBatch(nn.Module):
+    """Couples examples without any BatchNorm layer: only the numerical check can see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        return hidden - hidden.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("implementation", [1, 2])
+def test_vmap_axes_check_catches_coupling_layers_cannot_name(implementation):
+    model = CentreOverBatch().double()
+    with pytest.raises(ValueError, match="differs between the whole batch and a per-example evaluation"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)(X1[:, 0, 0, :3], X2[:, 0, 0, :3])
+    without = torchntk.empirical_ntk_fn(model, implementation=implementation)(X1[:, 0, 0, :3], X2[:, 0, 0, :3])
+    assert_kernels_close(without, reference_ntk(model, X1[:, 0, 0, :3], X2[:, 0, 0, :3]))
+
+
+def test_frozen_parameters_are_constants_and_tied_ones_count_once():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[0].requires_grad_(False)
+    model[2].weight = model[4].weight if model[4].weight.shape == model[2].weight.shape else model[2].weight
+    x1, x2 = torch.randn(3, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert "0.weight" not in trainable
+    expected = reference_ntk(model, x1, x2, params=trainable)
+    for implementation in (1, 2):
+        assert_kernels_close(torchntk.empirical_ntk_fn(model, implementation=implementation)(x1, x2), expected)
+
+
+def test_tied_weights_are_differentiated_once():
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.Tanh(), shared).double()
+    x1, x2 = torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    expected = reference_ntk(model, x1, x2)
+    for implementation in (1, 2):
+        assert_kernels_close(torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)(x1, x2), expected)
+
+
+def test_dtypes_follow_the_promotion_of_outputs_and_parameters():
+    model32 = nn.Linear(3, 2)
+    x32 = torch.randn(4, 3)
+    assert torchntk.empirical_ntk_fn(model32)(x32).dtype == torch.float32
+    assert torchntk.empirical_ntk_fn(model32, implementation=2)(x32).dtype == torch.float32
+    assert torchntk.empirical_nngp_fn(model32)(x32).dtype == torch.float32
+    model64 = nn.Linear(3, 2).double()
+    for implementation in (1, 2):
+        assert torchntk.empirical_ntk_fn(model64, implementation=implementation)(x32.double()).dtype == torch.float64
+    # float32 parameters, float64 output: the kernel is float64
+    f = lambda p, x: x @ p.double()  # noqa: E731
+    weight = torch.randn(3, 2)
+    for implementation in (1, 2):
+        kernel = torchntk.empirical_ntk_fn(f, implementation=implementation)(x32.double(), None, weight)
+        assert kernel.dtype == torch.float64
+        assert_kernels_close(kernel, reference_ntk(f, x32.double(), None, weight), rtol=1e-5)  # float32 Jacobians
+
+
+def test_kernels_are_on_the_inputs_device():
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    for kernel in (
+        torchntk.empirical_ntk_fn(model)(x),
+        torchntk.empirical_ntk_fn(model, implementation=2, vmap_axes=0)(x),
+        torchntk.empirical_nngp_fn(model)(x),
+    ):
+        assert kernel.device == x.device
+
+
+def test_float32_agrees_with_float64_reference():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 16), nn.GELU(), nn.Linear(16, 3))
+    x1, x2 = torch.randn(6, 5), torch.randn(4, 5)
+    expected = reference_ntk(model, x1, x2, trace_axes=())
+    for implementation in (1, 2):
+        for vmap_axes in (None, 0):
+            actual = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation)(x1, x2)
+            assert actual.dtype == torch.float32
+            assert_kernels_close(actual, expected.float())
+
+
+def test_params_differentiated_at_a_subset_keep_other_values():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(3, 3, dtype=torch.float64)
+    only_first = {"0.bias": model[0].bias.detach() * 2}
+    expected = reference_ntk(model, x, None, params=only_first)
+    assert_kernels_close(torchntk.empirical_ntk_fn(model)(x, None, only_first), expected)
+    jacobian = torch.func.jacrev(lambda b: torch.func.functional_call(model, {"0.bias": b}, (x,)))(only_first["0.bias"])
+    assert_kernels_close(expected, torch.einsum("naj,mbj->nmab", jacobian, jacobian).diagonal(dim1=2, dim2=3).mean(-1))

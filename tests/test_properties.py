@@ -1,0 +1,134 @@
+"""Hypothesis property tests on random small MLPs and inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchntk
+from torchntk.testing import assert_kernels_close
+
+SETTINGS = settings(max_examples=25, deadline=None)
+
+
+@st.composite
+def problems(draw):
+    seed = draw(st.integers(0, 2**16))
+    generator = torch.Generator().manual_seed(seed)
+    width, outputs, features = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    n1, n2 = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(features, width), torch.nn.Tanh(), torch.nn.Linear(width, outputs)
+    ).double()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+    x1 = torch.randn(n1, features, generator=generator, dtype=torch.float64)
+    x2 = torch.randn(n2, features, generator=generator, dtype=torch.float64)
+    implementation = draw(st.sampled_from([1, 2]))
+    vmap_axes = draw(st.sampled_from([None, 0]))
+    return model, x1, x2, implementation, vmap_axes
+
+
+@SETTINGS
+@given(problems())
+def test_kernel_of_x_with_itself_is_symmetric_and_psd(problem):
+    model, x1, _, implementation, vmap_axes = problem
+    for fn in (
+        torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation),
+        torchntk.empirical_nngp_fn(model, trace_axes=()),
+    ):
+        kernel = fn(x1)  # (N, N, O, O)
+        n, outputs = kernel.shape[0], kernel.shape[2]
+        matrix = kernel.permute(0, 2, 1, 3).reshape(n * outputs, n * outputs)
+        assert_kernels_close(matrix, matrix.T)
+        smallest = torch.linalg.eigvalsh(matrix).min()
+        assert smallest >= -1e-10 * max(1.0, matrix.abs().max().item())
+
+
+@SETTINGS
+@given(problems())
+def test_x2_none_equals_x2_is_x1(problem):
+    model, x1, _, implementation, vmap_axes = problem
+    for trace_axes, diagonal_axes in [((-1,), ()), ((), ()), ((-1,), (0,)), ((), (0,))]:
+        fn = torchntk.empirical_ntk_fn(model, trace_axes, diagonal_axes, vmap_axes, implementation)
+        assert_kernels_close(fn(x1, None), fn(x1, x1.clone()))
+
+
+@SETTINGS
+@given(problems())
+def test_trace_of_full_kernel_is_the_traced_kernel(problem):
+    model, x1, x2, implementation, vmap_axes = problem
+    full = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation)(x1, x2)
+    traced = torchntk.empirical_ntk_fn(model, trace_axes=(-1,), vmap_axes=vmap_axes, implementation=implementation)(x1, x2)
+    assert_kernels_close(traced, torch.diagonal(full, dim1=2, dim2=3).mean(-1))
+    diagonal = torchntk.empirical_ntk_fn(model, trace_axes=(), diagonal_axes=(0,), vmap_axes=vmap_axes)(x1)
+    full_same = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes)(x1)
+    assert_kernels_close(diagonal, torch.diagonal(full_same, dim1=0, dim2=1).permute(2, 0, 1))
+
+
+@SETTINGS
+@given(problems())
+def test_vmap_axes_and_implementations_agree(problem):
+    model, x1, x2, _, _ = problem
+    kernels = [
+        torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation)(x1, x2)
+        for implementation in (1, 2)
+        for vmap_axes in (None, 0)
+    ]
+    for kernel in kernels[1:]:
+        assert_kernels_close(kernel, kernels[0])
+
+
+@SETTINGS
+@given(problems(), st.integers(1, 5))
+def test_chunked_equals_unchunked(problem, chunk_size):
+    model, x1, x2, implementation, _ = problem
+    for trace_axes, diagonal_axes, second in [((), (), x2), ((-1,), (), None), ((), (0,), None), ((0,), (), None)]:
+        plain = torchntk.empirical_ntk_fn(model, trace_axes, diagonal_axes, 0, implementation)
+        chunked = torchntk.empirical_ntk_fn(model, trace_axes, diagonal_axes, 0, implementation, chunk_size=chunk_size)
+        assert_kernels_close(chunked(x1, second), plain(x1, second))
+
+
+@SETTINGS
+@given(problems())
+def test_ntk_vp_is_kernel_times_vector(problem):
+    model, x1, x2, _, _ = problem
+    vector = torch.randn(x2.shape[0], model[-1].out_features, dtype=torch.float64)
+    full = torchntk.empirical_ntk_fn(model, trace_axes=())(x1, x2)
+    product = torchntk.empirical_ntk_vp_fn(model, x1, x2)(vector)
+    assert_kernels_close(product, torch.einsum("nmab,mb->na", full, vector))
+
+
+@SETTINGS
+@given(problems(), st.floats(-0.5, 0.5))
+def test_linearize_and_taylor_expand_match_their_definitions(problem, step):
+    model, x1, _, _, _ = problem
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    direction = {name: torch.randn_like(p) for name, p in params.items()}
+    moved = {name: p + step * direction[name] for name, p in params.items()}
+    f = lambda p, x: torch.func.functional_call(model, p, (x,))  # noqa: E731
+    g = lambda t: f({k: params[k] + t * direction[k] for k in params}, x1)  # noqa: E731
+    zero = torch.zeros((), dtype=torch.float64)
+    value, slope = torch.func.jvp(g, (zero,), (torch.ones_like(zero),))
+    curvature = torch.func.jvp(lambda t: torch.func.jvp(g, (t,), (torch.ones_like(t),))[1], (zero,), (torch.ones_like(zero),))[1]
+    assert_kernels_close(torchntk.linearize(f, params)(moved, x1), value + step * slope)
+    assert_kernels_close(torchntk.linearize(model)(moved, x1), value + step * slope)
+    assert_kernels_close(torchntk.taylor_expand(f, params, 1)(moved, x1), value + step * slope)
+    second = torchntk.taylor_expand(f, params, degree=2)(moved, x1)
+    assert_kernels_close(second, value + step * slope + step**2 / 2 * curvature)
+    assert_kernels_close(torchntk.taylor_expand(model, degree=0)(moved, x1), model(x1))
+
+
+def test_high_degree_taylor_expansion_of_a_polynomial_is_exact():
+    f = lambda p, x: p["a"] ** 3 * x + p["a"] * p["b"] ** 2  # noqa: E731
+    params = {"a": torch.tensor(0.7, dtype=torch.float64), "b": torch.tensor(-0.3, dtype=torch.float64)}
+    moved = {"a": torch.tensor(1.9, dtype=torch.float64), "b": torch.tensor(0.4, dtype=torch.float64)}
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    for degree in (3, 4):
+        assert_kernels_close(torchntk.taylor_expand(f, params, degree)(moved, x), f(moved, x))
+    assert not torch.allclose(torchntk.taylor_expand(f, params, 2)(moved, x), f(moved, x))
+    assert math.isclose(torchntk.taylor_expand(f, params, 0)(moved, x)[0].item(), f(params, x)[0].item())
