@@ -572,7 +572,7 @@ def main(argv=None) -> int:
             failures.append(f"{LIB_LABELS[r.lib]} {r.model} {r.kernel} impl {r.impl}: {r.error}")
 
     detail_headers = ["library", "model", "kernel", "impl", "first call [s]",
-                      "median [s]", "all timed [s]", "peak RSS [MB]", "shape",
+                      "median [s]", "min [s]", "all timed [s]", "peak RSS [MB]", "shape",
                       "max rel diff"]
     detail = []
     for r in plan:
@@ -581,6 +581,7 @@ def main(argv=None) -> int:
             r.model, r.kernel, str(r.impl),
             f"{r.first:.3f}" if r.ok else "—",
             f"{r.median:.3f}" if r.ok else "FAILED",
+            f"{min(r.times):.3f}" if r.ok else "—",
             " ".join(f"{t:.3f}" for t in r.times) if r.ok else "—",
             f"{r.peak_rss_mb:.0f}" if not math.isnan(r.peak_rss_mb) else "—",
             "x".join(map(str, r.shape)) if r.shape else "—",

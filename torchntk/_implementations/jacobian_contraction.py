@@ -37,7 +37,10 @@ def jacobian_contraction_ntk(call: KernelCall) -> list[torch.Tensor]:
                 continue
             total = None
             for one, two in zip(per_param1, per_param2):
-                term = layout.contract(_flatten_param(one, layout.ndim), _flatten_param(two, layout.ndim))
+                first = _flatten_param(one, layout.ndim)
+                # The same tensor on both sides (x2 is None) lets the layout use the symmetric product.
+                second = first if two is one else _flatten_param(two, layout.ndim)
+                term = layout.contract(first, second)
                 total = term if total is None else _accumulate(total, term)
             blocks.append(total)
         return blocks
