@@ -34,7 +34,16 @@ def _runs(size: int, chunk_size: Optional[int]) -> list[tuple[int, int]]:
     return [(start, min(chunk_size, size - start)) for start in range(0, size, chunk_size)]
 
 
-def assemble(call: KernelCall, prepare1: Prepare, prepare2: Prepare, contract: Contract, *, reuse_prepared: bool) -> list[torch.Tensor]:
+def assemble(
+    call: KernelCall,
+    prepare1: Prepare,
+    prepare2: Prepare,
+    contract: Contract,
+    *,
+    reuse_prepared: bool,
+    split_x1: bool = True,
+    run_length: Optional[int] = None,
+) -> list[torch.Tensor]:
     """Computes every output leaf's unnormalised kernel block by block.
 
     Args:
@@ -43,6 +52,10 @@ def assemble(call: KernelCall, prepare1: Prepare, prepare2: Prepare, contract: C
             leaf, ``None`` where ``needed`` is False.
         reuse_prepared: whether ``prepare1`` and ``prepare2`` return the same thing, so that a
             diagonal pair with x2 None prepares its run once.
+        split_x1: whether x1 is cut into runs too. An implementation whose x1 work is cheap per
+            example and batched over the whole x1 (NTK-vector products) keeps x1 whole.
+        run_length: examples per run; ``None`` means no runs. The user's ``chunk_size`` unless the
+            implementation has a better default.
     """
     side1 = call.side1
     side2 = call.side2 if call.side2 is not None else call.side1
@@ -52,8 +65,11 @@ def assemble(call: KernelCall, prepare1: Prepare, prepare2: Prepare, contract: C
         return contract(prepared1, prepared2, [True] * len(call.layouts))
 
     batch_kinds = [layout.kind(axis) for layout, axis in zip(call.layouts, side1.out_axes)]
-    runs1 = _runs(side1.batch_size(), call.chunk_size)
-    runs2 = runs1 if call.reuses_x1 else _runs(side2.batch_size(), call.chunk_size)
+    runs2 = _runs(side2.batch_size(), run_length)
+    # A traced or diagonal batch axis pairs run i of x1 with run i of x2, so both must be cut alike.
+    split1 = split_x1 or any(kind != "kept" for kind in batch_kinds)
+    runs1 = _runs(side1.batch_size(), run_length if split1 else None)
+    mirrored = call.reuses_x1 and split1  # pairs (i, j) and (j, i) are transposes of each other
     if len(runs1) == 1 and len(runs2) == 1:
         prepared2 = prepare2(side2)
         prepared1 = prepared2 if (call.reuses_x1 and reuse_prepared) else prepare1(side1)
@@ -66,12 +82,12 @@ def assemble(call: KernelCall, prepare1: Prepare, prepare2: Prepare, contract: C
     for j, (start2, length2) in enumerate(runs2):
         prepared2 = prepare2(side2.narrow(start2, length2))
         for i, (start1, length1) in enumerate(runs1):
-            if call.reuses_x1 and i > j:
-                continue  # mirrored from pair (j, i)
+            if mirrored and i > j:
+                continue  # filled when pair (j, i) was computed
             needed = [kind == "kept" or i == j for kind in batch_kinds]
             if not any(needed):
                 continue
-            if call.reuses_x1 and reuse_prepared and i == j:
+            if mirrored and reuse_prepared and i == j:
                 prepared1 = prepared2
             else:
                 prepared1 = prepare1(side1.narrow(start1, length1))
@@ -84,9 +100,9 @@ def assemble(call: KernelCall, prepare1: Prepare, prepare2: Prepare, contract: C
                     kernel += block
                     continue
                 kernel[_index(positions, (start1, length1), (start2, length2))] = block
-                if call.reuses_x1 and i != j and kind == "kept":
-                    mirrored = block.permute(layout.swap_permutation())
-                    kernel[_index(positions, (start2, length2), (start1, length1))] = mirrored
+                if mirrored and i != j and kind == "kept":
+                    swapped = block.permute(layout.swap_permutation())
+                    kernel[_index(positions, (start2, length2), (start1, length1))] = swapped
     return kernels
 
 

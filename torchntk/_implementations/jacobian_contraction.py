@@ -45,7 +45,7 @@ def jacobian_contraction_ntk(call: KernelCall) -> list[torch.Tensor]:
             blocks.append(total)
         return blocks
 
-    return assemble(call, prepare, prepare, contract, reuse_prepared=True)
+    return assemble(call, prepare, prepare, contract, reuse_prepared=True, run_length=call.chunk_size)
 
 
 def _flatten_param(jacobian: torch.Tensor, output_ndim: int) -> torch.Tensor:

@@ -51,11 +51,35 @@ def ntk_vector_products_ntk(call: KernelCall) -> list[torch.Tensor]:
             def column(tangent: tuple, leaf: int = leaf) -> torch.Tensor:
                 return jvp(forward, (params,), (tangent,))[1][leaf]
 
-            columns = vmap(column, chunk_size=vector_chunk)(tangents)
+            columns = vmap(column, chunk_size=vector_chunk or _TANGENTS_AT_ONCE)(tangents)
             # columns: (*output2, *output1) -> unzipped kernel (*output1, *output2)
             columns = columns.reshape(*output2_shape, *columns.shape[1:])
             full = columns.permute(*range(layout.ndim, 2 * layout.ndim), *range(layout.ndim))
             blocks.append(layout.from_full(full))
         return blocks
 
-    return assemble(call, lambda side: side, prepare_x2, contract, reuse_prepared=False)
+    return assemble(
+        call, lambda side: side, prepare_x2, contract, reuse_prepared=False, split_x1=False,
+        run_length=call.chunk_size or _default_run_length(call),
+    )
+
+
+# NOTE: [Run lengths of NTK-vector products]
+# Measured on the benchmark MLP and CNN (2-core CPU): forming the parameter-space vectors of a few
+# x2 examples at a time, and pushing them through forward mode 16 at a time, was 1.4-2x faster
+# than doing all at once: the vectors stay in cache between the reverse and the forward pass and
+# no multi-GB buffer is allocated (page faults cost ~0.4 s/GB here). The run length keeps a run's
+# vectors within _RUN_BYTES.
+_RUN_BYTES = 32 * 2**20
+_TANGENTS_AT_ONCE = 16
+
+
+def _default_run_length(call: KernelCall) -> Optional[int]:
+    if not call.side1.mapped:
+        return None
+    side2 = call.side2 if call.side2 is not None else call.side1
+    examples = max(1, side2.batch_size())
+    outputs_per_example = sum(output.numel() for output in call.outputs2) / examples
+    params = call.model.params
+    vector_bytes = sum(p.numel() for p in params) * params[0].element_size()
+    return max(1, int(_RUN_BYTES // max(1.0, outputs_per_example * vector_bytes)))
