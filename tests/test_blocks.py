@@ -51,3 +51,20 @@ def test_chunked_kernel_fn_returns_both_kernels():
     both = kernel_fn(X1, X2, ("ntk", "nngp"), PARAMS)
     expected = reference_ntk(two_headed, X1, X2, PARAMS, trace_axes=())
     assert_kernels_close(tuple(leaf.ntk for leaf in both), expected)
+
+
+@pytest.mark.parametrize(
+    "trace_axes, diagonal_axes, same",
+    [((), (), False), ((), (), True), ((-1,), (), True), ((), (0,), True), ((0,), (), True)],
+    ids=["full", "full-x2=None", "traced-x2=None", "diag0", "trace0"],
+)
+def test_ntk_vector_products_default_runs(monkeypatch, trace_axes, diagonal_axes, same):
+    """With a tiny byte budget every x2 example is its own run (see NOTE: [Run lengths ...])."""
+    from torchntk._implementations import ntk_vector_products
+
+    monkeypatch.setattr(ntk_vector_products, "_RUN_BYTES", 1)
+    monkeypatch.setattr(ntk_vector_products, "_TANGENTS_AT_ONCE", 2)
+    second = None if same else X2
+    ntk_fn = torchntk.empirical_ntk_fn(two_headed, trace_axes, diagonal_axes, VMAP_AXES, 2)
+    expected = reference_ntk(two_headed, X1, second, PARAMS, trace_axes=trace_axes, diagonal_axes=diagonal_axes)
+    assert_kernels_close(ntk_fn(X1, second, PARAMS), expected)
