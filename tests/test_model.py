@@ -179,3 +179,17 @@ def test_params_differentiated_at_a_subset_keep_other_values():
     assert_kernels_close(torchntk.empirical_ntk_fn(model)(x, None, only_first), expected)
     jacobian = torch.func.jacrev(lambda b: torch.func.functional_call(model, {"0.bias": b}, (x,)))(only_first["0.bias"])
     assert_kernels_close(expected, torch.einsum("naj,mbj->nmab", jacobian, jacobian).diagonal(dim1=2, dim2=3).mean(-1))
+
+
+def test_linearize_keeps_its_expansion_point_when_the_module_is_trained_in_place():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    expected = model(x).detach()
+    f_lin = torchntk.linearize(model)
+    f_quadratic = torchntk.taylor_expand(model, degree=2)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    assert_kernels_close(f_lin(before, x), expected)
+    assert_kernels_close(f_quadratic(before, x), expected)

@@ -131,7 +131,7 @@ def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:
         for leaf in flat.leaves:
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"{where}: the model must return tensors (or pytrees of tensors), got a leaf {show(leaf)}.")
-    if not flat.leaves:
+    if not output1.leaves:
         raise ValueError(f"{where}: the model returned no tensor.")
     if not output1.same_structure(output2):
         raise ValueError(

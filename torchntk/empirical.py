@@ -115,7 +115,9 @@ def empirical_ntk_fn(
             x2 have their derivatives in memory at once (the kernel is assembled from blocks;
             with x2 None only blocks on and above the diagonal are computed). Without
             ``vmap_axes``: at most this many output entries are differentiated at once. ``None``:
-            everything at once (fastest). Default: ``None``.
+            the implementation's default: everything at once for Jacobian contraction; for
+            NTK-vector products, runs of x2 examples whose parameter-space vectors fit in 32 MB
+            (faster than all at once; see ``docs/design.md``). Default: ``None``.
         check_vmap_axes: when ``vmap_axes`` is given, compare one per-example forward pass with the
             whole-batch forward pass and raise if they differ, so a model that couples examples
             cannot give silently wrong kernels. Default: ``True``.

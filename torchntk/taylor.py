@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any, Callable
@@ -15,9 +16,11 @@ from ._tree import Flat
 from ._types import Model, PyTree
 
 
-def _model_and_steps(f: Model, params: Any, where: str) -> FunctionalModel:
+def _expansion_model(f: Model, params: Any, where: str) -> FunctionalModel:
+    """The model with its expansion point copied, so later in-place training cannot move it."""
     _checks.callable_model_argument(f, where)
-    return functional_model(f, params, where)
+    model = functional_model(f, params, where)
+    return dataclasses.replace(model, params=tuple(param.clone() for param in model.params))
 
 
 def _output_leaves(model: FunctionalModel, args: tuple, kwargs: dict, structure: list) -> Callable:
@@ -63,7 +66,7 @@ def linearize(f: Model, params: Any = None) -> Callable[..., PyTree]:
         torch.Size([4, 1])
     """
     where = "linearize"
-    model = _model_and_steps(f, params, where)
+    model = _expansion_model(f, params, where)
 
     def f_lin(p: Any, *args: Any, **kwargs: Any) -> PyTree:
         steps = _steps(model, p, "f_lin")
@@ -108,7 +111,7 @@ def taylor_expand(f: Model, params: Any = None, degree: int = 1) -> Callable[...
         raise TypeError(f"{where}: `degree` must be an int >= 0, got {_checks.show(degree)}.")
     if degree < 0:
         raise ValueError(f"{where}: `degree` must be an int >= 0, got {degree}.")
-    model = _model_and_steps(f, params, where)
+    model = _expansion_model(f, params, where)
 
     def f_tayl(p: Any, *args: Any, **kwargs: Any) -> PyTree:
         steps = _steps(model, p, "f_tayl")
