@@ -218,3 +218,13 @@ def test_taylor_expand_degree_and_point():
 def test_x1_must_hold_a_tensor():
     with pytest.raises(ValueError, match="`x1` must contain at least one tensor"):
         ntk()(None)
+
+
+@BOTH
+@pytest.mark.parametrize("vmap_axes", [None, 0])
+def test_empty_batches_give_empty_kernels(implementation, vmap_axes):
+    model = torch.nn.Linear(3, 2)
+    kernel_fn = torchntk.empirical_kernel_fn(model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation)
+    both = kernel_fn(torch.randn(4, 3), torch.randn(0, 3))
+    assert both.ntk.shape == both.nngp.shape == (4, 0, 2, 2)
+    assert kernel_fn(torch.randn(0, 3), None, "ntk").shape == (0, 0, 2, 2)

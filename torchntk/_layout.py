@@ -149,8 +149,9 @@ class KernelLayout:
         rows = first.shape[n_diagonal : n_diagonal + n_kept]
         columns = second.shape[n_diagonal : n_diagonal + n_kept]
         batch = math.prod(diagonal_shape)
-        left = first.reshape(batch, math.prod(rows), -1)
-        right = second.reshape(batch, math.prod(columns), -1)
+        contracted = math.prod(first.shape[n_diagonal + n_kept :])
+        left = first.reshape(batch, math.prod(rows), contracted)
+        right = second.reshape(batch, math.prod(columns), contracted)
         if symmetric:
             product = _gram(left)
         elif batch == 1:

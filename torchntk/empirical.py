@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -77,6 +78,15 @@ def _ntk_builder(
         )
 
     return prepare, IMPLEMENTATIONS[chosen], traced, diagonal
+
+
+def _compute_unless_empty(compute: Callable, call: Any) -> list[torch.Tensor]:
+    """Empty kernels (e.g. x2 with no examples) are zeros; transforms cannot map over size 0."""
+    shapes = call.kernel_shapes()
+    if all(math.prod(shape) == 0 for shape in shapes):
+        return [torch.zeros(shape, dtype=dtype, device=output.device)
+                for shape, dtype, output in zip(shapes, call.dtypes, call.outputs1)]
+    return compute(call)
 
 
 def empirical_ntk_fn(
@@ -163,7 +173,7 @@ def empirical_ntk_fn(
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         call = prepare(x1, x2, params, kwargs, "ntk_fn")
-        return call.normalise(compute(call))
+        return call.normalise(_compute_unless_empty(compute, call))
 
     return ntk_fn
 
@@ -268,7 +278,7 @@ def empirical_kernel_fn(
         if "nngp" in names:
             kernels["nngp"] = call.normalise(nngp(call), dtypes=tuple(o.dtype for o in call.outputs1))
         if "ntk" in names:
-            kernels["ntk"] = call.normalise(compute(call))
+            kernels["ntk"] = call.normalise(_compute_unless_empty(compute, call))
         return combine(kernels, names, bare)
 
     return kernel_fn

@@ -12,6 +12,7 @@ where ``|T|`` is the number of traced output coordinates.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -50,7 +51,7 @@ def jacobian_contraction_ntk(call: KernelCall) -> list[torch.Tensor]:
 
 def _flatten_param(jacobian: torch.Tensor, output_ndim: int) -> torch.Tensor:
     """``(*output, *param) -> (*output, param_size)``."""
-    return jacobian.reshape(*jacobian.shape[:output_ndim], -1)
+    return jacobian.reshape(*jacobian.shape[:output_ndim], math.prod(jacobian.shape[output_ndim:]))
 
 
 def _accumulate(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
