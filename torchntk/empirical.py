@@ -26,13 +26,14 @@ Example:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.func import jvp, vjp
 
 from . import _checks
-from ._call import prepare_call
+from ._call import KernelCall, prepare_call
 from ._implementations import IMPLEMENTATIONS, NOT_YET_AVAILABLE
 from ._implementations.nngp import nngp
 from ._model import functional_model, warn_training_mode
@@ -47,37 +48,48 @@ DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
 KernelFn = Callable[..., PyTree]
 
 
-def _ntk_builder(
-    f: Model,
-    trace_axes: Axes,
-    diagonal_axes: Axes,
-    vmap_axes: VMapAxes,
-    implementation: Union[NtkImplementation, int],
-    chunk_size: Optional[int],
-    check_vmap_axes: bool,
-    where: str,
-):
-    """Validates the builder arguments once and returns ``(prepare, compute)`` for calls."""
-    _checks.callable_model_argument(f, where)
-    traced = _checks.axes_argument(trace_axes, "trace_axes", where)
-    diagonal = _checks.axes_argument(diagonal_axes, "diagonal_axes", where)
-    parsed = parse_vmap_axes(vmap_axes, where)
-    chosen = _checks.implementation_argument(implementation, where)
-    chunk = _checks.chunk_size_argument(chunk_size, where)
-    check = _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where)
-    if chosen in NOT_YET_AVAILABLE:
-        raise NotImplementedError(
-            f"{where}: implementation={int(chosen)} ({chosen.name}, {NOT_YET_AVAILABLE[chosen]}) is "
-            f"not available yet. Use implementation=1 (JACOBIAN_CONTRACTION) or 2 (NTK_VECTOR_PRODUCTS)."
-        )
+@dataclass(frozen=True)
+class _NtkSettings:
+    """Builder arguments, validated once when the kernel function is built."""
 
-    def prepare(x1: Any, x2: Any, params: Any, kwargs: dict, call_where: str):
+    f: Model
+    trace_axes: tuple[int, ...]
+    diagonal_axes: tuple[int, ...]
+    vmap_axes: ParsedVmapAxes
+    compute: Callable[[KernelCall], list[torch.Tensor]]
+    chunk_size: Optional[int]
+    check_vmap_axes: bool
+
+    @classmethod
+    def validate(cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, where):
+        _checks.callable_model_argument(f, where)
+        chosen = _checks.implementation_argument(implementation, where)
+        settings = cls(
+            f,
+            _checks.axes_argument(trace_axes, "trace_axes", where),
+            _checks.axes_argument(diagonal_axes, "diagonal_axes", where),
+            parse_vmap_axes(vmap_axes, where),
+            IMPLEMENTATIONS.get(chosen),
+            _checks.chunk_size_argument(chunk_size, where),
+            _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where),
+        )
+        if chosen in NOT_YET_AVAILABLE:
+            raise NotImplementedError(
+                f"{where}: implementation={int(chosen)} ({chosen.name}, {NOT_YET_AVAILABLE[chosen]}) is "
+                f"not available yet. Use implementation=1 (JACOBIAN_CONTRACTION) or 2 (NTK_VECTOR_PRODUCTS)."
+            )
+        return settings
+
+    def prepare(self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True) -> KernelCall:
+        """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK."""
         return prepare_call(
-            f, x1, x2, params, kwargs, where=call_where, trace_axes=traced, diagonal_axes=diagonal,
-            vmap_axes=parsed, check_vmap_axes=check, chunk_size=chunk,
+            self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
+            diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
+            check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
         )
 
-    return prepare, IMPLEMENTATIONS[chosen], traced, diagonal
+    def ntk(self, call: KernelCall) -> PyTree:
+        return call.normalise(_compute_unless_empty(self.compute, call))
 
 
 def _compute_unless_empty(compute: Callable, call: Any) -> list[torch.Tensor]:
@@ -166,14 +178,12 @@ def empirical_ntk_fn(
         >>> torch.allclose(k, torchntk.empirical_ntk_fn(model)(x1, x2), atol=1e-5)
         True
     """
-    where = "empirical_ntk_fn"
-    prepare, compute, _, _ = _ntk_builder(
-        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, where
+    settings = _NtkSettings.validate(
+        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, "empirical_ntk_fn"
     )
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
-        call = prepare(x1, x2, params, kwargs, "ntk_fn")
-        return call.normalise(_compute_unless_empty(compute, call))
+        return settings.ntk(settings.prepare(x1, x2, params, kwargs, "ntk_fn"))
 
     return ntk_fn
 
@@ -258,9 +268,8 @@ def empirical_kernel_fn(
         >>> kernel_fn(x1, None, "ntk").shape
         torch.Size([4, 4])
     """
-    where = "empirical_kernel_fn"
-    prepare, compute, traced, diagonal = _ntk_builder(
-        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, where
+    settings = _NtkSettings.validate(
+        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, "empirical_kernel_fn"
     )
 
     def kernel_fn(
@@ -268,17 +277,12 @@ def empirical_kernel_fn(
         params: Any = None, **kwargs: Any,
     ) -> Any:
         names, bare = canonical_get(get, "kernel_fn")
-        if "ntk" in names:
-            call = prepare(x1, x2, params, kwargs, "kernel_fn")
-        else:
-            call = prepare_call(
-                f, x1, x2, params, kwargs, where="kernel_fn", trace_axes=traced, diagonal_axes=diagonal
-            )
+        call = settings.prepare(x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names)
         kernels = {}
         if "nngp" in names:
             kernels["nngp"] = call.normalise(nngp(call), dtypes=tuple(o.dtype for o in call.outputs1))
         if "ntk" in names:
-            kernels["ntk"] = call.normalise(_compute_unless_empty(compute, call))
+            kernels["ntk"] = settings.ntk(call)
         return combine(kernels, names, bare)
 
     return kernel_fn
