@@ -17,10 +17,11 @@ bounded further by ``chunk_size``.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
-from torch.func import jvp, vmap
+from torch.func import jacrev, jvp, vmap
 
 from .._blocks import assemble
 from .._call import KernelCall
@@ -33,6 +34,9 @@ def ntk_vector_products_ntk(call: KernelCall) -> list[torch.Tensor]:
     vector_chunk = None if call.side1.mapped else call.chunk_size
 
     def prepare_x2(side: Side) -> Jacobians:
+        if side.mapped and side.batch_size() <= _MIN_RUN:
+            # See NOTE: [Run lengths of NTK-vector products]: rank-2 instead of rank-1 products.
+            return jacrev(side.whole_batch())(side.model.params)
         return side.jacobians(chunk_size=vector_chunk)
 
     def contract(side1: Side, jacobians2: Jacobians, needed: Sequence[bool]) -> list[Optional[torch.Tensor]]:
@@ -51,7 +55,7 @@ def ntk_vector_products_ntk(call: KernelCall) -> list[torch.Tensor]:
             def column(tangent: tuple, leaf: int = leaf) -> torch.Tensor:
                 return jvp(forward, (params,), (tangent,))[1][leaf]
 
-            columns = vmap(column, chunk_size=vector_chunk or _TANGENTS_AT_ONCE)(tangents)
+            columns = vmap(column, chunk_size=vector_chunk or _even_chunks(tangents[0].shape[0]))(tangents)
             # columns: (*output2, *output1) -> unzipped kernel (*output1, *output2)
             columns = columns.reshape(*output2_shape, *columns.shape[1:])
             full = columns.permute(*range(layout.ndim, 2 * layout.ndim), *range(layout.ndim))
@@ -65,13 +69,24 @@ def ntk_vector_products_ntk(call: KernelCall) -> list[torch.Tensor]:
 
 
 # NOTE: [Run lengths of NTK-vector products]
-# Measured on the benchmark MLP and CNN (2-core CPU): forming the parameter-space vectors of a few
-# x2 examples at a time, and pushing them through forward mode 16 at a time, was 1.4-2x faster
-# than doing all at once: the vectors stay in cache between the reverse and the forward pass and
-# no multi-GB buffer is allocated (page faults cost ~0.4 s/GB here). The run length keeps a run's
-# vectors within _RUN_BYTES.
+# Measured on the benchmark MLP and CNN (2-core CPU), against forming every x2 vector at once:
+# * x2 in runs whose parameter-space vectors take about _RUN_BYTES (x1 whole) was 1.4-2x faster:
+#   the vectors stay in cache between the reverse and the forward pass, and no multi-GB buffer is
+#   allocated (fresh memory costs ~0.4 s/GB in page faults here);
+# * runs of at least _MIN_RUN examples, differentiated as one small batch, were ~20% faster on the
+#   MLP than per-example vmap: the weight gradients become rank-2 matrix products, which the BLAS
+#   runs far better than rank-1 ones (the cross-example blocks are zero under the vmap_axes promise);
+# * pushing a run's vectors through forward mode in equal chunks of at most _TANGENTS_PER_PASS
+#   avoided a small trailing chunk that cost a whole extra forward pass.
 _RUN_BYTES = 32 * 2**20
-_TANGENTS_AT_ONCE = 16
+_MIN_RUN = 2
+_TANGENTS_PER_PASS = 24
+
+
+def _even_chunks(count: int) -> int:
+    """The chunk size that splits ``count`` vectors into equal chunks of at most _TANGENTS_PER_PASS."""
+    chunks = max(1, math.ceil(count / _TANGENTS_PER_PASS))
+    return max(1, math.ceil(count / chunks))
 
 
 def _default_run_length(call: KernelCall) -> Optional[int]:
@@ -82,4 +97,4 @@ def _default_run_length(call: KernelCall) -> Optional[int]:
     outputs_per_example = sum(output.numel() for output in call.outputs2) / examples
     params = call.model.params
     vector_bytes = sum(p.numel() for p in params) * params[0].element_size()
-    return max(1, int(_RUN_BYTES // max(1.0, outputs_per_example * vector_bytes)))
+    return max(_MIN_RUN, int(_RUN_BYTES // max(1.0, outputs_per_example * vector_bytes)))
