@@ -138,8 +138,10 @@ def empirical_ntk_fn(
             with x2 None only blocks on and above the diagonal are computed). Without
             ``vmap_axes``: at most this many output entries are differentiated at once. ``None``:
             the implementation's default: everything at once for Jacobian contraction; for
-            NTK-vector products, runs of x2 examples whose parameter-space vectors fit in 32 MB
-            (faster than all at once; see ``docs/design.md``). Default: ``None``.
+            NTK-vector products, runs of x2 examples (at least 2) whose parameter-space vectors
+            fit in about 32 MB (faster than all at once; see ``docs/design.md``). With
+            NTK-vector products x1 is never cut (unless its batch axis is traced or diagonal).
+            Default: ``None``.
         check_vmap_axes: when ``vmap_axes`` is given, compare one per-example forward pass with the
             whole-batch forward pass and raise if they differ, so a model that couples examples
             cannot give silently wrong kernels. Default: ``True``.
