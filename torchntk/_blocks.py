@@ -59,21 +59,18 @@ def assemble(
     """
     side1 = call.side1
     side2 = call.side2 if call.side2 is not None else call.side1
-    if not side1.mapped:
+    if side1.mapped:
+        batch_kinds = [layout.kind(axis) for layout, axis in zip(call.layouts, side1.out_axes)]
+        runs2 = _runs(side2.batch_size(), run_length)
+        # A traced or diagonal batch axis pairs run i of x1 with run i of x2, so both are cut alike.
+        split1 = split_x1 or any(kind != "kept" for kind in batch_kinds)
+        runs1 = _runs(side1.batch_size(), run_length if split1 else None)
+    if not side1.mapped or (len(runs1) == 1 and len(runs2) == 1):
         prepared2 = prepare2(side2)
         prepared1 = prepared2 if (call.reuses_x1 and reuse_prepared) else prepare1(side1)
         return contract(prepared1, prepared2, [True] * len(call.layouts))
 
-    batch_kinds = [layout.kind(axis) for layout, axis in zip(call.layouts, side1.out_axes)]
-    runs2 = _runs(side2.batch_size(), run_length)
-    # A traced or diagonal batch axis pairs run i of x1 with run i of x2, so both must be cut alike.
-    split1 = split_x1 or any(kind != "kept" for kind in batch_kinds)
-    runs1 = _runs(side1.batch_size(), run_length if split1 else None)
     mirrored = call.reuses_x1 and split1  # pairs (i, j) and (j, i) are transposes of each other
-    if len(runs1) == 1 and len(runs2) == 1:
-        prepared2 = prepare2(side2)
-        prepared1 = prepared2 if (call.reuses_x1 and reuse_prepared) else prepare1(side1)
-        return contract(prepared1, prepared2, [True] * len(call.layouts))
 
     kernels = [
         torch.zeros(shape, dtype=dtype, device=output.device)

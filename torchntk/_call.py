@@ -29,7 +29,8 @@ class KernelCall:
         outputs1, outputs2: output leaves of the model on x1 and x2 (no autograd graph).
         output_tree: the structure of the model output, to rebuild one kernel per leaf.
         layouts: one layout per output leaf.
-        dtypes: the result dtype per output leaf.
+        dtypes: the NTK's dtype per output leaf: the promotion of the output and parameter dtypes
+            (the NNGP keeps :attr:`output_dtypes`).
         chunk_size: the memory knob (examples per block when mapped, else vectors at once).
     """
 
@@ -47,6 +48,10 @@ class KernelCall:
     @property
     def reuses_x1(self) -> bool:
         return self.side2 is None
+
+    @property
+    def output_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(output.dtype for output in self.outputs1)
 
     def kernel_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(
@@ -76,7 +81,6 @@ def prepare_call(
     vmap_axes: Optional[ParsedVmapAxes] = None,
     check_vmap_axes: bool = True,
     chunk_size: Optional[int] = None,
-    include_params_in_dtype: bool = True,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side.
 
@@ -120,9 +124,7 @@ def prepare_call(
                 _check_per_example(side, leaves, name, where)
 
     param_dtype = model.param_dtype
-    dtypes = tuple(
-        torch.promote_types(leaf.dtype, param_dtype) if include_params_in_dtype else leaf.dtype for leaf in leaves1
-    )
+    dtypes = tuple(torch.promote_types(leaf.dtype, param_dtype) for leaf in leaves1)
     return KernelCall(where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size)
 
 

@@ -14,7 +14,7 @@ import torch
 from ._types import NtkImplementation
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     text = repr(value)
     if len(text) > 80:
         text = text[:77] + "..."
@@ -24,17 +24,17 @@ def _show(value: Any) -> str:
 def axes_argument(value: Any, name: str, where: str) -> tuple[int, ...]:
     """Checks the type of ``trace_axes``/``diagonal_axes``; an int means one axis."""
     if isinstance(value, bool):
-        raise TypeError(f"{where}: `{name}` must be an int or a sequence of ints, got {_show(value)}.")
+        raise TypeError(f"{where}: `{name}` must be an int or a sequence of ints, got {show(value)}.")
     if isinstance(value, numbers.Integral):
         return (int(value),)
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{where}: `{name}` must be an int or a sequence of ints, got {_show(value)}.")
+        raise TypeError(f"{where}: `{name}` must be an int or a sequence of ints, got {show(value)}.")
     axes = tuple(value)
     for axis in axes:
         if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
             raise TypeError(
-                f"{where}: `{name}` must contain only ints, got {_show(value)} "
-                f"with element {_show(axis)}."
+                f"{where}: `{name}` must contain only ints, got {show(value)} "
+                f"with element {show(axis)}."
             )
     return tuple(int(axis) for axis in axes)
 
@@ -43,12 +43,12 @@ def implementation_argument(value: Any, where: str) -> NtkImplementation:
     """Accepts an :class:`NtkImplementation` or a plain int in 0..3."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
-            f"{where}: `implementation` must be an NtkImplementation or an int in 0..3, got {_show(value)}."
+            f"{where}: `implementation` must be an NtkImplementation or an int in 0..3, got {show(value)}."
         )
     if int(value) not in {member.value for member in NtkImplementation}:
         raise ValueError(
             f"{where}: `implementation` must be one of 0 (AUTO), 1 (JACOBIAN_CONTRACTION), "
-            f"2 (NTK_VECTOR_PRODUCTS) or 3 (STRUCTURED_DERIVATIVES), got {_show(value)}."
+            f"2 (NTK_VECTOR_PRODUCTS) or 3 (STRUCTURED_DERIVATIVES), got {show(value)}."
         )
     return NtkImplementation(int(value))
 
@@ -58,23 +58,21 @@ def chunk_size_argument(value: Any, where: str) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: `chunk_size` must be None or a positive int, got {_show(value)}.")
+        raise TypeError(f"{where}: `chunk_size` must be None or a positive int, got {show(value)}.")
     if value < 1:
-        raise ValueError(f"{where}: `chunk_size` must be None or a positive int, got {_show(value)}.")
+        raise ValueError(f"{where}: `chunk_size` must be None or a positive int, got {show(value)}.")
     return int(value)
 
 
 def callable_model_argument(f: Any, where: str) -> None:
     if not isinstance(f, torch.nn.Module) and not callable(f):
         raise TypeError(
-            f"{where}: `f` must be an nn.Module or a callable f(params, x, **kwargs), got {_show(f)}."
+            f"{where}: `f` must be an nn.Module or a callable f(params, x, **kwargs), got {show(f)}."
         )
 
 
 def bool_argument(value: Any, name: str, where: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{where}: `{name}` must be True or False, got {_show(value)}.")
+        raise TypeError(f"{where}: `{name}` must be True or False, got {show(value)}.")
     return value
 
-
-show = _show

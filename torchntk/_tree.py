@@ -11,7 +11,7 @@ the tensor leaves are what transforms see and the original structure can be rebu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -48,13 +48,6 @@ class Flat:
 def is_all_none(tree: Any) -> bool:
     """True when ``tree`` has no leaves other than ``None`` (``None`` itself, ``()``, ``[None]``)."""
     return len(Flat.of(tree).leaves) == 0
-
-
-def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
-    """Maps ``fn`` over the non-``None`` leaves of trees of equal structure."""
-    flat = Flat.of(tree)
-    others = [Flat.of(other).leaves for other in rest]
-    return flat.rebuild([fn(*leaves) for leaves in zip(flat.leaves, *others)])
 
 
 def describe(tree: Any) -> str:

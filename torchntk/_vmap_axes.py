@@ -38,7 +38,6 @@ class ResolvedVmapAxes:
 
     x_axes: tuple[Optional[int], ...]
     kwarg_axes: dict[str, tuple[Optional[int], ...]]
-    batch_size: int
 
 
 def parse_vmap_axes(vmap_axes: Any, where: str) -> ParsedVmapAxes:
@@ -161,7 +160,7 @@ def resolve_inputs(parsed: ParsedVmapAxes, x: Any, kwargs: Mapping[str, Any], wh
     if len(set(sizes.values())) > 1:
         listing = ", ".join(f"{where_} has {size}" for where_, size in sizes.items())
         raise ValueError(f"{where}: the vmapped axes must all have the same size, but {listing}.")
-    return ResolvedVmapAxes(x_axes, kwarg_axes, next(iter(sizes.values())))
+    return ResolvedVmapAxes(x_axes, kwarg_axes)
 
 
 def resolve_outputs(parsed: ParsedVmapAxes, output: Any, where: str) -> tuple[int, ...]:

@@ -89,16 +89,11 @@ class _NtkSettings:
         )
 
     def ntk(self, call: KernelCall) -> PyTree:
-        return call.normalise(_compute_unless_empty(self.compute, call))
-
-
-def _compute_unless_empty(compute: Callable, call: Any) -> list[torch.Tensor]:
-    """Empty kernels (e.g. x2 with no examples) are zeros; transforms cannot map over size 0."""
-    shapes = call.kernel_shapes()
-    if all(math.prod(shape) == 0 for shape in shapes):
-        return [torch.zeros(shape, dtype=dtype, device=output.device)
-                for shape, dtype, output in zip(shapes, call.dtypes, call.outputs1)]
-    return compute(call)
+        shapes = call.kernel_shapes()
+        if all(math.prod(shape) == 0 for shape in shapes):
+            # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
+            return call.normalise([torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)])
+        return call.normalise(self.compute(call))
 
 
 def empirical_ntk_fn(
@@ -224,10 +219,9 @@ def empirical_nngp_fn(f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = 
 
     def nngp_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         call = prepare_call(
-            f, x1, x2, params, kwargs, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal,
-            include_params_in_dtype=False,
+            f, x1, x2, params, kwargs, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal
         )
-        return call.normalise(nngp(call))
+        return call.normalise(nngp(call), dtypes=call.output_dtypes)
 
     return nngp_fn
 
@@ -282,7 +276,7 @@ def empirical_kernel_fn(
         call = settings.prepare(x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names)
         kernels = {}
         if "nngp" in names:
-            kernels["nngp"] = call.normalise(nngp(call), dtypes=tuple(o.dtype for o in call.outputs1))
+            kernels["nngp"] = call.normalise(nngp(call), dtypes=call.output_dtypes)
         if "ntk" in names:
             kernels["ntk"] = settings.ntk(call)
         return combine(kernels, names, bare)
