@@ -24,7 +24,7 @@ VMAP_AXES = (0, (0, 1), {})
 X1, X2 = torch.randn(7, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("implementation", [1, 2], ids=["JC", "NVP"])
+@pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, 5, 100])
 @pytest.mark.parametrize(
     "trace_axes, diagonal_axes, same",
@@ -40,7 +40,7 @@ def test_chunked_kernels_equal_the_brute_force(implementation, chunk_size, trace
     assert_kernels_close(ntk_fn(X1, second, PARAMS), expected)
 
 
-@pytest.mark.parametrize("implementation", [1, 2], ids=["JC", "NVP"])
+@pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
 def test_chunk_size_without_vmap_axes_bounds_vectors_not_examples(implementation):
     ntk_fn = torchntk.empirical_ntk_fn(two_headed, (), (), None, implementation, chunk_size=4)
     assert_kernels_close(ntk_fn(X1, X2, PARAMS), reference_ntk(two_headed, X1, X2, PARAMS, trace_axes=()))

@@ -11,7 +11,7 @@ import torchntk
 from tests.cases import CASES, make_x1_x2
 from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk, reference_ntk_vp
 
-IMPLEMENTATIONS = [1, 2]
+IMPLEMENTATIONS = [1, 2, 3]
 VMAP_AXES = [None, 0]
 
 
@@ -30,7 +30,7 @@ def _reference(case_id: str, kind: str, same: bool, trace_axes: tuple, diagonal_
 
 @pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
 @pytest.mark.parametrize("vmap_axes", VMAP_AXES, ids=["no-vmap", "vmap0"])
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP", "SD"])
 @pytest.mark.parametrize("case_id", sorted(CASES))
 def test_ntk_matches_brute_force(case_id, implementation, vmap_axes, same):
     case, (x1, x2) = _case(case_id)
@@ -41,7 +41,7 @@ def test_ntk_matches_brute_force(case_id, implementation, vmap_axes, same):
     assert_kernels_close(actual, _reference(case_id, "ntk", same, case.trace_axes))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP", "SD"])
 @pytest.mark.parametrize("case_id", ["mlp", "cnn", "tuple_output", "embedding"])
 def test_full_kernel_matches_brute_force(case_id, implementation):
     case, (x1, x2) = _case(case_id)

@@ -77,12 +77,27 @@ def test_implementation_of_wrong_type(value):
         torchntk.empirical_ntk_fn(conv_model(), implementation=value)
 
 
-@pytest.mark.parametrize("value", [0, 3, torchntk.NtkImplementation.AUTO, torchntk.NtkImplementation.STRUCTURED_DERIVATIVES])
-def test_structured_and_auto_are_not_available_yet(value):
-    with pytest.raises(NotImplementedError, match="not available yet. Use implementation=1"):
-        torchntk.empirical_ntk_fn(conv_model(), implementation=value)
-    with pytest.raises(NotImplementedError, match="not available yet"):
-        torchntk.empirical_kernel_fn(conv_model(), implementation=value)
+@pytest.mark.parametrize("builder", [torchntk.empirical_ntk_fn, torchntk.empirical_kernel_fn])
+@pytest.mark.parametrize(
+    "knob, value", [("structure_rules", False), ("closed_form_rules", False), ("local_jacobian", "forward"), ("verify", True)]
+)
+def test_structured_knobs_need_implementation_3_or_auto(builder, knob, value):
+    for implementation in (1, 2):
+        with pytest.raises(ValueError, match=rf"`{knob}` only apply to implementation=3 .* but implementation={implementation}"):
+            builder(conv_model(), implementation=implementation, **{knob: value})
+    builder(conv_model(), implementation=3, **{knob: value})
+    builder(conv_model(), implementation=0, **{knob: value})
+
+
+@pytest.mark.parametrize("knob", ["structure_rules", "closed_form_rules", "verify"])
+def test_structured_knobs_must_be_bools(knob):
+    with pytest.raises(TypeError, match=rf"`{knob}` must be True or False, got 1 \(int\)"):
+        torchntk.empirical_ntk_fn(conv_model(), implementation=3, **{knob: 1})
+
+
+def test_local_jacobian_must_be_a_known_mode():
+    with pytest.raises(ValueError, match="`local_jacobian` must be 'auto', 'forward' or 'reverse', got 'fwd'"):
+        torchntk.empirical_ntk_fn(conv_model(), implementation=3, local_jacobian="fwd")
 
 
 @pytest.mark.parametrize(

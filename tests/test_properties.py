@@ -28,7 +28,7 @@ def problems(draw):
             parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
     x1 = torch.randn(n1, features, generator=generator, dtype=torch.float64)
     x2 = torch.randn(n2, features, generator=generator, dtype=torch.float64)
-    implementation = draw(st.sampled_from([1, 2]))
+    implementation = draw(st.sampled_from([1, 2, 3]))
     vmap_axes = draw(st.sampled_from([None, 0]))
     return model, x1, x2, implementation, vmap_axes
 
@@ -76,7 +76,7 @@ def test_vmap_axes_and_implementations_agree(problem):
     model, x1, x2, _, _ = problem
     kernels = [
         torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation)(x1, x2)
-        for implementation in (1, 2)
+        for implementation in (1, 2, 3)
         for vmap_axes in (None, 0)
     ]
     for kernel in kernels[1:]:

@@ -117,19 +117,47 @@ class Side:
         mapped = vmap(self._one_example, in_dims=self._in_dims(), out_dims=self.out_axes)
         return mapped(self.model.params, *self._data())
 
-    def jacobians(self, chunk_size: Optional[int] = None) -> tuple[tuple[torch.Tensor, ...], ...]:
+    def jacobians(
+        self, chunk_size: Optional[int] = None, only: Optional[tuple[int, ...]] = None
+    ) -> tuple[tuple[torch.Tensor, ...], ...]:
         """``J[k][p]`` of shape ``output_k.shape + param_p.shape`` for every output and parameter leaf.
 
         ``chunk_size`` bounds how many output entries are differentiated at once when the side is
-        not mapped (passed to ``jacrev``); mapped sides are chunked by examples instead.
+        not mapped (passed to ``jacrev``); mapped sides are chunked by examples instead. ``only``
+        restricts the parameters differentiated (``J[k]`` then follows its order).
         """
         params = self.model.params
-        if not self.mapped:
-            return jacrev(self.whole_batch(), chunk_size=chunk_size)(params)
-        per_example = jacrev(self._one_example, argnums=0)
-        mapped = vmap(per_example, in_dims=self._in_dims(), out_dims=self.out_axes)
-        return mapped(params, *self._data())
+        if only is None:
+            chosen, evaluate = params, self.evaluate
+        else:
+            chosen = tuple(params[index] for index in only)
 
+            def evaluate(subset: tuple, *data: tuple) -> tuple:
+                full = list(params)
+                for index, value in zip(only, subset):
+                    full[index] = value
+                return self.evaluate(tuple(full), *data)
+
+        if not self.mapped:
+            return jacrev(evaluate, chunk_size=chunk_size)(chosen, *self._data())
+        mapped = vmap(jacrev(evaluate, argnums=0), in_dims=self._in_dims(), out_dims=self.out_axes)
+        return mapped(chosen, *self._data())
+
+    @property
+    def evaluate(self):
+        """``(params, x_leaves, kwarg_leaves) -> output leaves``: one example when mapped, else the batch."""
+        return self._one_example if self.mapped else self._call
+
+    def per_example(self, function, extra: tuple = (), extra_dims: tuple = ()):
+        """``function(x_leaves, kwarg_leaves, *extra)``, under ``vmap`` per example when mapped.
+
+        Mapped results gain a leading example axis; ``extra_dims`` are the mapped axes of ``extra``.
+        """
+        x_leaves, kwarg_leaves = self._data()
+        if not self.mapped:
+            return function(x_leaves, kwarg_leaves, *extra)
+        in_dims = self._in_dims()[1:] + tuple(extra_dims)
+        return vmap(function, in_dims=in_dims)(x_leaves, kwarg_leaves, *extra)
 
 def _unsqueeze(leaves: tuple, axes: tuple[Optional[int], ...]) -> tuple:
     return tuple(leaf if axis is None else leaf.unsqueeze(axis) for leaf, axis in zip(leaves, axes))

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -34,7 +35,9 @@ from torch.func import jvp, vjp
 
 from . import _checks
 from ._call import KernelCall, prepare_call
-from ._implementations import IMPLEMENTATIONS, NOT_YET_AVAILABLE
+from ._implementations import IMPLEMENTATIONS
+from ._implementations.auto import AutoChoice, AutoSelector
+from ._implementations.structured import StructuredOptions, structured_derivatives_ntk
 from ._implementations.nngp import nngp
 from ._model import functional_model, warn_training_mode
 from ._outputs import canonical_get, combine
@@ -56,29 +59,33 @@ class _NtkSettings:
     trace_axes: tuple[int, ...]
     diagonal_axes: tuple[int, ...]
     vmap_axes: ParsedVmapAxes
-    compute: Callable[[KernelCall], list[torch.Tensor]]
+    implementation: NtkImplementation
     chunk_size: Optional[int]
     check_vmap_axes: bool
+    structured: StructuredOptions
+    auto: Optional[AutoSelector]
 
     @classmethod
-    def validate(cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, where):
+    def validate(cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, where):
         _checks.callable_model_argument(f, where)
         chosen = _checks.implementation_argument(implementation, where)
-        settings = cls(
+        options = _structured_options(structured, chosen, where)
+        implementations = dict(IMPLEMENTATIONS)
+        implementations[NtkImplementation.STRUCTURED_DERIVATIVES] = functools.partial(
+            structured_derivatives_ntk, options=options
+        )
+        auto = AutoSelector(implementations, options.structure_rules) if chosen == NtkImplementation.AUTO else None
+        return cls(
             f,
             _checks.axes_argument(trace_axes, "trace_axes", where),
             _checks.axes_argument(diagonal_axes, "diagonal_axes", where),
             parse_vmap_axes(vmap_axes, where),
-            IMPLEMENTATIONS.get(chosen),
+            chosen,
             _checks.chunk_size_argument(chunk_size, where),
             _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where),
+            options,
+            auto,
         )
-        if chosen in NOT_YET_AVAILABLE:
-            raise NotImplementedError(
-                f"{where}: implementation={int(chosen)} ({chosen.name}, {NOT_YET_AVAILABLE[chosen]}) is "
-                f"not available yet. Use implementation=1 (JACOBIAN_CONTRACTION) or 2 (NTK_VECTOR_PRODUCTS)."
-            )
-        return settings
 
     def prepare(self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True) -> KernelCall:
         """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK."""
@@ -88,12 +95,70 @@ class _NtkSettings:
             check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
         )
 
-    def ntk(self, call: KernelCall) -> PyTree:
+    def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
+        if self.auto is None:
+            return AutoChoice(self.implementation)
+        return self.auto.choice(call, key)
+
+    def ntk(self, call: KernelCall, key: tuple) -> PyTree:
         shapes = call.kernel_shapes()
         if all(math.prod(shape) == 0 for shape in shapes):
             # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
             return call.normalise([torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)])
-        return call.normalise(self.compute(call))
+        if self.auto is not None:
+            return call.normalise(self.auto.compute(call, key))
+        if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
+            return call.normalise(structured_derivatives_ntk(call, self.structured))
+        return call.normalise(IMPLEMENTATIONS[self.implementation](call))
+
+    def attach_auto_choice(self, kernel_fn: KernelFn, where: str) -> KernelFn:
+        def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
+            call = self.prepare(x1, x2, params, kwargs, where)
+            return self.choice(call, _shape_key(x1, x2, params, kwargs))
+
+        auto_choice.__doc__ = _AUTO_CHOICE_DOC
+        kernel_fn.auto_choice = auto_choice  # type: ignore[attr-defined]
+        return kernel_fn
+
+
+_AUTO_CHOICE_DOC = """The implementation used for these inputs, as an :class:`~torchntk.AutoChoice`.
+
+Takes the arguments of the kernel function (without ``get``) and computes no kernel. With
+``implementation=0`` (AUTO) the choice is made from the cost model once per input shapes and
+cached; its ``estimates`` give the FLOPs and memory estimated for each candidate. With a fixed
+implementation it reports that one.
+"""
+
+
+def _structured_options(values: dict, chosen: NtkImplementation, where: str) -> StructuredOptions:
+    defaults = StructuredOptions()
+    for name in ("structure_rules", "closed_form_rules", "verify"):
+        _checks.bool_argument(values[name], name, where)
+    if values["local_jacobian"] not in ("auto", "forward", "reverse"):
+        raise ValueError(
+            f"{where}: `local_jacobian` must be 'auto', 'forward' or 'reverse', got {_checks.show(values['local_jacobian'])}."
+        )
+    changed = [name for name, value in values.items() if value != getattr(defaults, name)]
+    uses_them = (NtkImplementation.STRUCTURED_DERIVATIVES, NtkImplementation.AUTO)
+    if changed and chosen not in uses_them:
+        raise ValueError(
+            f"{where}: {', '.join(f'`{name}`' for name in changed)} only apply to implementation=3 "
+            f"(STRUCTURED_DERIVATIVES) or 0 (AUTO), but implementation={int(chosen)} ({chosen.name})."
+        )
+    return StructuredOptions(**values)
+
+
+def _shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
+    """What AUTO's choice may depend on: the structure, shapes and dtypes of every argument."""
+    def describe_leaves(tree: Any) -> tuple:
+        flat = Flat.of(tree)
+        leaves = tuple(
+            (tuple(leaf.shape), leaf.dtype, leaf.device.type) if isinstance(leaf, torch.Tensor) else repr(leaf)
+            for leaf in flat.leaves
+        )
+        return (str(flat.spec), flat.none_positions, leaves)
+
+    return (describe_leaves(x1), is_all_none(x2), describe_leaves(x2), describe_leaves(params), describe_leaves(kwargs))
 
 
 def empirical_ntk_fn(
@@ -105,6 +170,10 @@ def empirical_ntk_fn(
     *,
     chunk_size: Optional[int] = None,
     check_vmap_axes: bool = True,
+    structure_rules: bool = True,
+    closed_form_rules: bool = True,
+    local_jacobian: str = "auto",
+    verify: bool = False,
 ) -> KernelFn:
     """Returns a function computing the empirical neural tangent kernel of ``f``.
 
@@ -175,14 +244,18 @@ def empirical_ntk_fn(
         >>> torch.allclose(k, torchntk.empirical_ntk_fn(model)(x1, x2), atol=1e-5)
         True
     """
+    structured = dict(
+        structure_rules=structure_rules, closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify
+    )
     settings = _NtkSettings.validate(
-        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, "empirical_ntk_fn"
+        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, "empirical_ntk_fn"
     )
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
-        return settings.ntk(settings.prepare(x1, x2, params, kwargs, "ntk_fn"))
+        call = settings.prepare(x1, x2, params, kwargs, "ntk_fn")
+        return settings.ntk(call, _shape_key(x1, x2, params, kwargs))
 
-    return ntk_fn
+    return settings.attach_auto_choice(ntk_fn, "ntk_fn")
 
 
 def empirical_nngp_fn(f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = ()) -> KernelFn:
@@ -235,6 +308,10 @@ def empirical_kernel_fn(
     *,
     chunk_size: Optional[int] = None,
     check_vmap_axes: bool = True,
+    structure_rules: bool = True,
+    closed_form_rules: bool = True,
+    local_jacobian: str = "auto",
+    verify: bool = False,
 ) -> KernelFn:
     """Returns a function computing the empirical NNGP and/or NTK of ``f`` in one call.
 
@@ -264,8 +341,11 @@ def empirical_kernel_fn(
         >>> kernel_fn(x1, None, "ntk").shape
         torch.Size([4, 4])
     """
+    structured = dict(
+        structure_rules=structure_rules, closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify
+    )
     settings = _NtkSettings.validate(
-        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, "empirical_kernel_fn"
+        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, "empirical_kernel_fn"
     )
 
     def kernel_fn(
@@ -278,10 +358,10 @@ def empirical_kernel_fn(
         if "nngp" in names:
             kernels["nngp"] = call.normalise(nngp(call), dtypes=call.output_dtypes)
         if "ntk" in names:
-            kernels["ntk"] = settings.ntk(call)
+            kernels["ntk"] = settings.ntk(call, _shape_key(x1, x2, params, kwargs))
         return combine(kernels, names, bare)
 
-    return kernel_fn
+    return settings.attach_auto_choice(kernel_fn, "kernel_fn")
 
 
 def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> Callable[[PyTree], PyTree]:

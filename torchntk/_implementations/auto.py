@@ -1,0 +1,135 @@
+"""NTK implementation 0 (AUTO): the cheapest of 1, 2 and 3 for the shapes at hand.
+
+NOTE: [AUTO's cost model]
+Costs are analytic, in multiply-add FLOPs, from one forward pass counted by
+``torch.utils.flop_counter.FlopCounterMode`` (``F``: the forward cost of a side's whole batch,
+at least two FLOPs per parameter and example) and the shapes:
+
+* backward sweeps: ``B`` basis vectors (``O`` per example with ``vmap_axes``, every output entry
+  without), each a backward pass over the batch: ``2 B F`` with weight gradients (1, 2), ``B F``
+  without (3, whose sweeps stop at the ops' outputs);
+* Jacobian contraction (1): ``2 |K| |T| P`` for a kernel of ``|K|`` entries, ``|T|`` traced
+  coordinates and ``P`` parameters; memory: both sides' Jacobians;
+* NTK-vector products (2): one forward-mode pass over x1 (about ``3 F1``) per x2 output entry;
+* structured derivatives (3): opt_einsum's planned cost of every pair contraction, plus the
+  Jacobian-contraction cost of parameters the rules do not cover; memory: ``G``, the operands and
+  the largest planned intermediate.
+
+Candidates whose memory estimate exceeds the budget (half the machine's RAM, or the free memory of
+the CUDA device) are dropped unless none fits; among the rest the smallest cost wins, ties going to
+the earlier of 1, 2, 3. FLOP counts ignore GEMM efficiency and memory traffic, so the choice can be
+wrong when two estimates are close; ``auto_choice`` reports the estimates behind it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from .._call import KernelCall
+from .._types import NtkImplementation
+from .structured._cost import structured_cost
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's view of one implementation: FLOPs and peak extra memory in bytes."""
+
+    flops: float
+    memory_bytes: float
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What AUTO picked for one set of input shapes, and why.
+
+    Attributes:
+        implementation: the implementation used.
+        estimates: the cost model's estimate per candidate (empty when ``implementation`` was
+            fixed by the caller rather than chosen).
+        memory_budget_bytes: candidates estimated above this were dropped (unless none fit).
+    """
+
+    implementation: NtkImplementation
+    estimates: dict = field(default_factory=dict)
+    memory_budget_bytes: float = math.inf
+
+
+def choose(call: KernelCall, structure_rules: bool = True) -> AutoChoice:
+    """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that fits in memory."""
+    sides = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
+    element = max(call.model.params[0].element_size(), max(o.element_size() for o in call.outputs1))
+    params = sum(p.numel() for p in call.model.params)
+    forward, basis, entries = [], [], []
+    for side, outputs in sides:
+        examples = side.batch_size() if side.mapped else 1
+        counted = _forward_flops(side)
+        forward.append(max(counted, 2.0 * params * examples))
+        total = sum(o.numel() for o in outputs)
+        basis.append(total / examples if side.mapped else total)
+        entries.append(total)
+    if call.side2 is None:
+        forward, basis, entries = forward * 2, basis * 2, entries * 2
+        sweep_sides = 1
+    else:
+        sweep_sides = 2
+    kernel = sum(math.prod(shape) * layout.trace_size(o.shape) for shape, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1))
+    sweeps = sum(2.0 * b * f for b, f in list(zip(basis, forward))[:sweep_sides])
+    jacobian_contraction = Estimate(sweeps + 2.0 * kernel * params, element * params * sum(entries[:sweep_sides]))
+    ntk_vector_products = Estimate(2.0 * basis[1] * forward[1] + 3.0 * entries[1] * forward[0], element * params * 8)
+    structured = structured_cost(call, structure_rules)
+    structured_derivatives = Estimate(
+        sweeps / 2 + 2.0 * sum(forward[:sweep_sides]) + structured.contraction_flops,
+        element * structured.memory_elements,
+    )
+    estimates = {
+        NtkImplementation.JACOBIAN_CONTRACTION: jacobian_contraction,
+        NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products,
+        NtkImplementation.STRUCTURED_DERIVATIVES: structured_derivatives,
+    }
+    budget = _memory_budget(call.outputs1[0].device)
+    fitting = {key: value for key, value in estimates.items() if value.memory_bytes <= budget}
+    if not fitting:
+        smallest = min(estimates, key=lambda key: estimates[key].memory_bytes)
+        fitting = {smallest: estimates[smallest]}
+    best = min(fitting, key=lambda key: (fitting[key].flops, int(key)))
+    return AutoChoice(best, estimates, budget)
+
+
+def _forward_flops(side) -> float:
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        side.forward()
+    return float(counter.get_total_flops()) / 2  # the counter counts a multiply-add as two
+
+
+def _memory_budget(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.8 * free
+    try:
+        return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return math.inf
+
+
+class AutoSelector:
+    """Chooses per input shapes (cached) and runs the chosen implementation."""
+
+    def __init__(self, implementations: dict[NtkImplementation, Callable[[KernelCall], Any]], structure_rules: bool):
+        self._implementations = implementations
+        self._structure_rules = structure_rules
+        self._choices: dict[tuple, AutoChoice] = {}
+
+    def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
+        if key not in self._choices:
+            self._choices[key] = choose(call, self._structure_rules)
+        return self._choices[key]
+
+    def compute(self, call: KernelCall, key: tuple) -> Any:
+        return self._implementations[self.choice(call, key).implementation](call)

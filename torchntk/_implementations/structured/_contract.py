@@ -1,0 +1,179 @@
+"""Contracting two sides' factors into kernel blocks: one einsum per pair of uses.
+
+NOTE: [Pair contraction]
+For a parameter used by role ``r1`` on side 1 and role ``r2`` on side 2 the kernel gains
+``J1 J2^T``, written as one einsum over
+
+    G1[out1..., y1...]  operands1[...]  operands2[...]  G2[out2..., y2...]  ->  kernel
+
+with the output letters of the layout (traced axes shared and summed, diagonal axes shared and
+kept, other axes one letter per side), the rules' private letters renamed per side, and the
+parameter letters shared between the sides. With ``vmap_axes`` the operands' example axis takes
+the letter of the output's batch axis. opt_einsum picks the order (Gram of operands and Gram of
+``G``, or ``J`` first, or mixed) from the shapes; the paths are cached.
+
+Pairs whose parameter coordinates differ (a slice against the whole parameter, a view seeing
+entries twice) are contracted as dense Jacobians scattered into the parameter's coordinates; pairs
+seeing disjoint entries (``q`` and ``k`` slices of a packed projection) contribute nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Sequence
+
+import opt_einsum
+import torch
+
+from ..._layout import KernelLayout
+from ._roles import Role
+from ._side import SideFactors, Use
+
+_MAX_INTERMEDIATE = 2**28
+"""Elements of the largest intermediate opt_einsum may plan (1 GiB in float32)."""
+
+_SIDE1, _SIDE2, _SHARED = 1000, 2000, 3000
+
+
+def contract_sides(
+    layouts: Sequence[KernelLayout],
+    out_axes: Optional[Sequence[int]],
+    side1: SideFactors,
+    side2: SideFactors,
+    needed: Sequence[bool],
+    dtypes: Sequence[torch.dtype],
+    param_sizes: Sequence[int],
+) -> list[Optional[torch.Tensor]]:
+    """The unnormalised kernel block of every needed output leaf."""
+    symmetric = side1 is side2
+    blocks: list[Optional[torch.Tensor]] = []
+    for leaf, (layout, is_needed, dtype) in enumerate(zip(layouts, needed, dtypes)):
+        if not is_needed:
+            blocks.append(None)
+            continue
+        out_axis = None if out_axes is None else out_axes[leaf]
+        total: Optional[torch.Tensor] = None
+        for first, second, mirror in _pairs(side1.uses, side2.uses, symmetric):
+            term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes)
+            if term is None:
+                continue
+            if mirror:
+                term = term + term.permute(layout.swap_permutation())
+            total = term if total is None else total.add_(term)
+        if side1.fallback is not None:
+            for one, two in zip(side1.fallback[leaf], side2.fallback[leaf]):
+                first = one.reshape(*one.shape[: layout.ndim], -1).to(dtype)
+                second = first if symmetric else two.reshape(*two.shape[: layout.ndim], -1).to(dtype)
+                term = layout.contract(first, second)
+                total = term if total is None else total.add_(term)
+        blocks.append(total)
+    return blocks
+
+
+def _pairs(uses1: list[Use], uses2: list[Use], symmetric: bool):
+    """Pairs of uses of the same parameter unit; with one side reused, each unordered pair once."""
+    for i, first in enumerate(uses1):
+        for j, second in enumerate(uses2):
+            if first.role.unit != second.role.unit:
+                continue
+            if symmetric and j < i:
+                continue
+            yield first, second, symmetric and j > i
+
+
+def _pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes) -> Optional[torch.Tensor]:
+    kind = pair_kind(first.role, second.role)
+    if kind == "disjoint":
+        return None
+    if kind == "dense":
+        return _dense_pair(layout, out_axis, first, second, leaf, dtype, param_sizes)
+    equation, tensors = pair_equation(layout, out_axis, first, second, leaf)
+    tensors = [tensor.to(dtype) for tensor in tensors]
+    term = _expression(equation, tuple(tuple(t.shape) for t in tensors))(*tensors, backend="torch")
+    scale = first.role.scale * second.role.scale
+    return term if scale == 1.0 else term * scale
+
+
+def pair_kind(role1: Role, role2: Role) -> str:
+    """``"einsum"`` (same coordinates), ``"dense"`` (different ones) or ``"disjoint"`` (no common entry)."""
+    if not all(one.overlaps(two) for one, two in zip(role1.refs, role2.refs)):
+        return "disjoint"
+    same = role1.param_shape == role2.param_shape and all(
+        one.same_coordinates(two) and one.injective for one, two in zip(role1.refs, role2.refs)
+    )
+    return "einsum" if same else "dense"
+
+
+def pair_equation(layout, out_axis, first: Use, second: Use, leaf) -> tuple[str, list[torch.Tensor]]:
+    """The einsum of NOTE: [Pair contraction] and its operands (which may be meta tensors)."""
+    role1, role2 = first.role, second.role
+    out1, out2, result = _output_symbols(layout)
+    shared = {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(role1.param_labels)}
+    shared2 = {letter: shared[other] for letter, other in zip(role2.param_labels, role1.param_labels)}
+    terms1, tensors1 = _side_terms(first, leaf, out1, out_axis, shared, _SIDE1)
+    terms2, tensors2 = _side_terms(second, leaf, out2, out_axis, shared2, _SIDE2)
+    return ",".join(terms1 + terms2) + "->" + "".join(result), tensors1 + tensors2
+
+
+def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
+    """opt_einsum's FLOP count and largest intermediate (elements) for the planned order."""
+    _, info = opt_einsum.contract_path(
+        equation, *shapes, shapes=True, optimize="optimal", memory_limit=_MAX_INTERMEDIATE
+    )
+    return float(info.opt_cost), float(info.largest_intermediate)
+
+
+def _side_terms(use: Use, leaf, out_symbols, out_axis, shared, offset):
+    """Einsum terms and tensors of one side: ``G`` then the operands."""
+    role = use.role
+
+    def symbol(letter: str) -> str:
+        return shared.get(letter) or opt_einsum.get_symbol(offset + ord(letter))
+
+    gradient = use.gradients[leaf]
+    terms = ["".join(out_symbols) + "".join(symbol(letter) for letter in role.g_labels)]
+    tensors = [gradient]
+    batch = "" if out_axis is None else out_symbols[out_axis]
+    for tensor, labels in role.operands:
+        terms.append(batch + "".join(symbol(letter) for letter in labels))
+        tensors.append(tensor)
+    return terms, tensors
+
+
+def _dense_pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes) -> torch.Tensor:
+    out1, _, _ = _output_symbols(layout)
+    one = dense_jacobian(first, leaf, out1, out_axis, param_sizes).to(dtype)
+    two = dense_jacobian(second, leaf, out1, out_axis, param_sizes).to(dtype)
+    return layout.contract(one, two)
+
+
+def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes) -> torch.Tensor:
+    """``J`` of one use as ``(*output, parameter entries)``, scattered into the parameter's coordinates."""
+    role = use.role
+    if role.joint:
+        raise AssertionError("joint roles always pair with roles of the same coordinates")
+    shared = {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(role.param_labels)}
+    terms, tensors = _side_terms(use, leaf, out_symbols, out_axis, shared, _SIDE1)
+    equation = ",".join(terms) + "->" + "".join(out_symbols) + "".join(shared.values())
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+    tensors = [t.to(dtype) for t in tensors]
+    seen = _expression(equation, tuple(tuple(t.shape) for t in tensors))(*tensors, backend="torch") * role.scale
+    output_shape = seen.shape[: len(out_symbols)]
+    seen = seen.reshape(*output_shape, math.prod(role.param_shape))
+    ref = role.refs[0]
+    if ref.index is None:
+        return seen
+    full = seen.new_zeros(*output_shape, param_sizes[ref.param])
+    return full.index_add_(-1, ref.index.reshape(-1).to(seen.device), seen)
+
+
+@functools.lru_cache(maxsize=256)
+def _output_symbols(layout: KernelLayout) -> tuple[list[str], list[str], list[str]]:
+    one, two, result = layout._letters
+    return list(one), list(two), list(result)
+
+
+@functools.lru_cache(maxsize=1024)
+def _expression(equation: str, shapes: tuple[tuple[int, ...], ...]):
+    return opt_einsum.contract_expression(equation, *shapes, optimize="optimal", memory_limit=_MAX_INTERMEDIATE)

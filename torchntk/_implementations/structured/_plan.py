@@ -1,0 +1,75 @@
+"""Which parameters the rules cover, and which weight/bias pairs share one factor.
+
+A parameter is *ruled* when every op that consumed it in a probe pass had an applicable rule;
+otherwise it goes to the Jacobian fallback whole. A parameter no op consumed is *unused* and
+contributes nothing (``verify=True`` checks that claim against autograd). A weight and a bias are
+stated *jointly* when both are ruled, seen whole, and every call using either uses both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ._roles import Role, RuleCall
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The split of parameters between rules and the Jacobian fallback.
+
+    Attributes:
+        ruled: indices of parameters whose every use has a rule.
+        fallback: indices of parameters whose Jacobians are contracted directly.
+        joint: ``(weight, bias)`` index pairs stated by one joint role.
+        local_jacobian: ``None`` for closed-form rules; ``"forward"``, ``"reverse"`` or ``"auto"``
+            to compute each op's ``dy/dp`` densely instead (a test oracle).
+    """
+
+    ruled: frozenset[int]
+    fallback: tuple[int, ...]
+    joint: frozenset[tuple[int, ...]]
+    local_jacobian: Optional[str]
+
+    def roles(self, call: RuleCall) -> list[Role]:
+        """The roles of ``call`` that contribute: ruled parameters, joint pairs stated jointly."""
+        separate, joint = call.roles()
+        if joint is not None and joint.unit in self.joint:
+            return [joint]
+        return [role for role in separate if role.unit[0] in self.ruled]
+
+    def check(self, unruled: set[int], where: str) -> None:
+        """Raises if a pass sent a parameter the plan calls ruled to an op without a rule."""
+        surprising = sorted(unruled & self.ruled)
+        if surprising:
+            raise RuntimeError(
+                f"{where}: structured derivatives: parameter(s) {surprising} reached an op without a "
+                f"rule in one evaluation but not in the first one; the model must run the same "
+                f"operations on every input. Use implementation=1 for this model."
+            )
+
+
+def make_plan(
+    calls: list[RuleCall], unruled: set[int], n_params: int, *, structure_rules: bool, local_jacobian: Optional[str]
+) -> Plan:
+    """Builds the plan from the rule calls and unruled parameters of the probe passes."""
+    if not structure_rules:
+        return Plan(frozenset(), tuple(range(n_params)), frozenset(), local_jacobian)
+    used: set[int] = set()
+    calls_using: dict[int, set[int]] = {}
+    offers: dict[int, tuple[int, ...]] = {}
+    for position, call in enumerate(calls):
+        separate, joint = call.roles()
+        for role in separate:
+            used.add(role.unit[0])
+            calls_using.setdefault(role.unit[0], set()).add(position)
+        if joint is not None and all(ref.index is None for ref in joint.refs):
+            offers[position] = joint.unit
+    ruled = frozenset(used - unruled)
+    joint_units = set()
+    if local_jacobian is None:
+        for unit in set(offers.values()):
+            positions = calls_using.get(unit[0], set()) | calls_using.get(unit[1], set())
+            if set(unit) <= ruled and all(offers.get(position) == unit for position in positions):
+                joint_units.add(unit)
+    return Plan(ruled, tuple(sorted(unruled)), frozenset(joint_units), local_jacobian)

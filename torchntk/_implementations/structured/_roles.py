@@ -1,0 +1,123 @@
+"""What a rule says about one parameter consumed by one recorded call.
+
+NOTE: [Roles and their factors]
+A recorded call ``y = op(p, z)`` contributes ``J_p = G Y`` to the Jacobian, where
+``G = df/dy`` (computed for every output entry by batched VJPs) and ``Y = dy/dp`` is structured.
+A :class:`Role` states ``J_p`` as an einsum over letters local to the rule:
+
+    J[out..., param_labels] = G[out..., g_labels] * operand_1[labels_1] * ... * scale
+
+``G``'s ``y`` part is first viewed as ``y_shape``. Letters in ``param_labels`` index the
+parameter's coordinates (viewed as ``param_shape``); every other letter is summed on its own
+side. Two roles of the same parameter on the two sides are contracted by giving their parameter
+letters one shared symbol, so one einsum per pair of uses computes ``J1 J2^T`` without ever
+forming ``J`` (NOTE: [Pair contraction] in ``_contract.py``).
+
+Operands are per example: when the kernel is computed per example (``vmap_axes``), every
+operand gains a leading example axis which shares its symbol with the output's batch axis.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """A parameter tensor as a rule sees it: ``param.flatten()[index]`` (or the parameter itself).
+
+    ``index`` is an integer tensor of the seen tensor's shape, holding flat positions in the
+    parameter; ``None`` means the parameter itself. Views, slices and dtype casts between a
+    parameter and its consumer give an ``index`` (see ``_views.py``).
+    """
+
+    param: int
+    index: Optional[torch.Tensor] = None
+
+    @functools.cached_property
+    def injective(self) -> bool:
+        """Whether no parameter entry is seen twice (a broadcast view sees some entries twice)."""
+        return self.index is None or torch.unique(self.index).numel() == self.index.numel()
+
+    def overlaps(self, other: "ParamRef") -> bool:
+        """Whether both see at least one common entry of the same parameter."""
+        if self.param != other.param:
+            return False
+        if self.index is None or other.index is None:
+            return True
+        return bool(torch.isin(self.index, other.index).any())
+
+    def same_coordinates(self, other: "ParamRef") -> bool:
+        """Whether both see the same entries of the same parameter in the same order."""
+        if self.param != other.param:
+            return False
+        if self.index is None or other.index is None:
+            return self.index is None and other.index is None
+        return self.index is other.index or (
+            self.index.shape == other.index.shape and torch.equal(self.index, other.index)
+        )
+
+
+@dataclass
+class Role:
+    """``J_p`` of one parameter (or a weight/bias pair, see :attr:`refs`) in one recorded call.
+
+    Attributes:
+        refs: the parameter seen (one ref), or a (weight, bias) pair stated jointly so that the
+            pair shares one contraction (e.g. ``[x, 1]`` as the operand of a linear layer).
+        name: the role in the op, for messages (``"weight"``, ``"bias"``, ``"weight+bias"``).
+        y_shape: the shape ``G``'s per-example ``y`` part is viewed as.
+        g_labels: letters of that view.
+        operands: ``(tensor, letters)`` pairs; tensors are per example.
+        param_labels: letters of the parameter coordinates, in order.
+        param_shape: the shape of the parameter coordinates ``param_labels`` index.
+        scale: a constant factor (``-1`` for ``x - p``, ``alpha`` of ``torch.add``).
+        local: ``y`` as a function of the seen parameter tensor, the other inputs fixed; used to
+            compute ``dy/dp`` densely when closed-form rules are switched off.
+        seen: the tensor the op received for the parameter (the parameter, or a view or cast of
+            it): where ``local`` is evaluated.
+    """
+
+    refs: tuple[ParamRef, ...]
+    name: str
+    y_shape: tuple[int, ...]
+    g_labels: str
+    operands: list[tuple[torch.Tensor, str]]
+    param_labels: str
+    param_shape: tuple[int, ...]
+    scale: float = 1.0
+    local: Optional[Callable[[torch.Tensor], torch.Tensor]] = field(default=None, repr=False)
+    seen: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def joint(self) -> bool:
+        return len(self.refs) > 1
+
+    @property
+    def unit(self) -> tuple[int, ...]:
+        """The parameter indices this role covers."""
+        return tuple(ref.param for ref in self.refs)
+
+
+@dataclass
+class RuleCall:
+    """What a rule returns for one call: the op's output and how to state its parameters' roles.
+
+    ``build()`` returns the separate roles and, optionally, a ``joint`` role stating a weight and
+    a bias together; the plan uses the joint one when the two are always used together. Roles are
+    only built when the recorder records (the perturbed passes only need the output).
+    """
+
+    output: torch.Tensor
+    build: Callable[[], tuple[list[Role], Optional[Role]]]
+    _built: Optional[tuple[list[Role], Optional[Role]]] = field(default=None, repr=False)
+
+    def roles(self) -> tuple[list[Role], Optional[Role]]:
+        """``build()``, once."""
+        if self._built is None:
+            self._built = self.build()
+        return self._built

@@ -1,0 +1,172 @@
+"""One side's factors: ``G = df/dy`` for every recorded use, the rules' operands, fallback Jacobians.
+
+NOTE: [df/dy by perturbed passes]
+The model runs once under a recording :class:`~._recorder.Recorder` (no autograd) to find the rule
+calls and build their operands, then once more with a zero ``delta_k`` added to the output of
+every rule call that contributes. The VJP with respect to the deltas, batched over a basis of the
+output entries, gives ``G_k[o, ...] = d f[o] / d y_k`` for all of them at once: ``O`` backward
+sweeps that stop at the ``y_k`` and never form parameter-shaped tensors. With ``vmap_axes`` this
+runs per example under ``vmap`` (so the model never needs to say where its batch axis is inside),
+and ``O`` is the output size of one example; without it the whole batch is one "example" and the
+basis covers every output entry (which is what batch-coupled models such as BatchNorm in training
+mode need).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.func import jacfwd, jacrev, vjp, vmap
+
+from ..._per_example import Side
+from ._plan import Plan
+from ._recorder import Recorder
+from ._roles import Role
+from .rules._common import letters
+
+
+@dataclass
+class Use:
+    """A contributing role with its ``G`` per output leaf.
+
+    ``gradients[k]`` has shape ``output_k.shape + role.y_shape`` (the output's batch axis included;
+    with ``vmap_axes`` it doubles as the role operands' leading example axis).
+    """
+
+    role: Role
+    gradients: tuple[torch.Tensor, ...]
+
+
+@dataclass
+class SideFactors:
+    """Everything one side contributes to the contraction."""
+
+    uses: list[Use]
+    fallback: Optional[tuple[tuple[torch.Tensor, ...], ...]]
+
+
+def probe(side: Side) -> Recorder:
+    """One recording pass (per example on the first example when mapped): finds the rule calls.
+
+    The calls' roles hold meta tensors with the per-example operand shapes (for the plan and AUTO).
+    """
+    if side.mapped:
+        side = side.narrow(0, min(1, side.batch_size()))
+    recorder = Recorder(side.model.params)
+
+    def run(x_leaves, kwarg_leaves):
+        with torch.no_grad(), recorder:
+            side.evaluate(side.model.params, x_leaves, kwarg_leaves)
+        for call in recorder.calls:
+            # Only shapes may leave vmap: the operands become meta tensors of the per-example shape.
+            separate, joint = call.roles()
+            call._built = ([_on_meta(role) for role in separate], joint and _on_meta(joint))
+        return torch.zeros(())
+
+    side.per_example(run)
+    return recorder
+
+
+def _on_meta(role: Role) -> Role:
+    operands = [(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), labels) for tensor, labels in role.operands]
+    return dataclasses.replace(role, operands=operands, local=None, seen=None)
+
+
+def side_factors(
+    side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None
+) -> SideFactors:
+    """``G`` and operands of every contributing use, plus the fallback parameters' Jacobians.
+
+    With ``cotangents`` (shaped like the outputs) ``G`` is contracted with them instead of a basis:
+    ``gradients`` then holds one tensor of shape ``role.y_shape`` (after the example axis when
+    mapped), the ``G``-side of ``J^T v`` (used by ``verify``).
+    """
+    params = side.model.params
+    found: dict[str, list] = {}
+
+    def run(x_leaves, kwarg_leaves, *cotangent_leaves):
+        recorder = Recorder(params)
+        with torch.no_grad(), recorder:
+            side.evaluate(params, x_leaves, kwarg_leaves)
+        plan.check(recorder.unruled, side.where)
+        kept = [(position, role) for position, call in enumerate(recorder.calls) for role in plan.roles(call)]
+        if plan.local_jacobian is not None:
+            kept = [(position, _dense_role(role, plan.local_jacobian)) for position, role in kept]
+        perturbed = sorted({position for position, _ in kept})
+        zeros = tuple(torch.zeros_like(recorder.calls[position].output) for position in perturbed)
+
+        def perturbed_model(deltas):
+            with Recorder(params, dict(zip(perturbed, deltas))):
+                return side.evaluate(params, x_leaves, kwarg_leaves)
+
+        outputs, pullback = vjp(perturbed_model, zeros)
+        basis = tuple(c.unsqueeze(0) for c in cotangent_leaves) if cotangent_leaves else _identity_basis(outputs)
+        (gradients,) = vmap(pullback, chunk_size=chunk_size)(basis) if perturbed else ((),)
+        found["kept"] = [(perturbed.index(position), role) for position, role in kept]
+        found["sizes"] = [output.numel() for output in outputs]
+        found["shapes"] = [tuple(output.shape) for output in outputs]
+        operands = tuple(tensor for _, role in kept for tensor, _ in role.operands)
+        return tuple(gradients), operands
+
+    extra = tuple(cotangents) if cotangents is not None else ()
+    extra_dims = tuple(side.out_axes) if (cotangents is not None and side.mapped) else tuple(None for _ in extra)
+    gradients, operands = side.per_example(run, extra, extra_dims)
+    uses = _uses(side, found, gradients, iter(operands), contracted=cotangents is not None)
+    fallback = side.jacobians(chunk_size=chunk_size, only=plan.fallback) if plan.fallback and cotangents is None else None
+    return SideFactors(uses, fallback)
+
+
+def _uses(side: Side, found: dict, gradients: tuple, operands, contracted: bool) -> list[Use]:
+    uses = []
+    for gradient_index, role in found["kept"]:
+        role = dataclasses.replace(role, operands=[(next(operands), labels) for _, labels in role.operands])
+        gradient = gradients[gradient_index]  # ([N,] B, *y)
+        example_axes = 1 if side.mapped else 0
+        if contracted:
+            per_leaf = (gradient.reshape(*gradient.shape[:example_axes], *role.y_shape),)
+        else:
+            per_leaf = tuple(
+                _place(part, shape, role.y_shape, side, leaf)
+                for leaf, (part, shape) in enumerate(zip(gradient.split(found["sizes"], dim=example_axes), found["shapes"]))
+            )
+        uses.append(Use(role, per_leaf))
+    return uses
+
+
+def _place(gradient: torch.Tensor, output_shape: tuple, y_shape: tuple, side: Side, leaf: int) -> torch.Tensor:
+    """``([N,] B_leaf, *y) -> output.shape + y_shape``, the example axis moved to the output's batch axis."""
+    if not side.mapped:
+        return gradient.reshape(*output_shape, *y_shape)
+    gradient = gradient.reshape(gradient.shape[0], *output_shape, *y_shape)
+    return gradient.movedim(0, side.out_axes[leaf])
+
+
+def _identity_basis(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """One cotangent per output entry of every leaf (the other leaves zero): ``(B, *leaf.shape)``."""
+    sizes = [output.numel() for output in outputs]
+    total = sum(sizes)
+    basis = []
+    start = 0
+    for output, size in zip(outputs, sizes):
+        eye = torch.zeros(total, size, dtype=output.dtype, device=output.device)
+        eye[start : start + size] = torch.eye(size, dtype=output.dtype, device=output.device)
+        basis.append(eye.reshape(total, *output.shape))
+        start += size
+    return tuple(basis)
+
+
+def _dense_role(role: Role, mode: str) -> Role:
+    """The role with ``dy/dp`` computed densely from ``role.local`` (no structure used)."""
+    seen = role.seen
+    y = role.local(seen)
+    forward = mode == "forward" or (mode == "auto" and y.numel() > seen.numel())
+    jacobian = (jacfwd if forward else jacrev)(role.local)(seen)
+    y_letters = letters(y.ndim)
+    param_letters = letters(seen.ndim, start=y.ndim)
+    return Role(
+        role.refs, role.name, tuple(y.shape), y_letters, [(jacobian, y_letters + param_letters)], param_letters,
+        tuple(seen.shape),
+    )
