@@ -1,10 +1,12 @@
-"""Benchmark models shared by the torch and JAX sides of ``bench_core.py``.
+"""Benchmark models shared by ``bench_core.py`` and ``bench_structured.py``.
 
-Each model exists twice: as a ``torch.nn.Module`` (what torchntk sees) and as
-a plain JAX ``apply(params, x)`` function (what neural-tangents sees).  The
-JAX parameters are the torch weights converted to arrays, kept under the same
-names and in the same layouts (Linear weights ``(out, in)``, Conv2d weights
-``OIHW``), so both libraries differentiate exactly the same function.
+``mlp`` and ``cnn`` exist twice: as a ``torch.nn.Module`` (what torchntk sees)
+and as a plain JAX ``apply(params, x)`` function (what neural-tangents sees).
+The JAX parameters are the torch weights converted to arrays, kept under the
+same names and in the same layouts (Linear weights ``(out, in)``, Conv2d
+weights ``OIHW``), so both libraries differentiate exactly the same function.
+``resnet`` and ``transformer`` are torch-only (``JAX_MODELS`` lists the
+others).
 
 Only ``torch`` is imported at module level; the JAX helpers import ``jax``
 lazily so that the torch-only workers never load it.
@@ -27,7 +29,106 @@ MODEL_SPECS: Dict[str, Tuple[int, int, Tuple[int, ...], str]] = {
     "cnn": (16, 16, (3, 16, 16),
             "CNN 3x[Conv2d 3x3 32ch pad 1 + ReLU] -> Linear(8192,10), "
             "NCHW 16x3x16x16, N1=N2=16"),
+    "resnet": (16, 16, (3, 16, 16),
+               "ResNet: Conv 3x3 16ch + BN + ReLU, BasicBlock 16->16, BasicBlock 16->32 "
+               "(stride 2, 1x1 conv + BN shortcut), global average pool, Linear(32,10); "
+               "BatchNorm in eval mode with non-trivial running statistics; "
+               "NCHW 16x3x16x16, N1=N2=16"),
+    "transformer": (16, 16, (16,),
+                    "Transformer block: token + position Embedding (vocab 50, d_model 64), "
+                    "pre-LN MultiheadAttention(4 heads, batch_first) + residual, "
+                    "pre-LN MLP 64-128-64 (GELU) + residual, final LayerNorm, mean over "
+                    "the 16 tokens, Linear(64,50) head (logits over the vocabulary); "
+                    "int64 tokens of length 16, N1=N2=16"),
 }
+
+# Models whose inputs are integer token ids: name -> vocabulary size.
+TOKEN_VOCAB: Dict[str, int] = {"transformer": 50}
+
+# Models that also have a JAX version (``jax_apply_fn``), for neural-tangents.
+JAX_MODELS = ("mlp", "cnn")
+
+
+class BasicBlock(nn.Module):
+    """torchvision-style ResNet basic block: two 3x3 convs (no bias) with
+    BatchNorm, identity or 1x1-conv + BatchNorm shortcut, ReLU after the sum."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        return torch.relu(h + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(16), nn.ReLU())
+        self.layer1 = BasicBlock(16, 16)
+        self.layer2 = BasicBlock(16, 32, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        h = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(self.pool(h), 1))
+
+
+class TinyTransformer(nn.Module):
+    """One pre-LN transformer block, mean-pooled over the tokens, with a
+    vocabulary-sized head.
+
+    ``tokens`` of shape ``(N, L)`` (int64) -> logits ``(N, vocab)``.  (Pooled
+    rather than a per-token head: ``L * vocab`` outputs per example would make
+    the Jacobian-based implementations 16x as costly, too slow for a routine
+    benchmark on a 2-core CPU; every layer still acts on all ``L`` tokens.)
+    """
+
+    def __init__(self, vocab: int = 50, seq_len: int = 16, d_model: int = 64,
+                 heads: int = 4, hidden: int = 128):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = nn.MultiheadAttention(d_model, heads, dropout=0.0, batch_first=True)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(),
+                                 nn.Linear(hidden, d_model))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        h = self.tok(tokens) + self.pos(positions)
+        a = self.ln1(h)
+        h = h + self.attn(a, a, a, need_weights=False)[0]
+        h = h + self.mlp(self.ln2(h))
+        return self.head(self.ln_f(h).mean(dim=-2))
+
+
+def _randomise_norms(model: nn.Module) -> None:
+    """Non-trivial affine parameters and running statistics for every
+    BatchNorm / LayerNorm, so that eval-mode normalisation is not close to the
+    identity (fresh BatchNorm has mean 0, variance 1, weight 1, bias 0)."""
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, (nn.BatchNorm2d, nn.LayerNorm)):
+                mod.weight.copy_(1.0 + 0.2 * torch.randn_like(mod.weight))
+                mod.bias.copy_(0.1 * torch.randn_like(mod.bias))
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.copy_(0.1 * torch.randn_like(mod.running_mean))
+                mod.running_var.copy_(0.5 + torch.rand_like(mod.running_var))
 
 
 def build_torch_model(name: str) -> nn.Module:
@@ -47,15 +148,28 @@ def build_torch_model(name: str) -> nn.Module:
             nn.Flatten(),
             nn.Linear(32 * 16 * 16, 10),
         )
+    elif name == "resnet":
+        model = SmallResNet()
+        _randomise_norms(model)
+    elif name == "transformer":
+        vocab = TOKEN_VOCAB[name]
+        model = TinyTransformer(vocab=vocab, seq_len=MODEL_SPECS[name][2][0])
+        _randomise_norms(model)
     else:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODEL_SPECS)}")
     return model.float().eval()
 
 
 def make_inputs(name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Two different standard-normal float32 batches ``x1`` and ``x2``."""
+    """Two different standard-normal float32 batches ``x1`` and ``x2`` (uniform
+    int64 token ids for the models in ``TOKEN_VOCAB``)."""
     n1, n2, shape, _ = MODEL_SPECS[name]
     gen = torch.Generator().manual_seed(INPUT_SEED)
+    if name in TOKEN_VOCAB:
+        vocab = TOKEN_VOCAB[name]
+        x1 = torch.randint(vocab, (n1,) + shape, generator=gen, dtype=torch.int64)
+        x2 = torch.randint(vocab, (n2,) + shape, generator=gen, dtype=torch.int64)
+        return x1, x2
     x1 = torch.randn((n1,) + shape, generator=gen, dtype=torch.float32)
     x2 = torch.randn((n2,) + shape, generator=gen, dtype=torch.float32)
     return x1, x2
@@ -74,15 +188,27 @@ def state_to_numpy(model: nn.Module) -> Dict[str, np.ndarray]:
 # --------------------------------------------------------------------------
 
 def jax_params(state: Dict[str, np.ndarray]):
-    """Torch ``state_dict`` arrays -> dict of ``jnp`` arrays (same names/layouts)."""
+    """Torch ``state_dict`` arrays -> dict of ``jnp`` arrays (same names and values).
+
+    Dense weights are stored transposed, ``(in, out)``, the layout JAX models use, so
+    that the JAX model computes ``h @ W`` with no transpose in front of the product:
+    neural-tangents' structured derivatives only analyse a parameter's first consumer,
+    and a transpose there makes them as slow as Jacobian contraction (4.6 s instead of
+    18 ms on the benchmark MLP). Conv filters keep PyTorch's OIHW layout.
+    """
     import jax.numpy as jnp
-    return {k: jnp.asarray(v, dtype=jnp.float32) for k, v in state.items()}
+    params = {}
+    for name, value in state.items():
+        if name.endswith(".weight") and value.ndim == 2:
+            value = value.T.copy()
+        params[name] = jnp.asarray(value, dtype=jnp.float32)
+    return params
 
 
 def _dense(p, prefix: str, h):
     import jax.numpy as jnp
-    # torch Linear: y = h W^T + b, W of shape (out, in)
-    return jnp.dot(h, p[prefix + ".weight"].T) + p[prefix + ".bias"]
+    # torch Linear: y = h W^T + b; the JAX copy of W is already (in, out)
+    return jnp.dot(h, p[prefix + ".weight"]) + p[prefix + ".bias"]
 
 
 def _conv_same(p, prefix: str, h):
@@ -117,4 +243,4 @@ def jax_apply_fn(name: str) -> Callable:
         return _mlp_apply
     if name == "cnn":
         return _cnn_apply
-    raise ValueError(f"unknown model {name!r}")
+    raise ValueError(f"model {name!r} has no JAX version (those that do: {JAX_MODELS})")

@@ -27,17 +27,17 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import types
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(HERE)
+from _common import (HERE, REPO_ROOT, cpu_description, dist_version, fmt_diff,
+                     import_neural_tangents, launch_worker, limit_threads, mem_description,
+                     parse_list, peak_rss_mb, prepare_data, probe_nt, probe_torchntk,
+                     rel_diff, render, time_calls)
 
 KERNELS = {"full": (), "traced": (-1,)}
 LIB_LABELS = {"torchntk": "torchntk", "nt": "neural-tangents",
@@ -47,55 +47,6 @@ LIB_LABELS = {"torchntk": "torchntk", "nt": "neural-tangents",
 # ===========================================================================
 # Worker side: one configuration per process.
 # ===========================================================================
-
-def _limit_threads(threads: Optional[int]) -> None:
-    """Must run before torch / jax are imported."""
-    if not threads:
-        return
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-        # XLA's CPU thread pool is sized from the affinity mask, so pinning
-        # the worker to `threads` cores is how JAX is limited; torch gets
-        # set_num_threads as well.
-        os.sched_setaffinity(0, cpus[:threads])
-    except (AttributeError, OSError):
-        pass
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    if threads == 1:
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false"
-                                   " intra_op_parallelism_threads=1").strip()
-
-
-def _peak_rss_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-
-
-def _time_calls(call, repeats: int):
-    """Warm-up call (timed separately), then `repeats` timed calls."""
-    t0 = time.perf_counter()
-    out = call()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        del out
-        gc.collect()
-        t0 = time.perf_counter()
-        out = call()
-        times.append(time.perf_counter() - t0)
-    return out, first, times
-
-
-def _import_neural_tangents():
-    # neural_tangents/__init__ eagerly imports its TensorFlow bridge
-    # (neural_tangents.experimental); an empty placeholder module avoids
-    # needing TensorFlow.  Nothing here uses the bridge.
-    sys.modules.setdefault("neural_tangents.experimental",
-                           types.ModuleType("neural_tangents.experimental"))
-    import neural_tangents as nt
-    return nt
-
 
 def _tutorial_ntk(model, x1, x2, trace: bool):
     """The PyTorch NTK tutorial's baseline: per-example Jacobians with
@@ -121,7 +72,7 @@ def _tutorial_ntk(model, x1, x2, trace: bool):
 
 
 def run_worker(spec: dict) -> dict:
-    _limit_threads(spec["threads"])
+    limit_threads(spec["threads"])
     import numpy as np
 
     sys.path.insert(0, HERE)
@@ -152,13 +103,13 @@ def run_worker(spec: dict) -> dict:
             call = lambda: fn(x1, x2)  # noqa: E731
         else:
             call = lambda: _tutorial_ntk(model, x1, x2, trace=bool(trace_axes))  # noqa: E731
-        out, first, times = _time_calls(call, spec["repeats"])
+        out, first, times = time_calls(call, spec["repeats"])
         kernel_np = out.detach().cpu().numpy()
 
     elif lib == "nt":
         import jax
         import jax.numpy as jnp
-        nt = _import_neural_tangents()
+        nt = import_neural_tangents()
         res["version"] = f"jax {jax.__version__}"
         params = _models.jax_params(state)
         f = _models.jax_apply_fn(name)
@@ -171,14 +122,14 @@ def run_worker(spec: dict) -> dict:
         fn = jax.jit(nt.empirical_ntk_fn(f, trace_axes=trace_axes, vmap_axes=0,
                                          implementation=impl))
         call = lambda: fn(x1, x2, params).block_until_ready()  # noqa: E731
-        out, first, times = _time_calls(call, spec["repeats"])
+        out, first, times = time_calls(call, spec["repeats"])
         kernel_np = np.asarray(out)
     else:
         raise ValueError(lib)
 
     np.save(spec["kernel_out"], kernel_np)
     res.update(ok=True, first=first, times=times, median=statistics.median(times),
-               shape=list(kernel_np.shape), peak_rss_mb=_peak_rss_mb())
+               shape=list(kernel_np.shape), peak_rss_mb=peak_rss_mb())
     return res
 
 
@@ -192,7 +143,7 @@ def worker_main(spec_path: str) -> int:
         res = {"ok": False, "error": f"{type(exc).__name__}: {exc}".strip(),
                "traceback": tb}
         try:
-            res["peak_rss_mb"] = _peak_rss_mb()
+            res["peak_rss_mb"] = peak_rss_mb()
         except Exception:
             pass
     with open(spec["result_out"], "w") as fh:
@@ -226,123 +177,17 @@ class Run:
         return (self.lib, self.model, self.kernel, self.impl)
 
 
-def cpu_description() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return f"{model}, {os.cpu_count()} logical cores ({usable} usable by this process)"
-
-
-def mem_description() -> str:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    return f"{int(line.split()[1]) / 1024 ** 2:.1f} GiB RAM"
-    except OSError:
-        pass
-    return "RAM unknown"
-
-
-def dist_version(name: str) -> Optional[str]:
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def probe_nt() -> Tuple[bool, str]:
-    """Can jax + neural_tangents be imported (in a fresh process)?"""
-    code = ("import sys, types; "
-            "sys.modules.setdefault('neural_tangents.experimental', "
-            "types.ModuleType('neural_tangents.experimental')); "
-            "import jax, neural_tangents; print(jax.__version__)")
-    try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                           text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return False, "import of jax/neural_tangents timed out"
-    if p.returncode != 0:
-        last = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return False, last
-    return True, ""
-
-
-def probe_torchntk() -> Tuple[bool, str, str]:
-    sys.path.insert(0, REPO_ROOT)
-    try:
-        import torchntk
-    except Exception as exc:
-        return False, f"import torchntk failed: {type(exc).__name__}: {exc}", ""
-    if not hasattr(torchntk, "empirical_ntk_fn"):
-        return False, "torchntk has no empirical_ntk_fn", ""
-    return True, "", getattr(torchntk, "__version__", "?")
-
-
-def prepare_data(name: str, tmpdir: str) -> Tuple[str, str]:
-    """Build the seeded model + inputs once; save weights, inputs and the
-    torch forward output for the workers.  Returns (path, description)."""
-    import numpy as np
-    import torch
-
-    sys.path.insert(0, HERE)
-    import _models
-
-    model = _models.build_torch_model(name)
-    x1, x2 = _models.make_inputs(name)
-    with torch.no_grad():  # plain forward for the cross-check, no NTK here
-        y1 = model(x1).numpy()
-    arrays = {"p:" + k: v for k, v in _models.state_to_numpy(model).items()}
-    path = os.path.join(tmpdir, f"{name}.npz")
-    np.savez(path, x1=x1.numpy(), x2=x2.numpy(), y1=y1, **arrays)
-    desc = (f"{_models.MODEL_SPECS[name][3]}; {_models.num_params(model):,} parameters; "
-            f"output {tuple(y1.shape)}")
-    return path, desc
-
-
 def run_config(run: Run, data_path: str, tmpdir: str, args) -> Run:
     stem = os.path.join(tmpdir, f"{run.lib}-{run.model}-{run.kernel}-{run.impl}")
     spec = dict(lib=run.lib, model=run.model, kernel=run.kernel, impl=run.impl,
                 repeats=args.repeats, threads=args.threads, data=data_path,
                 kernel_out=stem + ".npy", result_out=stem + ".json")
-    with open(stem + ".spec.json", "w") as fh:
-        json.dump(spec, fh)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [REPO_ROOT, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, os.path.abspath(__file__), "--_worker", stem + ".spec.json"]
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                           timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        run.error = f"timeout (> {args.timeout:g} s incl. warm-up/compile)"
+    res, why = launch_worker(__file__, spec, stem, args.timeout, args.verbose)
+    if res is None:
+        run.error = why
         return run
-    if not os.path.exists(spec["result_out"]):
-        if p.returncode < 0:
-            sig = -p.returncode
-            why = "killed by SIGKILL (probably out of memory)" if sig == 9 else f"killed by signal {sig}"
-        else:
-            why = f"worker exited with status {p.returncode}"
-        tail = " | ".join(p.stderr.strip().splitlines()[-3:])
-        run.error = why + (f": {tail}" if tail else "")
-        return run
-    with open(spec["result_out"]) as fh:
-        res = json.load(fh)
     if not res.get("ok"):
         run.error = res.get("error", "unknown error")
-        if args.verbose:
-            print(res.get("traceback", ""), file=sys.stderr)
         run.peak_rss_mb = res.get("peak_rss_mb", math.nan)
         return run
     run.ok = True
@@ -350,17 +195,6 @@ def run_config(run: Run, data_path: str, tmpdir: str, args) -> Run:
     run.peak_rss_mb, run.shape = res["peak_rss_mb"], res["shape"]
     run.kernel_path = spec["kernel_out"]
     return run
-
-
-def rel_diff(a_path: str, b_path: str) -> Tuple[Optional[float], str]:
-    """max|A - B| / max|B| with B the reference."""
-    import numpy as np
-    a, b = np.load(a_path), np.load(b_path)
-    if a.shape != b.shape:
-        return None, f"shape mismatch {a.shape} vs {b.shape}"
-    den = float(np.max(np.abs(b)))
-    num = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-    return (num / den if den > 0 else num), ""
 
 
 def fmt_time(r: Optional[Run]) -> str:
@@ -371,33 +205,6 @@ def fmt_time(r: Optional[Run]) -> str:
     return f"{r.median:.3f}"
 
 
-def fmt_diff(d: Optional[float], ref: str = "") -> str:
-    if d is None:
-        return ref or "—"
-    s = f"{d:.1e}"
-    return f"{s} {ref}".strip()
-
-
-def render(headers: List[str], rows: List[List[str]], markdown: bool) -> str:
-    if markdown:
-        out = ["| " + " | ".join(headers) + " |",
-               "|" + "|".join("---" for _ in headers) + "|"]
-        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-        return "\n".join(out)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(out)
-
-
-def parse_list(s: str, allowed, conv=str):
-    items = [conv(x.strip()) for x in s.split(",") if x.strip()]
-    for it in items:
-        if it not in allowed:
-            raise argparse.ArgumentTypeError(f"{it!r} not in {sorted(allowed)}")
-    return items
 
 
 def main(argv=None) -> int:

@@ -32,6 +32,8 @@ class KernelCall:
         dtypes: the NTK's dtype per output leaf: the promotion of the output and parameter dtypes
             (the NNGP keeps :attr:`output_dtypes`).
         chunk_size: the memory knob (examples per block when mapped, else vectors at once).
+        vmap_check_pending: the implementation must compare its per-example outputs with
+            :meth:`expected_outputs` (:func:`compare_per_example`).
     """
 
     where: str
@@ -44,6 +46,7 @@ class KernelCall:
     layouts: tuple[KernelLayout, ...]
     dtypes: tuple[torch.dtype, ...]
     chunk_size: Optional[int]
+    vmap_check_pending: bool = False
 
     @property
     def reuses_x1(self) -> bool:
@@ -52,6 +55,13 @@ class KernelCall:
     @property
     def output_dtypes(self) -> tuple[torch.dtype, ...]:
         return tuple(output.dtype for output in self.outputs1)
+
+    def expected_outputs(self, side: Side) -> tuple[torch.Tensor, ...]:
+        """The whole-batch outputs of the examples a (narrowed, mapped) side holds."""
+        outputs = self.outputs1 if side.name == "x1" else self.outputs2
+        return tuple(
+            output.narrow(axis, side.offset, side.batch_size()) for output, axis in zip(outputs, side.out_axes)
+        )
 
     def kernel_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(
@@ -81,8 +91,12 @@ def prepare_call(
     vmap_axes: Optional[ParsedVmapAxes] = None,
     check_vmap_axes: bool = True,
     chunk_size: Optional[int] = None,
+    defer_vmap_check: bool = False,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side.
+
+    ``defer_vmap_check`` leaves the per-example check of NOTE: [Checking vmap_axes] to an
+    implementation that evaluates the model per example anyway (``KernelCall.vmap_check_pending``).
 
     Raises:
         TypeError: outputs that are not tensors; bad ``params``.
@@ -116,16 +130,19 @@ def prepare_call(
                 raise ValueError(f"{where}: `vmap_axes` maps the inputs of only one of x1 and x2.")
             out_axes = resolve_outputs(vmap_axes, output1.rebuild(leaves1), where)
             reject_vmap_with_coupling(model, where)
-    side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where)
-    side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where)
-    if side1.mapped and check_vmap_axes:
-        for side, leaves, name in ((side1, leaves1, "x1"), (side2, leaves2, "x2")):
+    side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1")
+    side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2")
+    pending = side1.mapped and check_vmap_axes
+    if pending and not defer_vmap_check:
+        for side, leaves in ((side1, leaves1), (side2, leaves2)):
             if side is not None:
-                _check_per_example(side, leaves, name, where)
+                with torch.no_grad():
+                    compare_per_example(leaves, side.forward(), side.name, where)
+        pending = False
 
     param_dtype = model.param_dtype
     dtypes = tuple(torch.promote_types(leaf.dtype, param_dtype) for leaf in leaves1)
-    return KernelCall(where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size)
+    return KernelCall(where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending)
 
 
 def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:
@@ -151,17 +168,16 @@ def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:
 _PER_EXAMPLE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.complex128: 1e-9, torch.complex64: 1e-4}
 
 
-def _check_per_example(side: Side, expected: tuple[torch.Tensor, ...], name: str, where: str) -> None:
-    """Compares the per-example (vmapped) outputs with the whole-batch outputs.
+def compare_per_example(expected: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...], name: str, where: str) -> None:
+    """Compares per-example (vmapped) outputs with the whole-batch outputs.
 
     NOTE: [Checking vmap_axes]
     ``vmap_axes`` is a promise that examples do not interact. Breaking it (batch statistics,
     attention across the batch, a wrong axis) makes every implementation return silently wrong
-    kernels, so we evaluate the model once more per example and compare with the whole-batch
-    output. It costs one forward pass, small next to the ``O`` backward passes of a kernel.
+    kernels, so the model is evaluated once more per example and compared with the whole-batch
+    output. It costs one forward pass, small next to the ``O`` backward passes of a kernel
+    (structured derivatives compare the per-example pass they make anyway).
     """
-    with torch.no_grad():
-        got = side.forward()
     for index, (want, have) in enumerate(zip(expected, got)):
         if want.shape != have.shape:
             raise ValueError(

@@ -22,7 +22,11 @@ from ._tree import Flat
 
 @dataclass(frozen=True)
 class Side:
-    """The model and the inputs of one side, plus the axes to map (or None for whole batches)."""
+    """The model and the inputs of one side, plus the axes to map (or None for whole batches).
+
+    ``name`` is ``"x1"`` or ``"x2"``; ``offset`` is the position of the first example in that input
+    after :meth:`narrow`.
+    """
 
     model: FunctionalModel
     x: Flat
@@ -31,9 +35,13 @@ class Side:
     kwarg_axes: Optional[dict[str, tuple[Optional[int], ...]]]
     out_axes: Optional[tuple[int, ...]]
     where: str
+    name: str = "x1"
+    offset: int = 0
 
     @classmethod
-    def build(cls, model: FunctionalModel, x: Any, kwargs: Mapping[str, Any], vmap_axes: Any, out_axes: Any, where: str) -> "Side":
+    def build(
+        cls, model: FunctionalModel, x: Any, kwargs: Mapping[str, Any], vmap_axes: Any, out_axes: Any, where: str, name: str
+    ) -> "Side":
         return cls(
             model,
             Flat.of(x),
@@ -42,6 +50,7 @@ class Side:
             None if vmap_axes is None else vmap_axes.kwarg_axes,
             None if vmap_axes is None else tuple(out_axes),
             where,
+            name,
         )
 
     @property
@@ -71,7 +80,7 @@ class Side:
             return replace(flat, leaves=leaves)
 
         kwargs = {key: cut(flat, self.kwarg_axes[key]) for key, flat in self.kwargs.items()}
-        return replace(self, x=cut(self.x, self.x_axes), kwargs=kwargs)
+        return replace(self, x=cut(self.x, self.x_axes), kwargs=kwargs, offset=self.offset + start)
 
     # -- the model as a function of the parameters -------------------------------------------------
 

@@ -93,6 +93,7 @@ class _NtkSettings:
             self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
             diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
             check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
+            defer_vmap_check=self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
         )
 
     def choice(self, call: KernelCall, key: tuple) -> AutoChoice:

@@ -23,10 +23,11 @@ from typing import Optional
 import torch
 
 from ..._blocks import assemble
-from ..._call import KernelCall
+from ..._call import KernelCall, compare_per_example
+from ..._per_example import Side
 from ._contract import contract_sides
 from ._plan import Plan, make_plan
-from ._side import SideFactors, probe, side_factors
+from ._side import PlanMismatch, SideFactors, probe, side_factors
 from ._verify import verify
 
 
@@ -40,31 +41,52 @@ class StructuredOptions:
     verify: bool = False
 
 
-def plan_for(call: KernelCall, options: StructuredOptions) -> Plan:
-    """Probes both sides and splits the parameters between the rules and the fallback."""
+def plan_for(call: KernelCall, options: StructuredOptions, thorough: bool = False) -> Plan:
+    """Splits the parameters between the rules and the fallback from probe passes.
+
+    The quick plan probes the first example of x1; a ``thorough`` one probes every example of
+    both sides (needed when the model's operations depend on the data).
+    """
     n_params = len(call.model.params)
     local = None if options.closed_form_rules else options.local_jacobian
     if not options.structure_rules:
         return make_plan([], set(), n_params, structure_rules=False, local_jacobian=local)
+    sides = [side for side in (call.side1, call.side2) if side is not None] if thorough else [call.side1]
     calls, unruled = [], set()
-    for side in (call.side1, call.side2):
-        if side is not None:
-            recorder = probe(side)
-            calls.extend(recorder.calls)
-            unruled |= recorder.unruled
+    for side in sides:
+        recorder = probe(side, first_example_only=not thorough)
+        calls.extend(recorder.calls)
+        unruled |= recorder.unruled
     return make_plan(calls, unruled, n_params, structure_rules=True, local_jacobian=local)
 
 
 def structured_derivatives_ntk(call: KernelCall, options: StructuredOptions = StructuredOptions()) -> list[torch.Tensor]:
-    plan = plan_for(call, options)
+    try:
+        return _compute(call, options, plan_for(call, options))
+    except PlanMismatch:
+        pass
+    try:
+        return _compute(call, options, plan_for(call, options, thorough=True))
+    except PlanMismatch:
+        raise RuntimeError(
+            f"{call.where}: structured derivatives: the model consumed its parameters through "
+            f"different operations in different evaluations on the same inputs; it must run the same "
+            f"operations every time. Use implementation=1 for this model."
+        ) from None
+
+
+def _compute(call: KernelCall, options: StructuredOptions, plan: Plan) -> list[torch.Tensor]:
     if options.verify:
         verify(call, plan)
     inner_chunk = None if call.side1.mapped else call.chunk_size
     param_sizes = [param.numel() for param in call.model.params]
     out_axes = call.side1.out_axes if call.side1.mapped else None
 
-    def prepare(side) -> SideFactors:
-        return side_factors(side, plan, inner_chunk)
+    def prepare(side: Side) -> SideFactors:
+        factors = side_factors(side, plan, inner_chunk)
+        if call.vmap_check_pending:
+            compare_per_example(call.expected_outputs(side), factors.outputs, side.name, call.where)
+        return factors
 
     def contract(first: SideFactors, second: SideFactors, needed) -> list[Optional[torch.Tensor]]:
         return contract_sides(call.layouts, out_axes, first, second, needed, call.dtypes, param_sizes)

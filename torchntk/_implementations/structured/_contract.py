@@ -46,29 +46,70 @@ def contract_sides(
     param_sizes: Sequence[int],
 ) -> list[Optional[torch.Tensor]]:
     """The unnormalised kernel block of every needed output leaf."""
-    symmetric = side1 is side2
     blocks: list[Optional[torch.Tensor]] = []
     for leaf, (layout, is_needed, dtype) in enumerate(zip(layouts, needed, dtypes)):
         if not is_needed:
             blocks.append(None)
             continue
         out_axis = None if out_axes is None else out_axes[leaf]
-        total: Optional[torch.Tensor] = None
-        for first, second, mirror in _pairs(side1.uses, side2.uses, symmetric):
-            term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes)
-            if term is None:
-                continue
-            if mirror:
-                term = term + term.permute(layout.swap_permutation())
-            total = term if total is None else total.add_(term)
-        if side1.fallback is not None:
-            for one, two in zip(side1.fallback[leaf], side2.fallback[leaf]):
-                first = one.reshape(*one.shape[: layout.ndim], -1).to(dtype)
-                second = first if symmetric else two.reshape(*two.shape[: layout.ndim], -1).to(dtype)
-                term = layout.contract(first, second)
-                total = term if total is None else total.add_(term)
-        blocks.append(total)
+        examples = 0 if out_axis is None else side1.outputs[leaf].shape[out_axis]
+        if side1 is side2 and out_axis is not None and layout.kind(out_axis) == "kept" and examples >= _MIN_HALF * 2:
+            blocks.append(_mirrored_halves(layout, out_axes, leaf, side1, dtype, param_sizes, examples))
+        else:
+            blocks.append(_contract_leaf(layout, out_axis, side1, side2, leaf, dtype, param_sizes))
     return blocks
+
+
+_MIN_HALF = 16
+"""Examples per half below which splitting a symmetric kernel saves less than it costs."""
+
+
+def _mirrored_halves(layout, out_axes, leaf, factors: SideFactors, dtype, param_sizes, examples) -> torch.Tensor:
+    """A symmetric kernel from its two diagonal blocks and one off-diagonal block (3/4 of the work)."""
+    half = examples // 2
+    runs = [(0, half), (half, examples - half)]
+    parts = [factors.narrow(start, length, out_axes) for start, length in runs]
+    out_axis = out_axes[leaf]
+    positions = layout.kernel_positions(out_axis)
+    kernel = None
+    for i, j in ((0, 0), (0, 1), (1, 1)):
+        block = _contract_leaf(layout, out_axis, parts[i], parts[j] if i != j else parts[i], leaf, dtype, param_sizes)
+        if kernel is None:
+            shape = list(block.shape)
+            shape[positions[0]] = shape[positions[1]] = examples
+            kernel = block.new_empty(shape)
+        kernel[_block_index(positions, runs[i], runs[j])] = block
+        if i != j:
+            kernel[_block_index(positions, runs[j], runs[i])] = block.permute(layout.swap_permutation())
+    return kernel
+
+
+def _block_index(positions: tuple[int, ...], run1: tuple[int, int], run2: tuple[int, int]) -> tuple:
+    index: list = [slice(None)] * (positions[1] + 1)
+    index[positions[0]] = slice(run1[0], run1[0] + run1[1])
+    index[positions[1]] = slice(run2[0], run2[0] + run2[1])
+    return tuple(index)
+
+
+def _contract_leaf(layout, out_axis, side1: SideFactors, side2: SideFactors, leaf, dtype, param_sizes) -> torch.Tensor:
+    symmetric = side1 is side2
+    total: Optional[torch.Tensor] = None
+    for first, second, mirror in _pairs(side1.uses, side2.uses, symmetric):
+        term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes)
+        if term is None:
+            continue
+        if mirror:
+            term = term + term.permute(layout.swap_permutation())
+        total = term if total is None else total.add_(term)
+    if side1.fallback is not None:
+        for one, two in zip(side1.fallback[leaf], side2.fallback[leaf]):
+            first = one.reshape(*one.shape[: layout.ndim], -1).to(dtype)
+            second = first if symmetric else two.reshape(*two.shape[: layout.ndim], -1).to(dtype)
+            term = layout.contract(first, second)
+            total = term if total is None else total.add_(term)
+    if total is None:  # no parameter reaches this output leaf
+        total = torch.zeros(layout.kernel_shape(side1.outputs[leaf].shape, side2.outputs[leaf].shape), dtype=dtype)
+    return total
 
 
 def _pairs(uses1: list[Use], uses2: list[Use], symmetric: bool):

@@ -27,15 +27,15 @@ class StructuredCost:
 
 def structured_cost(call: KernelCall, structure_rules: bool) -> StructuredCost:
     sides = [call.side1] if call.side2 is None else [call.side1, call.side2]
-    recorders = [probe(side) for side in sides] if structure_rules else []
-    calls = [c for recorder in recorders for c in recorder.calls]
-    unruled = set().union(*(recorder.unruled for recorder in recorders)) if recorders else set()
+    recorder = probe(call.side1) if structure_rules else None
+    calls = recorder.calls if recorder is not None else []
+    unruled = recorder.unruled if recorder is not None else set()
     plan = make_plan(calls, unruled, len(call.model.params), structure_rules=structure_rules, local_jacobian=None)
     outputs = (call.outputs1, call.outputs2 if call.side2 is not None else call.outputs1)
     uses = [
-        [_meta_use(role, side, output_leaves) for c in recorder.calls for role in plan.roles(c)]
-        for side, recorder, output_leaves in zip(sides, recorders, outputs)
-    ] if recorders else [[], []]
+        [_meta_use(role, side, output_leaves) for c in calls for role in plan.roles(c)]
+        for side, output_leaves in zip(sides, outputs)
+    ]
     uses1, uses2 = uses[0], uses[-1]
     out_axes = call.side1.out_axes if call.side1.mapped else None
     flops = memory = 0.0

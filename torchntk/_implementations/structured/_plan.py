@@ -38,15 +38,20 @@ class Plan:
             return [joint]
         return [role for role in separate if role.unit[0] in self.ruled]
 
-    def check(self, unruled: set[int], where: str) -> None:
-        """Raises if a pass sent a parameter the plan calls ruled to an op without a rule."""
-        surprising = sorted(unruled & self.ruled)
-        if surprising:
-            raise RuntimeError(
-                f"{where}: structured derivatives: parameter(s) {surprising} reached an op without a "
-                f"rule in one evaluation but not in the first one; the model must run the same "
-                f"operations on every input. Use implementation=1 for this model."
-            )
+    def foresees(self, recorder) -> bool:
+        """Whether a recording pass used the parameters the way the plan's probe did.
+
+        A parameter the plan calls ruled must not reach an op without a rule, and every parameter
+        a rule call consumes must be known to the plan (ruled or in the fallback).
+        """
+        if recorder.unruled & self.ruled:
+            return False
+        known = self.ruled | set(self.fallback)
+        for call in recorder.calls:
+            separate, _ = call.roles()
+            if any(role.unit[0] not in known for role in separate):
+                return False
+        return True
 
 
 def make_plan(

@@ -42,18 +42,41 @@ class Use:
 
 @dataclass
 class SideFactors:
-    """Everything one side contributes to the contraction."""
+    """Everything one side contributes to the contraction, and the side's per-example outputs."""
 
     uses: list[Use]
     fallback: Optional[tuple[tuple[torch.Tensor, ...], ...]]
+    outputs: tuple[torch.Tensor, ...]
+
+    def narrow(self, start: int, length: int, out_axes: tuple[int, ...]) -> "SideFactors":
+        """The factors of examples ``start .. start + length - 1`` (mapped sides: operands' axis 0)."""
+        uses = [
+            Use(
+                dataclasses.replace(
+                    use.role, operands=[(tensor.narrow(0, start, length), labels) for tensor, labels in use.role.operands]
+                ),
+                tuple(g.narrow(axis, start, length) for g, axis in zip(use.gradients, out_axes)),
+            )
+            for use in self.uses
+        ]
+        fallback = None
+        if self.fallback is not None:
+            fallback = tuple(
+                tuple(j.narrow(axis, start, length) for j in per_leaf) for per_leaf, axis in zip(self.fallback, out_axes)
+            )
+        return SideFactors(uses, fallback, self.outputs)
 
 
-def probe(side: Side) -> Recorder:
-    """One recording pass (per example on the first example when mapped): finds the rule calls.
+class PlanMismatch(Exception):
+    """A pass met parameter uses the plan (from a probe of one example) did not foresee."""
+
+
+def probe(side: Side, first_example_only: bool = True) -> Recorder:
+    """One recording pass (per example, on the first example only by default): finds the rule calls.
 
     The calls' roles hold meta tensors with the per-example operand shapes (for the plan and AUTO).
     """
-    if side.mapped:
+    if side.mapped and first_example_only:
         side = side.narrow(0, min(1, side.batch_size()))
     recorder = Recorder(side.model.params)
 
@@ -91,7 +114,8 @@ def side_factors(
         recorder = Recorder(params)
         with torch.no_grad(), recorder:
             side.evaluate(params, x_leaves, kwarg_leaves)
-        plan.check(recorder.unruled, side.where)
+        if not plan.foresees(recorder):
+            raise PlanMismatch
         kept = [(position, role) for position, call in enumerate(recorder.calls) for role in plan.roles(call)]
         if plan.local_jacobian is not None:
             kept = [(position, _dense_role(role, plan.local_jacobian)) for position, role in kept]
@@ -109,14 +133,16 @@ def side_factors(
         found["sizes"] = [output.numel() for output in outputs]
         found["shapes"] = [tuple(output.shape) for output in outputs]
         operands = tuple(tensor for _, role in kept for tensor, _ in role.operands)
-        return tuple(gradients), operands
+        return tuple(gradients), operands, tuple(outputs)
 
     extra = tuple(cotangents) if cotangents is not None else ()
     extra_dims = tuple(side.out_axes) if (cotangents is not None and side.mapped) else tuple(None for _ in extra)
-    gradients, operands = side.per_example(run, extra, extra_dims)
+    gradients, operands, outputs = side.per_example(run, extra, extra_dims)
+    if side.mapped:
+        outputs = tuple(output.movedim(0, axis) for output, axis in zip(outputs, side.out_axes))
     uses = _uses(side, found, gradients, iter(operands), contracted=cotangents is not None)
     fallback = side.jacobians(chunk_size=chunk_size, only=plan.fallback) if plan.fallback and cotangents is None else None
-    return SideFactors(uses, fallback)
+    return SideFactors(uses, fallback, outputs)
 
 
 def _uses(side: Side, found: dict, gradients: tuple, operands, contracted: bool) -> list[Use]:

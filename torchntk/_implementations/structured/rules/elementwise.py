@@ -64,7 +64,7 @@ def _product(func, args, kwargs, ref_of, divide):
             scale = 1.0 / other if divide else float(other)
             operands_ = []
         else:
-            factor = other.detach().reciprocal() if divide else other.detach().clone()
+            factor = other.detach().to(output.dtype).reciprocal() if divide else other.detach().clone()
             scale, operands_ = 1.0, [(torch.broadcast_to(factor, output.shape), g_labels)]
         local = (lambda p: func(p, other)) if param is first else (lambda p: func(other, p))
         role = Role((ref,), "elementwise factor", tuple(output.shape), g_labels, operands_, param_labels, param_shape, scale, local, param)
