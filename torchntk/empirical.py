@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -37,7 +36,7 @@ from . import _checks
 from ._call import KernelCall, prepare_call
 from ._implementations import IMPLEMENTATIONS
 from ._implementations.auto import AutoChoice, AutoSelector
-from ._implementations.structured import StructuredOptions, structured_derivatives_ntk
+from ._implementations.structured import StructuredDerivatives, StructuredOptions
 from ._implementations.nngp import nngp
 from ._model import functional_model, warn_training_mode
 from ._outputs import canonical_get, combine
@@ -62,7 +61,7 @@ class _NtkSettings:
     implementation: NtkImplementation
     chunk_size: Optional[int]
     check_vmap_axes: bool
-    structured: StructuredOptions
+    structured: StructuredDerivatives
     auto: Optional[AutoSelector]
 
     @classmethod
@@ -70,10 +69,9 @@ class _NtkSettings:
         _checks.callable_model_argument(f, where)
         chosen = _checks.implementation_argument(implementation, where)
         options = _structured_options(structured, chosen, where)
+        structured = StructuredDerivatives(options)
         implementations = dict(IMPLEMENTATIONS)
-        implementations[NtkImplementation.STRUCTURED_DERIVATIVES] = functools.partial(
-            structured_derivatives_ntk, options=options
-        )
+        implementations[NtkImplementation.STRUCTURED_DERIVATIVES] = structured
         auto = AutoSelector(implementations, options.structure_rules) if chosen == NtkImplementation.AUTO else None
         return cls(
             f,
@@ -83,7 +81,7 @@ class _NtkSettings:
             chosen,
             _checks.chunk_size_argument(chunk_size, where),
             _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where),
-            options,
+            structured,
             auto,
         )
 
@@ -109,7 +107,7 @@ class _NtkSettings:
         if self.auto is not None:
             return call.normalise(self.auto.compute(call, key))
         if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
-            return call.normalise(structured_derivatives_ntk(call, self.structured))
+            return call.normalise(self.structured(call, key))
         return call.normalise(IMPLEMENTATIONS[self.implementation](call))
 
     def attach_auto_choice(self, kernel_fn: KernelFn, where: str) -> KernelFn:

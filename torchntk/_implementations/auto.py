@@ -132,4 +132,7 @@ class AutoSelector:
         return self._choices[key]
 
     def compute(self, call: KernelCall, key: tuple) -> Any:
-        return self._implementations[self.choice(call, key).implementation](call)
+        chosen = self.choice(call, key).implementation
+        if chosen == NtkImplementation.STRUCTURED_DERIVATIVES:
+            return self._implementations[chosen](call, key)
+        return self._implementations[chosen](call)

@@ -18,7 +18,7 @@ The pieces, in the order they run:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -52,27 +52,54 @@ def plan_for(call: KernelCall, options: StructuredOptions, thorough: bool = Fals
     if not options.structure_rules:
         return make_plan([], set(), n_params, structure_rules=False, local_jacobian=local)
     sides = [side for side in (call.side1, call.side2) if side is not None] if thorough else [call.side1]
-    calls, unruled = [], set()
+    calls, unruled, shapes = [], set(), []
     for side in sides:
         recorder = probe(side, first_example_only=not thorough)
         calls.extend(recorder.calls)
         unruled |= recorder.unruled
-    return make_plan(calls, unruled, n_params, structure_rules=True, local_jacobian=local)
+        shapes.extend(recorder.shapes)
+    one_pass = len(sides) == 1 and local is None
+    return make_plan(
+        calls, unruled, n_params, structure_rules=True, local_jacobian=local, shapes=shapes if one_pass else None
+    )
+
+
+class StructuredDerivatives:
+    """Implementation 3 for one kernel function: its options and a plan per input shapes.
+
+    The plan (which parameters the rules cover) comes from a probe of one example and is reused
+    for calls with the same input shapes; every pass checks that the model still consumes its
+    parameters as the plan says and re-plans from a probe of all examples when it does not.
+    """
+
+    def __init__(self, options: StructuredOptions = StructuredOptions()):
+        self.options = options
+        self._plans: dict[Any, Plan] = {}
+
+    def __call__(self, call: KernelCall, key: Any = None) -> list[torch.Tensor]:
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            plan = plan_for(call, self.options)
+        try:
+            kernels = _compute(call, self.options, plan)
+            if key is not None:
+                self._plans[key] = plan
+            return kernels
+        except PlanMismatch:
+            self._plans.pop(key, None)
+        try:
+            return _compute(call, self.options, plan_for(call, self.options, thorough=True))
+        except PlanMismatch:
+            raise RuntimeError(
+                f"{call.where}: structured derivatives: the model consumed its parameters through "
+                f"different operations in different evaluations on the same inputs; it must run the "
+                f"same operations every time. Use implementation=1 for this model."
+            ) from None
 
 
 def structured_derivatives_ntk(call: KernelCall, options: StructuredOptions = StructuredOptions()) -> list[torch.Tensor]:
-    try:
-        return _compute(call, options, plan_for(call, options))
-    except PlanMismatch:
-        pass
-    try:
-        return _compute(call, options, plan_for(call, options, thorough=True))
-    except PlanMismatch:
-        raise RuntimeError(
-            f"{call.where}: structured derivatives: the model consumed its parameters through "
-            f"different operations in different evaluations on the same inputs; it must run the same "
-            f"operations every time. Use implementation=1 for this model."
-        ) from None
+    """Implementation 3 without a plan cache."""
+    return StructuredDerivatives(options)(call)
 
 
 def _compute(call: KernelCall, options: StructuredOptions, plan: Plan) -> list[torch.Tensor]:

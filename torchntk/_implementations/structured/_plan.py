@@ -8,6 +8,7 @@ stated *jointly* when both are ruled, seen whole, and every call using either us
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,12 +25,15 @@ class Plan:
         joint: ``(weight, bias)`` index pairs stated by one joint role.
         local_jacobian: ``None`` for closed-form rules; ``"forward"``, ``"reverse"`` or ``"auto"``
             to compute each op's ``dy/dp`` densely instead (a test oracle).
+        perturbed_shapes: the rule calls that contribute and their output shapes (per example), as
+            seen by the probe; a pass on inputs of other shapes finds its own.
     """
 
     ruled: frozenset[int]
     fallback: tuple[int, ...]
     joint: frozenset[tuple[int, ...]]
     local_jacobian: Optional[str]
+    perturbed_shapes: Optional[dict[int, tuple[int, ...]]] = None
 
     def roles(self, call: RuleCall) -> list[Role]:
         """The roles of ``call`` that contribute: ruled parameters, joint pairs stated jointly."""
@@ -47,17 +51,31 @@ class Plan:
         if recorder.unruled & self.ruled:
             return False
         known = self.ruled | set(self.fallback)
+        paired = {index: unit for unit in self.joint for index in unit}
         for call in recorder.calls:
-            separate, _ = call.roles()
+            separate, joint = call.roles()
             if any(role.unit[0] not in known for role in separate):
+                return False
+            # a parameter stated jointly must never be used without its partner
+            units = {paired[role.unit[0]] for role in separate if role.unit[0] in paired}
+            if units and (joint is None or units != {joint.unit}):
                 return False
         return True
 
 
 def make_plan(
-    calls: list[RuleCall], unruled: set[int], n_params: int, *, structure_rules: bool, local_jacobian: Optional[str]
+    calls: list[RuleCall],
+    unruled: set[int],
+    n_params: int,
+    *,
+    structure_rules: bool,
+    local_jacobian: Optional[str],
+    shapes: Optional[list[tuple[int, ...]]] = None,
 ) -> Plan:
-    """Builds the plan from the rule calls and unruled parameters of the probe passes."""
+    """Builds the plan from the rule calls and unruled parameters of the probe passes.
+
+    ``shapes``: the output shape of each call, when the calls come from one probe pass.
+    """
     if not structure_rules:
         return Plan(frozenset(), tuple(range(n_params)), frozenset(), local_jacobian)
     used: set[int] = set()
@@ -77,4 +95,8 @@ def make_plan(
             positions = calls_using.get(unit[0], set()) | calls_using.get(unit[1], set())
             if set(unit) <= ruled and all(offers.get(position) == unit for position in positions):
                 joint_units.add(unit)
-    return Plan(ruled, tuple(sorted(unruled)), frozenset(joint_units), local_jacobian)
+    plan = Plan(ruled, tuple(sorted(unruled)), frozenset(joint_units), local_jacobian)
+    if shapes is None:
+        return plan
+    perturbed = {position: shapes[position] for position, call in enumerate(calls) if plan.roles(call)}
+    return dataclasses.replace(plan, perturbed_shapes=perturbed)

@@ -36,10 +36,10 @@ from .rules import RULES
 
 
 class Recorder(TorchFunctionMode):
-    """Records rule calls (``deltas=None``) or perturbs their outputs (``deltas`` given).
+    """Records rule calls and adds ``deltas[k]`` (when given) to the output of the ``k``-th.
 
     Attributes:
-        calls: the rule calls, in order (recording only).
+        calls: the rule calls, in order.
         unruled: parameter indices consumed by an op without an applicable rule.
     """
 
@@ -108,19 +108,17 @@ class Recorder(TorchFunctionMode):
     def _rule_call(self, call: RuleCall) -> torch.Tensor:
         position = self._count
         self._count += 1
-        if self._deltas is None:
-            self.calls.append(call)
-            return call.output
-        delta = self._deltas.get(position)
+        self.calls.append(call)
+        delta = None if self._deltas is None else self._deltas.get(position)
         if delta is None:
             return call.output
         if delta.shape != call.output.shape:
-            raise RuntimeError(
-                f"structured derivatives: parameter-consuming op number {position} returned shape "
-                f"{tuple(call.output.shape)} in one pass and {tuple(delta.shape)} in another; the "
-                f"model must run the same operations every time it is called on the same inputs."
-            )
+            raise ShapeMismatch(position, tuple(call.output.shape), tuple(delta.shape))
         return call.output + delta
+
+
+class ShapeMismatch(Exception):
+    """A perturbation prepared for a rule call does not have the shape of the call's output."""
 
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")

@@ -23,7 +23,7 @@ from torch.func import jacfwd, jacrev, vjp, vmap
 
 from ..._per_example import Side
 from ._plan import Plan
-from ._recorder import Recorder
+from ._recorder import Recorder, ShapeMismatch
 from ._roles import Role
 from .rules._common import letters
 
@@ -83,6 +83,7 @@ def probe(side: Side, first_example_only: bool = True) -> Recorder:
     def run(x_leaves, kwarg_leaves):
         with torch.no_grad(), recorder:
             side.evaluate(side.model.params, x_leaves, kwarg_leaves)
+        recorder.shapes = [tuple(call.output.shape) for call in recorder.calls]
         for call in recorder.calls:
             # Only shapes may leave vmap: the operands become meta tensors of the per-example shape.
             separate, joint = call.roles()
@@ -91,6 +92,11 @@ def probe(side: Side, first_example_only: bool = True) -> Recorder:
 
     side.per_example(run)
     return recorder
+
+
+def _zeros(shape: tuple[int, ...], side: Side) -> torch.Tensor:
+    reference = side.model.params[0]
+    return torch.zeros(shape, dtype=reference.dtype, device=reference.device)
 
 
 def _on_meta(role: Role) -> Role:
@@ -111,28 +117,46 @@ def side_factors(
     found: dict[str, list] = {}
 
     def run(x_leaves, kwarg_leaves, *cotangent_leaves):
-        recorder = Recorder(params)
-        with torch.no_grad(), recorder:
-            side.evaluate(params, x_leaves, kwarg_leaves)
-        if not plan.foresees(recorder):
-            raise PlanMismatch
-        kept = [(position, role) for position, call in enumerate(recorder.calls) for role in plan.roles(call)]
-        if plan.local_jacobian is not None:
-            kept = [(position, _dense_role(role, plan.local_jacobian)) for position, role in kept]
-        perturbed = sorted({position for position, _ in kept})
-        zeros = tuple(torch.zeros_like(recorder.calls[position].output) for position in perturbed)
-
         def perturbed_model(deltas):
-            with Recorder(params, dict(zip(perturbed, deltas))):
-                return side.evaluate(params, x_leaves, kwarg_leaves)
+            # One pass records the rule calls, builds their operands and perturbs their outputs.
+            recorder = Recorder(params, dict(zip(positions, deltas)))
+            with recorder:
+                outputs = side.evaluate(params, x_leaves, kwarg_leaves)
+            if not plan.foresees(recorder):
+                raise PlanMismatch
+            kept = [(position, role) for position, call in enumerate(recorder.calls) for role in plan.roles(call)]
+            if sorted({position for position, _ in kept}) != positions:
+                raise ShapeMismatch
+            if plan.local_jacobian is not None:
+                kept = [(position, _dense_role(role, plan.local_jacobian)) for position, role in kept]
+            found["kept"] = [(positions.index(position), role) for position, role in kept]
+            return outputs, tuple(tensor.detach() for _, role in kept for tensor, _ in role.operands)
 
-        outputs, pullback = vjp(perturbed_model, zeros)
+        if plan.perturbed_shapes is not None:
+            positions = sorted(plan.perturbed_shapes)
+            zeros = tuple(_zeros(plan.perturbed_shapes[position], side) for position in positions)
+            try:
+                outputs, pullback, operands = vjp(perturbed_model, zeros, has_aux=True)
+            except ShapeMismatch:
+                positions = None
+        else:
+            positions = None
+        if positions is None:  # shapes differ from the probe's: find them with a recording pass
+            recorder = Recorder(params)
+            with torch.no_grad(), recorder:
+                side.evaluate(params, x_leaves, kwarg_leaves)
+            if not plan.foresees(recorder):
+                raise PlanMismatch
+            positions = [position for position, call in enumerate(recorder.calls) if plan.roles(call)]
+            zeros = tuple(torch.zeros_like(recorder.calls[position].output) for position in positions)
+            try:
+                outputs, pullback, operands = vjp(perturbed_model, zeros, has_aux=True)
+            except ShapeMismatch:
+                raise PlanMismatch from None
         basis = tuple(c.unsqueeze(0) for c in cotangent_leaves) if cotangent_leaves else _identity_basis(outputs)
-        (gradients,) = vmap(pullback, chunk_size=chunk_size)(basis) if perturbed else ((),)
-        found["kept"] = [(perturbed.index(position), role) for position, role in kept]
+        (gradients,) = vmap(pullback, chunk_size=chunk_size)(basis) if positions else ((),)
         found["sizes"] = [output.numel() for output in outputs]
         found["shapes"] = [tuple(output.shape) for output in outputs]
-        operands = tuple(tensor for _, role in kept for tensor, _ in role.operands)
         return tuple(gradients), operands, tuple(outputs)
 
     extra = tuple(cotangents) if cotangents is not None else ()
