@@ -56,7 +56,7 @@ def contract_sides(
         if side1 is side2 and out_axis is not None and layout.kind(out_axis) == "kept" and examples >= _MIN_HALF * 2:
             blocks.append(_mirrored_halves(layout, out_axes, leaf, side1, dtype, param_sizes, examples))
         else:
-            blocks.append(_contract_leaf(layout, out_axis, side1, side2, leaf, dtype, param_sizes))
+            blocks.append(_contract_leaf(layout, out_axis, side1, side2, leaf, dtype, param_sizes, {}))
     return blocks
 
 
@@ -72,8 +72,9 @@ def _mirrored_halves(layout, out_axes, leaf, factors: SideFactors, dtype, param_
     out_axis = out_axes[leaf]
     positions = layout.kernel_positions(out_axis)
     kernel = None
+    jacobians: dict = {}
     for i, j in ((0, 0), (0, 1), (1, 1)):
-        block = _contract_leaf(layout, out_axis, parts[i], parts[j] if i != j else parts[i], leaf, dtype, param_sizes)
+        block = _contract_leaf(layout, out_axis, parts[i], parts[j], leaf, dtype, param_sizes, jacobians)
         if kernel is None:
             shape = list(block.shape)
             shape[positions[0]] = shape[positions[1]] = examples
@@ -91,11 +92,14 @@ def _block_index(positions: tuple[int, ...], run1: tuple[int, int], run2: tuple[
     return tuple(index)
 
 
-def _contract_leaf(layout, out_axis, side1: SideFactors, side2: SideFactors, leaf, dtype, param_sizes) -> torch.Tensor:
+def _contract_leaf(
+    layout, out_axis, side1: SideFactors, side2: SideFactors, leaf, dtype, param_sizes, jacobians: dict
+) -> torch.Tensor:
+    """``jacobians`` caches the ``J`` of uses contracted through their Jacobians (by ``id``)."""
     symmetric = side1 is side2
     total: Optional[torch.Tensor] = None
     for first, second, mirror in _pairs(side1.uses, side2.uses, symmetric):
-        term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes)
+        term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes, jacobians)
         if term is None:
             continue
         if mirror:
@@ -123,17 +127,42 @@ def _pairs(uses1: list[Use], uses2: list[Use], symmetric: bool):
             yield first, second, symmetric and j > i
 
 
-def _pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes) -> Optional[torch.Tensor]:
+def _pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes, jacobians: dict) -> Optional[torch.Tensor]:
+    """One pair's term: through the einsum of NOTE: [Pair contraction] when opt_einsum's order
+    starts across the sides (Gram order), else through each use's ``J`` (formed once per use and
+    reused by every pair it is in; ``J J^T`` of a use with itself is a symmetric product)."""
     kind = pair_kind(first.role, second.role)
     if kind == "disjoint":
         return None
-    if kind == "dense":
-        return _dense_pair(layout, out_axis, first, second, leaf, dtype, param_sizes)
-    equation, tensors = pair_equation(layout, out_axis, first, second, leaf)
-    tensors = [tensor.to(dtype) for tensor in tensors]
-    term = _expression(equation, tuple(tuple(t.shape) for t in tensors))(*tensors, backend="torch")
-    scale = first.role.scale * second.role.scale
-    return term if scale == 1.0 else term * scale
+    scatter = kind == "dense"
+    if not scatter:
+        equation, tensors = pair_equation(layout, out_axis, first, second, leaf)
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        if not _starts_within_a_side(equation, shapes, 1 + len(first.role.operands)):
+            tensors = [tensor.to(dtype) for tensor in tensors]
+            term = _expression(equation, shapes)(*tensors, backend="torch")
+            scale = first.role.scale * second.role.scale
+            return term if scale == 1.0 else term * scale
+    out_symbols, _, _ = _output_symbols(layout)
+    one, two = (
+        _cached(jacobians, use, lambda use=use: dense_jacobian(use, leaf, out_symbols, out_axis, param_sizes, scatter).to(dtype))
+        for use in (first, second)
+    )
+    return layout.contract(one, two)
+
+
+def _cached(cache: dict, use: Use, make) -> torch.Tensor:
+    if id(use) not in cache:
+        cache[id(use)] = (use, make())  # the use is kept so that its id is not reused
+    return cache[id(use)][1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _starts_within_a_side(equation: str, shapes: tuple, side1_operands: int) -> bool:
+    """Whether opt_einsum's first step contracts two operands of the same side (``J`` first)."""
+    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="optimal", memory_limit=_MAX_INTERMEDIATE)
+    first, second = path[0][:2] if len(path[0]) >= 2 else (path[0][0], path[0][0])
+    return (first < side1_operands) == (second < side1_operands)
 
 
 def pair_kind(role1: Role, role2: Role) -> str:
@@ -182,17 +211,11 @@ def _side_terms(use: Use, leaf, out_symbols, out_axis, shared, offset):
     return terms, tensors
 
 
-def _dense_pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes) -> torch.Tensor:
-    out1, _, _ = _output_symbols(layout)
-    one = dense_jacobian(first, leaf, out1, out_axis, param_sizes).to(dtype)
-    two = dense_jacobian(second, leaf, out1, out_axis, param_sizes).to(dtype)
-    return layout.contract(one, two)
-
-
-def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes) -> torch.Tensor:
-    """``J`` of one use as ``(*output, parameter entries)``, scattered into the parameter's coordinates."""
+def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes, scatter: bool = True) -> torch.Tensor:
+    """``J`` of one use as ``(*output, entries)``: in the coordinates the op saw, or (``scatter``)
+    scattered into the parameter's own."""
     role = use.role
-    if role.joint:
+    if role.joint and scatter:
         raise AssertionError("joint roles always pair with roles of the same coordinates")
     shared = {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(role.param_labels)}
     terms, tensors = _side_terms(use, leaf, out_symbols, out_axis, shared, _SIDE1)
@@ -203,7 +226,7 @@ def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes) -> t
     output_shape = seen.shape[: len(out_symbols)]
     seen = seen.reshape(*output_shape, math.prod(role.param_shape))
     ref = role.refs[0]
-    if ref.index is None:
+    if not scatter or ref.index is None:
         return seen
     full = seen.new_zeros(*output_shape, param_sizes[ref.param])
     return full.index_add_(-1, ref.index.reshape(-1).to(seen.device), seen)
