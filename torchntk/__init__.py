@@ -1,5 +1,7 @@
 """torchntk: empirical neural tangent and NNGP kernels of PyTorch models."""
 
+from ._implementations.auto import AutoChoice as AutoChoice
+from ._implementations.auto import Estimate as Estimate
 from ._types import NtkImplementation as NtkImplementation
 from .empirical import empirical_kernel_fn as empirical_kernel_fn
 from .empirical import empirical_nngp_fn as empirical_nngp_fn
@@ -17,6 +19,8 @@ __all__ = [
     "empirical_kernel_fn",
     "empirical_ntk_vp_fn",
     "NtkImplementation",
+    "AutoChoice",
+    "Estimate",
     # expansions
     "linearize",
     "taylor_expand",

@@ -40,8 +40,15 @@ class NtkImplementation(enum.IntEnum):
       pass over the whole ``x1`` batch per ``x2`` output entry, ``~N1 N2 O2 F`` work, never
       contracting over ``P``. Best for the full kernel of models whose forward pass is cheap
       relative to their parameter count (wide MLPs, many outputs).
-    * ``STRUCTURED_DERIVATIVES`` (3) and ``AUTO`` (0): not available yet; selecting them raises
-      :class:`NotImplementedError`.
+    * ``STRUCTURED_DERIVATIVES`` (3): the Jacobian of every op consuming a parameter is split into
+      ``df/dy`` (``O`` backward sweeps that stop at the op's output) and a closed-form ``dy/dp``
+      that is never formed; one planned contraction per pair of uses replaces the ``P``-sized
+      one. For a width-``W`` dense layer that is ``N1 N2 O1 O2 W`` instead of ``N1 N2 O1 O2 W^2``.
+      Best for dense, embedding and normalisation layers; convolutions cost about what 1 costs.
+      Parameters consumed by ops without a rule fall back to Jacobian contraction.
+    * ``AUTO`` (0): the cheapest of 1, 2, 3 for the input shapes by an analytic cost model, with a
+      memory filter; the choice is cached per input shapes and reported by the kernel function's
+      ``auto_choice``.
     """
 
     AUTO = 0

@@ -193,9 +193,10 @@ def empirical_ntk_fn(
             (no such promise), an int (same axis for inputs and outputs, e.g. ``0``), a pytree of
             axes, or ``(in_axes, out_axes, kwargs_axes)``. See NOTE: [vmap_axes contract] in
             ``torchntk/_vmap_axes.py``. Default: ``None``.
-        implementation: an :class:`NtkImplementation` or its int value. ``1`` (Jacobian
-            contraction) or ``2`` (NTK-vector products); ``0`` and ``3`` are not available yet.
-            Default: ``1``.
+        implementation: an :class:`NtkImplementation` or its int value: ``1`` (Jacobian
+            contraction), ``2`` (NTK-vector products), ``3`` (structured derivatives) or ``0``
+            (AUTO: the cheapest of the three for the input shapes, see ``ntk_fn.auto_choice``).
+            Default: ``1``, exact for every model; ``docs/structured.md`` says when each wins.
         chunk_size: bounds peak memory. With ``vmap_axes``: at most this many examples of x1 and of
             x2 have their derivatives in memory at once (the kernel is assembled from blocks;
             with x2 None only blocks on and above the diagonal are computed). Without
@@ -208,9 +209,22 @@ def empirical_ntk_fn(
         check_vmap_axes: when ``vmap_axes`` is given, compare one per-example forward pass with the
             whole-batch forward pass and raise if they differ, so a model that couples examples
             cannot give silently wrong kernels. Default: ``True``.
+        structure_rules: implementation 3 (and AUTO) only. ``False`` sends every parameter to the
+            Jacobian fallback, which makes implementation 3 compute Jacobian contraction (a test
+            oracle). Default: ``True``.
+        closed_form_rules: implementation 3 only. ``False`` computes each op's ``dy/dp`` densely
+            with ``torch.func`` instead of the closed forms (a test oracle; slow). Default: ``True``.
+        local_jacobian: with ``closed_form_rules=False``, how ``dy/dp`` is computed: ``"forward"``
+            (``jacfwd``), ``"reverse"`` (``jacrev``) or ``"auto"`` (forward when ``y`` is larger
+            than ``p``). Default: ``"auto"``.
+        verify: implementation 3 only. On every call, compare the structured ``J^T v`` with autograd
+            for a random ``v`` (one extra forward and backward pass) and raise ValueError if a
+            parameter's use was missed or examples interact. Default: ``False``.
 
     Returns:
-        ``ntk_fn(x1, x2=None, params=None, **kwargs)``. ``x1``/``x2`` are inputs (tensors or
+        ``ntk_fn(x1, x2=None, params=None, **kwargs)``, with a method
+        ``ntk_fn.auto_choice(x1, x2=None, params=None, **kwargs)`` returning the
+        :class:`~torchntk.AutoChoice` (implementation and cost estimates) for those inputs. ``x1``/``x2`` are inputs (tensors or
         pytrees); ``x2=None`` means x1. ``params``: for a module, an optional mapping
         ``name -> tensor`` choosing which parameters are differentiated (at these values; the
         others keep the module's values); for a function, the required parameter pytree.
@@ -221,11 +235,13 @@ def empirical_ntk_fn(
     Raises:
         TypeError: at build time, arguments of the wrong type; at call time, bad ``params`` or
             non-tensor outputs.
-        ValueError: ``implementation`` outside 0..3; at call time, axes out of range, duplicated,
-            or both traced and diagonal; traced/diagonal sizes or output ndims that differ
-            between x1 and x2; ``vmap_axes`` that do not fit the data or a model that couples
-            examples; nothing to differentiate.
-        NotImplementedError: ``implementation`` 0 (AUTO) or 3 (structured derivatives).
+        ValueError: ``implementation`` outside 0..3; the implementation-3 options with
+            implementation 1 or 2; an unknown ``local_jacobian``; at call time, axes out of range,
+            duplicated, or both traced and diagonal; traced/diagonal sizes or output ndims that
+            differ between x1 and x2; ``vmap_axes`` that do not fit the data or a model that
+            couples examples; nothing to differentiate; with ``verify=True``, structured
+            derivatives that disagree with autograd.
+        RuntimeError: implementation 3 on a model whose operations change between evaluations.
 
     Example:
         >>> import torch, torchntk
@@ -241,6 +257,12 @@ def empirical_ntk_fn(
         >>> params = dict(model.named_parameters())
         >>> k = torchntk.empirical_ntk_fn(f, implementation=2)(x1, x2, params)   # (N1, N2)
         >>> torch.allclose(k, torchntk.empirical_ntk_fn(model)(x1, x2), atol=1e-5)
+        True
+        >>> structured = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=3)
+        >>> torch.allclose(structured(x1, x2), ntk_fn(x1, x2), atol=1e-5)
+        True
+        >>> auto = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)
+        >>> auto.auto_choice(x1, x2).implementation in tuple(torchntk.NtkImplementation)[1:]
         True
     """
     structured = dict(
@@ -326,7 +348,7 @@ def empirical_kernel_fn(
         is a container of the same structure holding one result per output leaf.
 
     Raises:
-        TypeError, ValueError, NotImplementedError: as :func:`empirical_ntk_fn`; also a ``get``
+        TypeError, ValueError, RuntimeError: as :func:`empirical_ntk_fn`; also a ``get``
             that is empty, repeats a name or names an unknown kernel (ValueError).
 
     Example:

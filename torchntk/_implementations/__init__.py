@@ -1,7 +1,9 @@
 """The table from :class:`~torchntk.NtkImplementation` to the function computing the NTK.
 
 Each entry takes a validated :class:`~torchntk._call.KernelCall` and returns one unnormalised
-kernel per output leaf (see :meth:`KernelCall.normalise`).
+kernel per output leaf (see :meth:`KernelCall.normalise`). Structured derivatives (3) carry
+options and a plan cache per kernel function, so ``empirical.py`` adds them per builder
+(``structured.StructuredDerivatives``); AUTO (0) is ``auto.AutoSelector``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,4 @@ NtkFunction = Callable[[KernelCall], list[torch.Tensor]]
 IMPLEMENTATIONS: dict[NtkImplementation, NtkFunction] = {
     NtkImplementation.JACOBIAN_CONTRACTION: jacobian_contraction_ntk,
     NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products_ntk,
-}
-
-NOT_YET_AVAILABLE = {
-    NtkImplementation.STRUCTURED_DERIVATIVES: "structured derivatives",
-    NtkImplementation.AUTO: "automatic selection between implementations",
 }

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import opt_einsum
 import torch
+from opt_einsum.parser import convert_to_valid_einsum_chars
 
 from ..._layout import KernelLayout
 from ._roles import Role
@@ -222,7 +223,14 @@ def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes, scat
     equation = ",".join(terms) + "->" + "".join(out_symbols) + "".join(shared.values())
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     tensors = [t.to(dtype) for t in tensors]
-    seen = _expression(equation, tuple(tuple(t.shape) for t in tensors))(*tensors, backend="torch") * role.scale
+    if len(tensors) == 2:
+        # torch.einsum keeps G as the left operand of its batched product, so J comes out contiguous
+        # (opt_einsum would swap the operands and J would need a copy: fresh memory costs page faults)
+        seen = torch.einsum(convert_to_valid_einsum_chars(equation), *tensors)
+    else:
+        seen = _expression(equation, tuple(tuple(t.shape) for t in tensors))(*tensors, backend="torch")
+    if role.scale != 1.0:
+        seen = seen * role.scale
     output_shape = seen.shape[: len(out_symbols)]
     seen = seen.reshape(*output_shape, math.prod(role.param_shape))
     ref = role.refs[0]

@@ -112,7 +112,7 @@ class Recorder(TorchFunctionMode):
         delta = None if self._deltas is None else self._deltas.get(position)
         if delta is None:
             return call.output
-        if delta.shape != call.output.shape:
+        if delta.shape != call.output.shape or delta.dtype != call.output.dtype:
             raise ShapeMismatch(position, tuple(call.output.shape), tuple(delta.shape))
         return call.output + delta
 

@@ -1,15 +1,15 @@
 """One side's factors: ``G = df/dy`` for every recorded use, the rules' operands, fallback Jacobians.
 
 NOTE: [df/dy by perturbed passes]
-The model runs once under a recording :class:`~._recorder.Recorder` (no autograd) to find the rule
-calls and build their operands, then once more with a zero ``delta_k`` added to the output of
-every rule call that contributes. The VJP with respect to the deltas, batched over a basis of the
-output entries, gives ``G_k[o, ...] = d f[o] / d y_k`` for all of them at once: ``O`` backward
-sweeps that stop at the ``y_k`` and never form parameter-shaped tensors. With ``vmap_axes`` this
-runs per example under ``vmap`` (so the model never needs to say where its batch axis is inside),
-and ``O`` is the output size of one example; without it the whole batch is one "example" and the
-basis covers every output entry (which is what batch-coupled models such as BatchNorm in training
-mode need).
+The model runs once under a :class:`~._recorder.Recorder` that records the rule calls, builds
+their operands and adds a zero ``delta_k`` to the output of every rule call that contributes
+(their shapes come from the plan's probe; a recording pass finds them first when the inputs have
+other shapes). The VJP with respect to the deltas, batched over a basis of the output entries,
+gives ``G_k[o, ...] = d f[o] / d y_k`` for all of them at once: ``O`` backward sweeps that stop at
+the ``y_k`` and never form parameter-shaped tensors. With ``vmap_axes`` this runs per example
+under ``vmap`` (so the model never needs to say where its batch axis is inside), and ``O`` is the
+output size of one example; without it the whole batch is one "example" and the basis covers
+every output entry (which is what batch-coupled models such as BatchNorm in training mode need).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class SideFactors:
             fallback = tuple(
                 tuple(j.narrow(axis, start, length) for j in per_leaf) for per_leaf, axis in zip(self.fallback, out_axes)
             )
-        return SideFactors(uses, fallback, self.outputs)
+        outputs = tuple(output.narrow(axis, start, length) for output, axis in zip(self.outputs, out_axes))
+        return SideFactors(uses, fallback, outputs)
 
 
 class PlanMismatch(Exception):
@@ -83,7 +84,7 @@ def probe(side: Side, first_example_only: bool = True) -> Recorder:
     def run(x_leaves, kwarg_leaves):
         with torch.no_grad(), recorder:
             side.evaluate(side.model.params, x_leaves, kwarg_leaves)
-        recorder.shapes = [tuple(call.output.shape) for call in recorder.calls]
+        recorder.shapes = [(tuple(call.output.shape), call.output.dtype) for call in recorder.calls]
         for call in recorder.calls:
             # Only shapes may leave vmap: the operands become meta tensors of the per-example shape.
             separate, joint = call.roles()
@@ -94,9 +95,9 @@ def probe(side: Side, first_example_only: bool = True) -> Recorder:
     return recorder
 
 
-def _zeros(shape: tuple[int, ...], side: Side) -> torch.Tensor:
-    reference = side.model.params[0]
-    return torch.zeros(shape, dtype=reference.dtype, device=reference.device)
+def _zeros(spec: tuple[tuple[int, ...], torch.dtype], side: Side) -> torch.Tensor:
+    shape, dtype = spec
+    return torch.zeros(shape, dtype=dtype, device=side.model.params[0].device)
 
 
 def _on_meta(role: Role) -> Role:
@@ -154,7 +155,8 @@ def side_factors(
             except ShapeMismatch:
                 raise PlanMismatch from None
         basis = tuple(c.unsqueeze(0) for c in cotangent_leaves) if cotangent_leaves else _identity_basis(outputs)
-        (gradients,) = vmap(pullback, chunk_size=chunk_size)(basis) if positions else ((),)
+        sweeps = chunk_size or plan.sweeps_per_pass
+        (gradients,) = vmap(pullback, chunk_size=sweeps)(basis) if positions else ((),)
         found["sizes"] = [output.numel() for output in outputs]
         found["shapes"] = [tuple(output.shape) for output in outputs]
         return tuple(gradients), operands, tuple(outputs)

@@ -7,8 +7,8 @@ channels of the group times the kernel taps, ``d`` over output positions) and
     J_W[g, o, q] = sum_{b,d} G[b, g, o, d] U[b, g, q, d]        J_b[g, o] = sum_{b,d} G[b, g, o, d]
 
 ``J_W1 . J_W2`` can be evaluated by forming ``J`` (per-example weight gradients), through the
-patch and ``G`` Grams, or in a mixed order; opt_einsum picks the cheapest for the shapes. Weight
-and bias together use the operand ``[U, 1]``. String padding (``'same'``, ``'valid'``) is turned
+patch and ``G`` Grams, or in a mixed order; opt_einsum picks the cheapest for the shapes. String
+padding (``'same'``, ``'valid'``) is turned
 into explicit zero padding the way PyTorch does it (extra padding at the end); other padding
 modes reach the op already padded (``nn.Conv*`` pads with ``F.pad`` first).
 """
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .._roles import Role, RuleCall
-from ._common import append_ones, as_tuple, bind
+from ._common import as_tuple, bind
 
 _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
@@ -46,14 +46,10 @@ def conv_rule(func, args, kwargs, ref_of):
         patches = _patches(inputs, kernel, as_tuple(stride, spatial), padding, as_tuple(dilation, spatial))
         if tuple(patches.shape[2 : 2 + spatial]) != tuple(batched_output.shape[2:]):
             raise AssertionError(f"patches {tuple(patches.shape)} do not match the output {tuple(batched_output.shape)}")
-        # (b, C_in, *out, *taps) -> (b, g, C_in / g * taps, positions)
-        patches = patches.reshape(examples, groups, inputs.shape[1] // groups, positions, math.prod(kernel))
-        patches = patches.permute(0, 1, 2, 4, 3).reshape(examples, groups, -1, positions)
-        taps = patches.shape[2]
-        augmented = None
-        if bias is not None:
-            augmented = append_ones(patches, dim=2)
-            patches = augmented[:, :, :taps]
+        # (b, C_in, *out, *taps) -> (b, g, C_in / g * taps, positions), copied once
+        order = (0, 1, *range(2 + spatial, 2 + 2 * spatial), *range(2, 2 + spatial))
+        taps = inputs.shape[1] // groups * math.prod(kernel)
+        patches = patches.permute(order).reshape(examples, groups, taps, positions)
         roles = []
         if weight_ref is not None:
             roles.append(Role(
@@ -65,15 +61,11 @@ def conv_rule(func, args, kwargs, ref_of):
                 (bias_ref,), "bias", y_shape, "bgod", [], "go", (groups, channels // groups),
                 local=lambda b: func(x, weight, b, stride, padding, dilation, groups), seen=bias,
             ))
-        joint = None
-        if weight_ref is not None and bias_ref is not None:
-            joint = Role(
-                (weight_ref, bias_ref), "weight+bias", y_shape, "bgod", [(augmented, "bgqd")], "goq",
-                (groups, channels // groups, taps + 1),
-            )
-        return roles, joint
+        # No joint weight+bias factor: convolutions are usually contracted through J (see
+        # _contract.py), where sharing the G-Gram saves nothing, and [U, 1] would cost a copy.
+        return roles, None
 
-    return RuleCall(output, build)
+    return RuleCall(output, build, convolution=True)
 
 
 def _patches(x, kernel, stride, padding, dilation):
