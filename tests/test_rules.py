@@ -179,14 +179,6 @@ def linear_joint(dW: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
     return torch.cat([dW, db[:, None]], 1)
 
 
-def conv_joint(groups: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def layout(dW: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
-        per_group = dW.shape[0] // groups
-        return torch.cat([dW.reshape(groups, per_group, -1), db.reshape(groups, per_group, 1)], 2)
-
-    return layout
-
-
 def norm_joint(dgamma: torch.Tensor, dbeta: torch.Tensor) -> torch.Tensor:
     return torch.stack([dgamma.flatten(), dbeta.flatten()], -1)
 
@@ -329,7 +321,7 @@ def conv_case(dim, kernel=3, stride=1, padding=0, dilation=1, groups=1, out=4, b
         return conv(x, weight, bias_, stride, padding, dilation, groups)
 
     if bias == "param":
-        return Case(op, (W, b), joint=conv_joint(groups))
+        return Case(op, (W, b))  # convolutions state weight and bias separately (no joint role)
     if bias == "none":
         return Case(lambda W: op(W, None), (W,))
     if bias == "const":
