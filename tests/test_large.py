@@ -26,7 +26,7 @@ def test_medium_cnn_full_kernel_every_route_agrees_with_brute_force():
     model = cnn()
     x1, x2 = torch.randn(10, 3, 8, 8, dtype=torch.float64), torch.randn(7, 3, 8, 8, dtype=torch.float64)
     expected = reference_ntk(model, x1, x2, trace_axes=())
-    for implementation in (1, 2):
+    for implementation in (1, 2, 3):
         for vmap_axes, chunk_size in [(None, None), (0, None), (0, 3), (None, 16)]:
             ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes,
                                                implementation=implementation, chunk_size=chunk_size)
@@ -39,9 +39,20 @@ def test_wide_mlp_traced_kernel_float32_matches_float64():
     x = torch.randn(32, 64)
     expected = torchntk.empirical_ntk_fn(model.double(), vmap_axes=0)(x.double())
     model.float()
-    for implementation in (1, 2):
+    for implementation in (1, 2, 3):
         actual = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, chunk_size=8)(x)
         assert actual.dtype == torch.float32
         # Diagonal entries sum ~1.1M positive float32 products: ~3e-4 relative rounding is expected
         # (neural-tangents' own cross-implementation tolerance in float32 is 5e-3).
         assert_kernels_close(actual, expected.float(), rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
+def test_wide_mlp_full_kernel_structured_equals_jacobian_contraction_in_float64():
+    """The benchmark's shape of problem (wide layers, full kernel), where the rules matter most."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).double()
+    x1, x2 = torch.randn(24, 96, dtype=torch.float64), torch.randn(17, 96, dtype=torch.float64)
+    for x2_ in (x2, None):
+        expected = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0)(x1, x2_)
+        structured = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=3, verify=True)
+        assert_kernels_close(structured(x1, x2_), expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())

@@ -19,6 +19,7 @@ seeing disjoint entries (``q`` and ``k`` slices of a packed projection) contribu
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Optional, Sequence
@@ -188,11 +189,27 @@ def pair_equation(layout, out_axis, first: Use, second: Use, leaf) -> tuple[str,
 
 
 def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
-    """opt_einsum's FLOP count and largest intermediate (elements) for the planned order."""
+    """opt_einsum's FLOP count and largest intermediate (elements) for the planned order.
+
+    An index that appears in one operand only is summed out first (as ``torch.einsum`` does);
+    opt_einsum would price it as part of the product (a bias pair sums ``G`` over positions on
+    each side, which it prices as the outer product of both sides).
+    """
+    inputs, output = equation.split("->")
+    terms = inputs.split(",")
+    counts = collections.Counter(equation.replace(",", "").replace("->", ""))
+    reduced_terms, reduced_shapes, summed = [], [], 0.0
+    for term, shape in zip(terms, shapes):
+        keep = [i for i, letter in enumerate(term) if counts[letter] > 1]
+        if len(keep) < len(term):
+            summed += math.prod(shape)
+        reduced_terms.append("".join(term[i] for i in keep))
+        reduced_shapes.append(tuple(shape[i] for i in keep))
     _, info = opt_einsum.contract_path(
-        equation, *shapes, shapes=True, optimize="optimal", memory_limit=_MAX_INTERMEDIATE
+        ",".join(reduced_terms) + "->" + output, *reduced_shapes, shapes=True, optimize="optimal",
+        memory_limit=_MAX_INTERMEDIATE,
     )
-    return float(info.opt_cost), float(info.largest_intermediate)
+    return summed + float(info.opt_cost), float(info.largest_intermediate)
 
 
 def _side_terms(use: Use, leaf, out_symbols, out_axis, shared, offset):

@@ -29,8 +29,6 @@ class Plan:
             to compute each op's ``dy/dp`` densely instead (a test oracle).
         perturbed_shapes: the rule calls that contribute and their output shapes (per example) and
             dtypes, as seen by the probe; a pass on inputs of other shapes finds its own.
-        sweeps_per_pass: how many backward sweeps ``vmap`` batches at once (``None``: all); see
-            NOTE: [Backward sweeps through convolutions].
     """
 
     ruled: frozenset[int]
@@ -38,7 +36,6 @@ class Plan:
     joint: frozenset[tuple[int, ...]]
     local_jacobian: Optional[str]
     perturbed_shapes: Optional[dict[int, tuple[tuple[int, ...], torch.dtype]]] = None
-    sweeps_per_pass: Optional[int] = None
 
     def roles(self, call: RuleCall) -> list[Role]:
         """The roles of ``call`` that contribute: ruled parameters, joint pairs stated jointly."""
@@ -100,18 +97,9 @@ def make_plan(
             positions = calls_using.get(unit[0], set()) | calls_using.get(unit[1], set())
             if set(unit) <= ruled and all(offers.get(position) == unit for position in positions):
                 joint_units.add(unit)
-    sweeps = 1 if any(call.convolution for call in calls) else None
-    plan = Plan(ruled, tuple(sorted(unruled)), frozenset(joint_units), local_jacobian, sweeps_per_pass=sweeps)
+    plan = Plan(ruled, tuple(sorted(unruled)), frozenset(joint_units), local_jacobian)
     if shapes is None:
         return plan
     perturbed = {position: shapes[position] for position, call in enumerate(calls) if plan.roles(call)}
     return dataclasses.replace(plan, perturbed_shapes=perturbed)
 
-
-# NOTE: [Backward sweeps through convolutions]
-# The O backward sweeps of the df/dy pass are batched with vmap. Through matrix products that
-# turns O thin products into one thick one, but vmap's rule for convolution_backward folds the
-# sweeps into the batch and ran about 1.6x slower than one sweep after the other on the benchmark
-# CNN (16 examples of 3x16x16, 3 convolutions of 32 channels, 10 outputs: 24.9 ms against 15.6 ms
-# for the sweeps to the first convolution's output, 2-core CPU, torch 2.13). Models with a
-# convolution therefore sweep one output entry at a time (each sweep still covers every example).

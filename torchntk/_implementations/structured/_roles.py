@@ -109,13 +109,11 @@ class RuleCall:
 
     ``build()`` returns the separate roles and, optionally, a ``joint`` role stating a weight and
     a bias together; the plan uses the joint one when the two are always used together. Roles are
-    only built when needed. ``convolution`` marks convolution calls (see
-    NOTE: [Backward sweeps through convolutions]).
+    only built when needed.
     """
 
     output: torch.Tensor
     build: Callable[[], tuple[list[Role], Optional[Role]]]
-    convolution: bool = False
     _built: Optional[tuple[list[Role], Optional[Role]]] = field(default=None, repr=False)
 
     def roles(self) -> tuple[list[Role], Optional[Role]]:

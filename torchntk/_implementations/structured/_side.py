@@ -155,8 +155,7 @@ def side_factors(
             except ShapeMismatch:
                 raise PlanMismatch from None
         basis = tuple(c.unsqueeze(0) for c in cotangent_leaves) if cotangent_leaves else _identity_basis(outputs)
-        sweeps = chunk_size or plan.sweeps_per_pass
-        (gradients,) = vmap(pullback, chunk_size=sweeps)(basis) if positions else ((),)
+        (gradients,) = vmap(pullback, chunk_size=chunk_size)(basis) if positions else ((),)
         found["sizes"] = [output.numel() for output in outputs]
         found["shapes"] = [tuple(output.shape) for output in outputs]
         return tuple(gradients), operands, tuple(outputs)

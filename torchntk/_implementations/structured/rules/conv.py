@@ -65,7 +65,7 @@ def conv_rule(func, args, kwargs, ref_of):
         # _contract.py), where sharing the G-Gram saves nothing, and [U, 1] would cost a copy.
         return roles, None
 
-    return RuleCall(output, build, convolution=True)
+    return RuleCall(output, build)
 
 
 def _patches(x, kernel, stride, padding, dilation):
