@@ -280,3 +280,47 @@ def parse_list(s: str, allowed, conv=str):
             raise argparse.ArgumentTypeError(f"{it!r} not in {sorted(allowed)}")
     return items
 
+
+
+def run_header(title: str, args, want_torchntk: bool, want_nt: bool, nt_skip_reason: str) -> Tuple[List[str], bool, bool]:
+    """The lines describing a run (command, machine, versions, load, timing) and whether
+    torchntk and neural-tangents are usable."""
+    import shlex
+
+    import torch
+
+    header = [
+        title,
+        f"command : {' '.join(shlex.quote(a) for a in [sys.executable] + sys.argv)}",
+        f"date    : {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"machine : {cpu_description()}, {mem_description()}; {platform.platform()}",
+        f"python  : {platform.python_version()}",
+        f"torch   : {torch.__version__} (default threads {torch.get_num_threads()})",
+    ]
+    use_t = want_torchntk
+    if use_t:
+        use_t, why_t, tver = probe_torchntk()
+        header.append(f"torchntk: {tver}" if use_t else f"torchntk: unavailable ({why_t})")
+    else:
+        header.append("torchntk: skipped (--no-torchntk)")
+    use_nt = want_nt
+    if use_nt:
+        use_nt, why_nt = probe_nt()
+        vers = ", ".join(f"{n} {dist_version(n)}" for n in ("jax", "jaxlib", "neural-tangents"))
+        header.append(f"NT      : {vers}" if use_nt else f"NT      : unavailable ({why_nt})")
+    else:
+        header.append(f"NT      : skipped{nt_skip_reason}")
+    threads = args.threads
+    header.append(f"threads : {threads if threads else 'default (all cores)'}"
+                  + (f" (torch.set_num_threads + cores pinned for JAX"
+                     f"{'; XLA_FLAGS single-threaded Eigen' if threads == 1 else ''})"
+                     if threads else ""))
+    try:
+        header.append("load    : 1/5/15-min load average %.2f %.2f %.2f at start "
+                      "(timings are wall-clock: other load on the machine inflates them)"
+                      % os.getloadavg())
+    except OSError:
+        pass
+    header.append(f"timing  : 1 warm-up call (NT: includes jit compile), then median of "
+                  f"{args.repeats} calls, time.perf_counter; NT results block_until_ready")
+    return header, use_t, use_nt

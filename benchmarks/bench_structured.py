@@ -41,10 +41,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from _common import (HERE, REPO_ROOT, cpu_description, current_rss_mb, dist_version,
-                     fmt_diff, hwm_rss_mb, import_neural_tangents, launch_worker,
-                     limit_threads, mem_description, parse_list, peak_rss_mb, prepare_data,
-                     probe_nt, probe_torchntk, rel_diff, render, reset_peak_rss, time_calls)
+from _common import (HERE, REPO_ROOT, current_rss_mb, fmt_diff, hwm_rss_mb,
+                     import_neural_tangents, launch_worker, limit_threads,
+                     parse_list, peak_rss_mb, prepare_data, rel_diff, render,
+                     reset_peak_rss, run_header, time_calls)
 
 MODELS = ("mlp", "cnn", "resnet", "transformer")
 # Kernel each model is measured with unless --kernels says otherwise.
@@ -402,37 +402,7 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 1")
 
     # ---- header ---------------------------------------------------------
-    import torch
-    header = [
-        "# torchntk structured derivatives / AUTO benchmark",
-        f"command : {' '.join(shlex.quote(a) for a in [sys.executable] + sys.argv)}",
-        f"date    : {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-        f"machine : {cpu_description()}, {mem_description()}; {platform.platform()}",
-        f"python  : {platform.python_version()}",
-        f"torch   : {torch.__version__} (default threads {torch.get_num_threads()})",
-    ]
-    use_t = not args.no_torchntk
-    if use_t:
-        use_t, why_t, tver = probe_torchntk()
-        header.append(f"torchntk: {tver}" if use_t else f"torchntk: unavailable ({why_t})")
-    else:
-        header.append("torchntk: skipped (--no-torchntk)")
-    use_nt = not args.no_nt and bool(nt_impls)
-    if use_nt:
-        use_nt, why_nt = probe_nt()
-        vers = ", ".join(f"{n} {dist_version(n)}" for n in ("jax", "jaxlib", "neural-tangents"))
-        header.append(f"NT      : {vers}" if use_nt else f"NT      : unavailable ({why_nt})")
-    else:
-        header.append("NT      : skipped")
-    header.append(f"threads : {args.threads if args.threads else 'default (all cores)'}")
-    try:
-        header.append("load    : 1/5/15-min load average %.2f %.2f %.2f at start "
-                      "(timings are wall-clock: other load on the machine inflates them)"
-                      % os.getloadavg())
-    except OSError:
-        pass
-    header.append(f"timing  : 1 warm-up call (NT: includes jit compile), then median of "
-                  f"{args.repeats} calls, time.perf_counter; NT results block_until_ready")
+    header, use_t, use_nt = run_header("# torchntk structured derivatives / AUTO benchmark", args, not args.no_torchntk, not args.no_nt and bool(nt_impls), "")
     print("\n".join(header), flush=True)
 
     sys.path.insert(0, HERE)

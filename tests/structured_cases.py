@@ -32,6 +32,7 @@ from tests.cases import (
     _build,
     _normal,
     make_x1_x2,
+    tuple_output,
 )
 
 __all__ = ["N1", "N2", "STRUCTURED_CASES", "ModelCase", "make_x1_x2"]
@@ -277,20 +278,6 @@ class _MixedRuledUnruled(nn.Module):
         return self.head(torch.tanh(h))
 
 
-class _TupleOutput(nn.Module):
-    """(N, 4) -> (Linear (N, 5), tanh(Linear) reshaped (N, 3, 2)) from a shared ReLU trunk."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(4, 6)
-        self.head_a = nn.Linear(6, 5)
-        self.head_b = nn.Linear(6, 6)
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        hidden = F.relu(self.trunk(x))
-        return self.head_a(hidden), torch.tanh(self.head_b(hidden)).reshape(-1, 3, 2)
-
-
 def _layernorm_groupnorm() -> nn.Module:
     """(N, 2, 5, 4) -> conv -> GroupNorm(2, 4) -> tanh -> 1x1 conv -> LayerNorm((5, 4)): (N, 3, 5, 4)."""
     model = nn.Sequential(
@@ -380,12 +367,6 @@ def mixed_ruled_unruled(seed: int = DEFAULT_SEED) -> ModelCase:
     """exp/pow/cumsum of parameters, broadcast scale/shift, raw matmul, GroupNorm; output (N, 3)."""
     module = _build(_MixedRuledUnruled, seed)
     return ModelCase("mixed_ruled_unruled", module, _normal(4), (-1,), True, ((-1, 3),))
-
-
-def tuple_output(seed: int = DEFAULT_SEED) -> ModelCase:
-    """(N, 4) -> ((N, 5), (N, 3, 2)); one kernel per output leaf."""
-    module = _build(_TupleOutput, seed)
-    return ModelCase("tuple_output", module, _normal(4), (-1,), True, ((-1, 5), (-1, 3, 2)))
 
 
 def layernorm_groupnorm(seed: int = DEFAULT_SEED) -> ModelCase:

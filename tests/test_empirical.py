@@ -9,7 +9,12 @@ import torch
 
 import torchntk
 from tests.cases import CASES, make_x1_x2
-from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk, reference_ntk_vp
+from torchntk.testing import (
+    assert_kernels_close,
+    reference_nngp,
+    reference_ntk,
+    reference_ntk_vp,
+)
 
 IMPLEMENTATIONS = [1, 2, 3]
 VMAP_AXES = [None, 0]

@@ -372,3 +372,41 @@ def test_auto_picks_structured_derivatives_for_a_wide_mlp():
     # An independent check at this width: NTK-vector products (cheap for an MLP).
     products = torchntk.empirical_ntk_fn(module, trace_axes=(), vmap_axes=0, implementation=2)(x1, x2)
     assert_kernels_close(structured, products)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan: cached per input shapes, checked on every pass
+# --------------------------------------------------------------------------------------------
+
+
+def test_plan_follows_parameters_frozen_between_calls():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+    x1, x2 = torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    structured = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=3)
+    structured(x1, x2)
+    model[0].weight.requires_grad_(False)
+    expected = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0)(x1, x2)
+    assert_kernels_close(structured(x1, x2), expected)
+
+
+class _DataDependentBranch(torch.nn.Module):
+    """Uses ``extra`` only for batches with a positive mean, so x1 and x2 run different ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.extra = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x))
+        return self.extra(h) if x.mean() > 0 else h
+
+
+def test_operations_that_differ_between_x1_and_x2_are_re_planned():
+    torch.manual_seed(0)
+    model = _DataDependentBranch().double()
+    x1 = -torch.rand(3, 4, dtype=torch.float64)  # plan probed here: `extra` unused
+    x2 = torch.rand(2, 4, dtype=torch.float64)  # `extra` used
+    expected = torchntk.empirical_ntk_fn(model, trace_axes=())(x1, x2)
+    assert_kernels_close(torchntk.empirical_ntk_fn(model, trace_axes=(), implementation=3)(x1, x2), expected)

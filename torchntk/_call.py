@@ -14,7 +14,12 @@ import torch
 
 from ._checks import show
 from ._layout import KernelLayout, check_shapes, make_layout
-from ._model import FunctionalModel, functional_model, reject_vmap_with_coupling, warn_training_mode
+from ._model import (
+    FunctionalModel,
+    functional_model,
+    reject_vmap_with_coupling,
+    warn_training_mode,
+)
 from ._per_example import Side
 from ._tree import Flat, describe, is_all_none
 from ._vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs

@@ -36,8 +36,8 @@ from . import _checks
 from ._call import KernelCall, prepare_call
 from ._implementations import IMPLEMENTATIONS
 from ._implementations.auto import AutoChoice, AutoSelector
-from ._implementations.structured import StructuredDerivatives, StructuredOptions
 from ._implementations.nngp import nngp
+from ._implementations.structured import StructuredDerivatives, StructuredOptions
 from ._model import functional_model, warn_training_mode
 from ._outputs import canonical_get, combine
 from ._tree import Flat, describe, is_all_none

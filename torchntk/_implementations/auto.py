@@ -127,12 +127,13 @@ class AutoSelector:
         self._choices: dict[tuple, AutoChoice] = {}
 
     def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
+        key = (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
         if key not in self._choices:
             self._choices[key] = choose(call, self._structure_rules)
         return self._choices[key]
 
     def compute(self, call: KernelCall, key: tuple) -> Any:
-        chosen = self.choice(call, key).implementation
+        chosen = self.choice(call, key).implementation  # the structured plan cache extends the key itself
         if chosen == NtkImplementation.STRUCTURED_DERIVATIVES:
             return self._implementations[chosen](call, key)
         return self._implementations[chosen](call)

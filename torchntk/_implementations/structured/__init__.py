@@ -77,6 +77,8 @@ class StructuredDerivatives:
         self._plans: dict[Any, Plan] = {}
 
     def __call__(self, call: KernelCall, key: Any = None) -> list[torch.Tensor]:
+        if key is not None:  # which parameters are differentiated may change between calls
+            key = (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
             plan = plan_for(call, self.options)

@@ -31,7 +31,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._roles import ParamRef, RuleCall
-from ._views import CAST_OPS, VIEW_OPS, follow_view, is_view_property, positions, view_refs
+from ._views import (
+    CAST_OPS,
+    VIEW_OPS,
+    follow_view,
+    is_view_property,
+    positions,
+    view_refs,
+)
 from .rules import RULES
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 
 from .._roles import Role, RuleCall
