@@ -3,6 +3,7 @@
 from ._implementations.auto import AutoChoice as AutoChoice
 from ._implementations.auto import Estimate as Estimate
 from ._types import NtkImplementation as NtkImplementation
+from .batching import batch as batch
 from .empirical import empirical_kernel_fn as empirical_kernel_fn
 from .empirical import empirical_nngp_fn as empirical_nngp_fn
 from .empirical import empirical_ntk_fn as empirical_ntk_fn
@@ -21,6 +22,8 @@ __all__ = [
     "NtkImplementation",
     "AutoChoice",
     "Estimate",
+    # batching
+    "batch",
     # expansions
     "linearize",
     "taylor_expand",

@@ -38,6 +38,7 @@ from ._implementations import IMPLEMENTATIONS
 from ._implementations.auto import AutoChoice, AutoSelector
 from ._implementations.nngp import nngp
 from ._implementations.structured import StructuredDerivatives, StructuredOptions
+from ._kernel_spec import KernelFnSpec, attach
 from ._model import functional_model, warn_training_mode
 from ._outputs import canonical_get, combine
 from ._tree import Flat, describe, is_all_none
@@ -93,6 +94,13 @@ class _NtkSettings:
             check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
             defer_vmap_check=self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
         )
+
+    @property
+    def thread_safe(self) -> bool:
+        """See ``KernelFnSpec.thread_safe``: forward-mode AD is not thread-safe in PyTorch."""
+        forward_mode = self.implementation in (NtkImplementation.AUTO, NtkImplementation.NTK_VECTOR_PRODUCTS)
+        local = self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES and not self.structured.options.closed_form_rules
+        return not (forward_mode or local)
 
     def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
         if self.auto is None:
@@ -276,6 +284,13 @@ def empirical_ntk_fn(
         call = settings.prepare(x1, x2, params, kwargs, "ntk_fn")
         return settings.ntk(call, _shape_key(x1, x2, params, kwargs))
 
+    def rebuild(model: Model) -> KernelFn:
+        return empirical_ntk_fn(
+            model, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size=chunk_size,
+            check_vmap_axes=check_vmap_axes, **structured,
+        )
+
+    attach(ntk_fn, KernelFnSpec("ntk", f, settings.trace_axes, settings.diagonal_axes, rebuild, settings.thread_safe))
     return settings.attach_auto_choice(ntk_fn, "ntk_fn")
 
 
@@ -317,7 +332,7 @@ def empirical_nngp_fn(f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = 
         )
         return call.normalise(nngp(call), dtypes=call.output_dtypes)
 
-    return nngp_fn
+    return attach(nngp_fn, KernelFnSpec("nngp", f, traced, diagonal, lambda model: empirical_nngp_fn(model, trace_axes, diagonal_axes)))
 
 
 def empirical_kernel_fn(
@@ -382,6 +397,13 @@ def empirical_kernel_fn(
             kernels["ntk"] = settings.ntk(call, _shape_key(x1, x2, params, kwargs))
         return combine(kernels, names, bare)
 
+    def rebuild(model: Model) -> KernelFn:
+        return empirical_kernel_fn(
+            model, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size=chunk_size,
+            check_vmap_axes=check_vmap_axes, **structured,
+        )
+
+    attach(kernel_fn, KernelFnSpec("kernel", f, settings.trace_axes, settings.diagonal_axes, rebuild, settings.thread_safe))
     return settings.attach_auto_choice(kernel_fn, "kernel_fn")
 
 

@@ -1,0 +1,76 @@
+"""Which devices a batched computation runs on.
+
+``device_count`` follows neural-tangents (``-1``: every accelerator, ``0``: no device
+parallelism, ``k``: the first ``k``); ``devices`` names them explicitly, and may repeat ``"cpu"``
+so that the multi-device logic runs (and is tested) on machines without GPUs.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ._checks import show
+
+
+def device_count_argument(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: `device_count` must be an int (-1, 0 or a positive count), got {show(value)}.")
+    if value < -1:
+        raise ValueError(f"{where}: `device_count` must be -1 (all), 0 (none) or a positive count, got {value}.")
+    return int(value)
+
+
+def devices_argument(value: Any, where: str) -> Optional[tuple[torch.device, ...]]:
+    """``None`` or a non-empty sequence of existing devices."""
+    if value is None:
+        return None
+    if isinstance(value, (str, torch.device)) or not isinstance(value, Sequence) or not value:
+        raise TypeError(
+            f"{where}: `devices` must be None or a non-empty list of devices (e.g. ['cuda:0', 'cuda:1'] or "
+            f"['cpu'] * 3), got {show(value)}."
+        )
+    devices = []
+    for entry in value:
+        try:
+            device = torch.device(entry)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"{where}: `devices` has {show(entry)}, which is not a device: {error}") from None
+        _check_exists(device, where)
+        devices.append(device)
+    return tuple(devices)
+
+
+def _check_exists(device: torch.device, where: str) -> None:
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise ValueError(
+                f"{where}: `devices` has {device}, but this machine has {count} CUDA device(s)."
+            )
+        return
+    raise ValueError(f"{where}: `devices` has {device}; only 'cpu' and 'cuda' devices are supported.")
+
+
+def resolve(device_count: int, devices: Optional[tuple[torch.device, ...]], inputs_device: torch.device, where: str) -> tuple[torch.device, ...]:
+    """The devices to run on; ``(inputs_device,)`` when nothing asks for more."""
+    if devices is not None:
+        return devices
+    available = torch.cuda.device_count()
+    if device_count == 0 or (device_count == -1 and available == 0):
+        return (inputs_device,)
+    if device_count == -1:
+        return tuple(torch.device("cuda", index) for index in range(available))
+    if device_count > available:
+        if available == 0 and device_count == 1:
+            return (inputs_device,)
+        hint = " Pass devices=['cpu'] * k for several CPU workers." if available == 0 else ""
+        raise ValueError(
+            f"{where}: `device_count`={device_count}, but this machine has {available} CUDA device(s).{hint}"
+        )
+    return tuple(torch.device("cuda", index) for index in range(device_count))
