@@ -1,18 +1,24 @@
-"""Every Python example in README.md runs."""
+"""Every Python example in README.md and docs/*.md runs."""
 
 import pathlib
 import re
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXAMPLES = [
+    (page.name, example)
+    for page in PAGES
+    for example in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+]
 
 
 def test_readme_has_examples():
     assert EXAMPLES
 
 
-@pytest.mark.parametrize("index", range(len(EXAMPLES)))
-def test_readme_example_runs(index):
-    exec(compile(EXAMPLES[index], f"README.md example {index}", "exec"), {})
+@pytest.mark.parametrize("index", range(len(EXAMPLES)), ids=[f"{page}-{i}" for i, (page, _) in enumerate(EXAMPLES)])
+def test_example_runs(index):
+    page, example = EXAMPLES[index]
+    exec(compile(example, f"{page} example {index}", "exec"), {})
