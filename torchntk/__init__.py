@@ -8,6 +8,7 @@ from .empirical import empirical_kernel_fn as empirical_kernel_fn
 from .empirical import empirical_nngp_fn as empirical_nngp_fn
 from .empirical import empirical_ntk_fn as empirical_ntk_fn
 from .empirical import empirical_ntk_vp_fn as empirical_ntk_vp_fn
+from .monte_carlo import monte_carlo_kernel_fn as monte_carlo_kernel_fn
 from .taylor import linearize as linearize
 from .taylor import taylor_expand as taylor_expand
 
@@ -22,8 +23,9 @@ __all__ = [
     "NtkImplementation",
     "AutoChoice",
     "Estimate",
-    # batching
+    # batching and Monte Carlo
     "batch",
+    "monte_carlo_kernel_fn",
     # expansions
     "linearize",
     "taylor_expand",

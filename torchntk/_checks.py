@@ -76,3 +76,10 @@ def bool_argument(value: Any, name: str, where: str) -> bool:
         raise TypeError(f"{where}: `{name}` must be True or False, got {show(value)}.")
     return value
 
+
+
+def timeout_argument(value: Any, where: str) -> float:
+    """A positive number of seconds (for collectives across processes)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{where}: `timeout` must be a positive number of seconds, got {show(value)}.")
+    return float(value)

@@ -74,3 +74,4 @@ def resolve(device_count: int, devices: Optional[tuple[torch.device, ...]], inpu
             f"{where}: `device_count`={device_count}, but this machine has {available} CUDA device(s).{hint}"
         )
     return tuple(torch.device("cuda", index) for index in range(device_count))
+

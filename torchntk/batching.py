@@ -36,6 +36,7 @@ from ._kernel_spec import KernelFnSpec, attach, spec_of
 from ._layout import make_layout
 from ._tree import Flat, is_all_none
 from ._types import PyTree
+from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, world
 
 _NOT_SPLIT = ("params", "get")
 _FORWARD_MODE_LOCK = threading.Lock()
@@ -49,6 +50,8 @@ def batch(
     *,
     devices: Optional[list] = None,
     progress: bool = False,
+    distributed: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Callable[..., PyTree]:
     """Returns ``kernel_fn`` computed block by block, on one or several devices.
 
@@ -69,6 +72,12 @@ def batch(
             ``"cpu"`` runs several CPU workers (useful to test multi-device code without GPUs).
             Give either this or ``device_count``. Default: ``None``.
         progress: show a progress bar over blocks (tqdm). Default: ``False``.
+        distributed: ``"auto"``: when a ``torch.distributed`` process group of several ranks is
+            initialised, the blocks are shared out round-robin across the ranks and summed with
+            one all-reduce, so every rank returns the whole kernel, bitwise equal to one
+            process's; ``"off"``: every rank computes every block. Default: ``"auto"``.
+        timeout: seconds a rank waits for the others at the all-reduce before raising (see
+            ``torchntk.distributed``). Default: 300.
 
     Returns:
         A function with ``kernel_fn``'s signature and results. Tensor 2-tuples in keyword
@@ -107,10 +116,14 @@ def batch(
     chosen = devices_argument(devices, where)
     if chosen is not None and count != -1:
         raise ValueError(f"{where}: give either `devices` or `device_count`, not both (got {count} and {devices}).")
+    if distributed not in ("auto", "off"):
+        raise ValueError(f"{where}: `distributed` must be 'auto' or 'off', got {_checks.show(distributed)}.")
     plan = _Settings(
         kernel_fn, spec, int(batch_size), count, chosen,
         _checks.bool_argument(store_on_device, "store_on_device", where),
         _checks.bool_argument(progress, "progress", where),
+        distributed == "auto",
+        _checks.timeout_argument(timeout, where),
     )
 
     def batched(x1: PyTree, x2: Optional[PyTree] = None, *args: Any, **kwargs: Any) -> PyTree:
@@ -119,7 +132,10 @@ def batch(
     batched.__doc__ = kernel_fn.__doc__
     return attach(batched, KernelFnSpec(
         spec.kind, spec.f, spec.trace_axes, spec.diagonal_axes,
-        lambda model: batch(spec.rebuild(model), batch_size, device_count, store_on_device, devices=devices, progress=progress),
+        lambda model: batch(
+            spec.rebuild(model), batch_size, device_count, store_on_device, devices=devices, progress=progress,
+            distributed=distributed, timeout=timeout,
+        ),
         spec.thread_safe,
     ))
 
@@ -133,6 +149,8 @@ class _Settings:
     devices: Optional[tuple[torch.device, ...]]
     store_on_device: bool
     progress: bool
+    share_blocks: bool
+    timeout: float
 
 
 def _runs(size: int, length: int) -> list[tuple[int, int]]:
@@ -281,8 +299,12 @@ class _Job:
             self._set_tiling(self.rows[0][1], self.rows[0][1])
             self.mirrored = self.reuse
             first = self._compute(functions[0], self.devices[0], first_args, 0, 0)
-        self._write(first, 0, 0)
-        pending = [block for block in self._blocks() if block != (0, 0)]
+        rank, world_size = world() if self.settings.share_blocks else (0, 1)
+        blocks = self._blocks()
+        owned = [block for index, block in enumerate(blocks) if index % world_size == rank]
+        if (0, 0) in owned:
+            self._write(first, 0, 0)
+        pending = [block for block in owned if block != (0, 0)]
         bar = tqdm(total=len(pending) + 1, initial=1, disable=not self.settings.progress, desc="kernel blocks")
         tasks: queue.SimpleQueue = queue.SimpleQueue()
         for block in pending:
@@ -315,6 +337,8 @@ class _Job:
         bar.close()
         if failures:
             raise failures[0]
+        if world_size > 1:  # blocks are disjoint, so the sum over ranks assembles the kernel
+            self.outputs = all_reduce_sum(self.outputs, timeout=self.settings.timeout)
         return self.tree.rebuild(self.outputs)
 
     def _functions(self) -> list[Callable[..., PyTree]]:

@@ -1,0 +1,84 @@
+"""Monte Carlo kernels and batched kernels shared across gloo processes equal one process's.
+
+Spawned with ``torch.multiprocessing`` on this machine (marked slow: run by the second step of
+``.ci/run``). Each rank writes its result to a file that the parent compares.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torchntk
+
+pytestmark = pytest.mark.slow
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).double().eval()
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(7, 3, generator=generator, dtype=torch.float64), torch.randn(5, 3, generator=generator, dtype=torch.float64)
+
+
+def _compute(kind: str):
+    x1, x2 = _inputs()
+    if kind.startswith("mc-"):
+        strategy = kind[3:]
+        mc = torchntk.monte_carlo_kernel_fn(_model(), [1, 3, 6], seed=3, batch_size=3, distributed=strategy, timeout=60)
+        return [tuple(estimate) for estimate in mc(x1, x2, ("nngp", "ntk"))]
+    batched = torchntk.batch(torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=0), 2, timeout=60)
+    return [batched(x1, x2), batched(x1, None)]
+
+
+def _rank_main(rank: int, world_size: int, rendezvous: str, kind: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        if kind == "raises" and rank == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        if kind == "raises":
+            kind = "mc-samples"
+        torch.save(_compute(kind), os.path.join(out_dir, f"rank{rank}.pt"))
+        torchntk.distributed.finalize(timeout=60)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world_size: int, kind: str) -> list:
+    mp.spawn(_rank_main, args=(world_size, str(tmp_path / "rendezvous"), kind, str(tmp_path)), nprocs=world_size, join=True)
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world_size)]
+
+
+def _assert_equal(got, want, exact: bool) -> None:
+    flat_got, flat_want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+    assert len(flat_got) == len(flat_want)
+    for a, b in zip(flat_got, flat_want):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kind, exact", [("mc-samples", False), ("mc-blocks", True), ("batch", True)])
+def test_processes_equal_one_process(tmp_path, world_size, kind, exact):
+    expected = _compute(kind)
+    for result in _spawn(tmp_path, world_size, kind):
+        _assert_equal(result, expected, exact)
+
+
+def test_a_rank_that_raises_fails_the_run_promptly(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 1 fails on purpose|failed|Connection|closed"):
+        _spawn(tmp_path, 2, "raises")
+    assert time.monotonic() - start < 60

@@ -1,0 +1,553 @@
+"""Multi-process helpers on :mod:`torch.distributed`: sharding predicates, a checked all-reduce.
+
+The batcher and the Monte Carlo estimator run unchanged in every process of a
+``torchrun`` job. This module gives them the few collective pieces they need, and nothing
+else: it does not import them, and they use whatever process group the caller started
+(with :func:`setup` or ``dist.init_process_group``).
+
+* :func:`setup` starts the process group (gloo on CPU, NCCL on ``cuda:LOCAL_RANK``), if
+  the caller has not, and returns this rank's device.
+* :func:`world` gives ``(rank, world_size)``, or ``(0, 1)`` when no process group is
+  initialised, so single-process code calls the same functions.
+* :func:`owned_samples` (strategy A: each rank draws a share of the Monte Carlo samples) and
+  :func:`owned_blocks` (strategy B: each rank computes a share of the kernel blocks, for all
+  samples) give ``index -> bool`` predicates. Both are round-robin, so each index belongs to
+  exactly one rank.
+* :func:`all_reduce_sum` sums every tensor leaf of a pytree across the ranks. It is a
+  *checkpoint*: all ranks must call it, in the same order and with the same tree structure.
+* :func:`failure_guard` (or :func:`propagate_failure`) reports an exception on one rank to
+  the others at their next checkpoint, so they stop with :class:`RankFailedError` instead
+  of waiting for a rank that will never come.
+* :func:`finalize` ends the job: a last checkpoint (a barrier), then
+  ``destroy_process_group``.
+
+Intended use in each rank (see ``examples/distributed_monte_carlo.py``)::
+
+    device = distributed.setup(timeout=600)    # gloo on CPU, or nccl on cuda:LOCAL_RANK
+    rank, world_size = distributed.world()
+    owned = distributed.owned_samples(rank, world_size)
+    with distributed.failure_guard(timeout=600):
+        total = zeros_like_one_kernel          # every rank, even if it owns no sample
+        for s in range(n_samples):
+            if owned(s):
+                total = tree_add(total, one_sample_kernel(s))
+        total = distributed.all_reduce_sum(total, timeout=600)
+    distributed.finalize(timeout=600)          # barrier, then destroy_process_group
+
+NOTE: [Checkpoints]
+A *checkpoint* is :func:`all_reduce_sum`, :func:`checkpoint`, :func:`finalize`, or the
+failure report made by :func:`failure_guard` / :func:`propagate_failure`. Each one runs the
+same short protocol on a gloo group (NOTE: [Backends]):
+
+1. ``dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)``. If a rank does not
+   arrive within ``timeout``, rank 0 raises an error naming the missing ranks; the other
+   ranks raise after the same timeout, or as soon as rank 0 gives up.
+2. An all-reduce of a small status table: one row per rank with a failed flag, a checkpoint
+   counter, the kind of checkpoint, a hash of the pytree's structure, dtypes and shapes, and
+   (for a failed rank) the first bytes of its exception message. Every rank then knows
+   whether a peer failed and whether all ranks are at the same checkpoint with matching
+   trees, and raises the same kind of error if not. A mismatch would otherwise deadlock or
+   silently sum unrelated buffers.
+3. Only :func:`all_reduce_sum`: one ``all_reduce(SUM)`` per dtype and device type of the
+   flattened leaves.
+
+Every rank must take part in every checkpoint, **including ranks that have nothing to
+contribute** (in generator mode the first interval ``(0, 1]`` has one sample, so with two or
+more ranks some own none). Such a rank passes zeros of the right shape. A rank that skips a
+checkpoint makes the others fail after ``timeout`` (or with a "different checkpoints" error
+when it later reaches a different one). Checkpoints must be issued from one thread per rank,
+the same thread each time. Steps 1 and 2 cost two tiny messages per rank, well under a
+millisecond on one machine next to the kernel-sized step 3.
+
+NOTE: [Timeouts]
+``timeout`` (seconds or a ``timedelta``, default :data:`DEFAULT_TIMEOUT` = 300 s) bounds
+every wait of a checkpoint on every rank: the monitored barrier, the status all-reduce and
+the gloo data all-reduce, and creating the checkpoint group at the first checkpoint. The
+barrier measures from when *this* rank arrives, so ``timeout`` must exceed the largest
+difference in work between two checkpoints across the ranks (an uneven share of samples, a
+slower device), or healthy but slow ranks are reported as hung. All ranks must pass the same
+value (one gloo group is made per distinct timeout, collectively).
+
+``init_process_group(timeout=...)`` (default 30 minutes for gloo, 10 minutes for NCCL) is a
+separate limit. It governs what this module does not wait on itself: the rendezvous in
+``init_process_group``, collectives the caller issues directly, ``destroy_process_group``,
+and the NCCL all-reduce of CUDA leaves. ``Work.wait(timeout)`` bounds an NCCL wait only with
+``TORCH_NCCL_BLOCKING_WAIT=1``; otherwise NCCL's watchdog aborts the job once the process
+group's timeout expires. Steps 1 and 2 run first, so a missing rank is caught there, within
+``timeout``, before any NCCL collective is issued. A process-group timeout shorter than
+``timeout`` does not shorten the checkpoints, which use their own group.
+
+After a :class:`DistributedError` the process group should be considered broken: the usual
+response is to let the exception end the process (``torchrun`` and ``mp.spawn`` then stop the
+job). A rank that dies makes gloo report "Connection closed by peer" to the others at once,
+which this module turns into a :class:`DistributedError` naming the collective.
+
+NOTE: [Backends]
+Checkpoints run on a gloo group over all ranks that this module creates with
+``dist.new_group(backend="gloo", timeout=timeout)``, even when the default backend is
+gloo: ``monitored_barrier`` exists only for gloo, and it applies its ``timeout`` only on
+rank 0; the other ranks wait for rank 0's answer with their group's timeout, so on the
+default group a hung rank 0 would hold them for the process group's timeout. CPU leaves are
+reduced on that gloo group too (this covers NCCL jobs that keep results on the host, e.g.
+``store_on_device=False``). CUDA (or other accelerator) leaves are reduced on the default
+group, normally NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import zlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DistributedError",
+    "RankFailedError",
+    "setup",
+    "world",
+    "owned_samples",
+    "owned_blocks",
+    "all_reduce_sum",
+    "checkpoint",
+    "propagate_failure",
+    "failure_guard",
+    "finalize",
+]
+
+DEFAULT_TIMEOUT: float = 300.0
+"""Default per-checkpoint timeout in seconds; see NOTE: [Timeouts]."""
+
+Timeout = Union[float, int, timedelta]
+
+# Status table columns (one row per rank), then the exception message bytes.
+_FAILED, _COUNTER, _KIND, _SIGNATURE, _N_FIELDS = 0, 1, 2, 3, 4
+_MESSAGE_BYTES = 256
+_KINDS = {"all_reduce_sum": 1, "checkpoint": 2, "finalize": 3, "failure report": 4}
+_KIND_NAMES = {code: name for name, code in _KINDS.items()}
+
+
+class DistributedError(RuntimeError):
+    """A checkpoint failed: a collective timed out or errored, or the ranks disagree.
+
+    The message says which collective, this rank, the world size and the timeout. The
+    process group should not be used afterwards.
+    """
+
+    def __init__(self, message: str, *, collective: str, rank: int, world_size: int,
+                 timeout: float):
+        super().__init__(message)
+        self.collective = collective
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+
+
+class RankFailedError(DistributedError):
+    """Another rank raised and reported it (see :func:`failure_guard`).
+
+    ``failed_ranks`` lists the ranks that reported; ``messages`` maps each to the start of
+    its exception's ``"Type: message"``.
+    """
+
+    def __init__(self, message: str, *, failed_ranks: tuple[int, ...],
+                 messages: dict[int, str], **kwargs: Any):
+        super().__init__(message, **kwargs)
+        self.failed_ranks = failed_ranks
+        self.messages = messages
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, or ``(0, 1)`` without one.
+
+    >>> world()  # no process group in this process
+    (0, 1)
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _check_rank(rank: int, world_size: int) -> tuple[int, int]:
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    return rank, world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundRobin:
+    """``index -> bool``: ``index % world_size == rank``. A dataclass for a useful repr."""
+
+    what: str
+    rank: int
+    world_size: int
+
+    def __call__(self, index: int) -> bool:
+        if isinstance(index, bool) or not isinstance(index, int):
+            try:
+                index = int(index.__index__())  # numpy and 0-d tensor integers
+            except AttributeError:
+                raise TypeError(f"{self.what} index must be an int, got {index!r}") from None
+        if index < 0:
+            raise ValueError(f"{self.what} index must be >= 0, got {index}")
+        return index % self.world_size == self.rank
+
+
+def owned_samples(rank: int, world_size: int) -> Callable[[int], bool]:
+    """Strategy A: does this rank draw global Monte Carlo sample ``s``? (``s % world == rank``)
+
+    Round-robin keeps the shares within one sample of each other inside every checkpoint
+    interval ``(n_prev, n_k]`` of generator mode. The owner only decides *who* computes a
+    sample; the sample itself must depend on ``(seed, s)`` alone, so the result does not
+    depend on the world size beyond float rounding of the final sum.
+
+    >>> owned = owned_samples(1, 3)
+    >>> [s for s in range(8) if owned(s)]
+    [1, 4, 7]
+    """
+    return _RoundRobin("sample", *_check_rank(rank, world_size))
+
+
+def owned_blocks(rank: int, world_size: int) -> Callable[[int], bool]:
+    """Strategy B: does this rank compute kernel block ``k``? (``k % world == rank``)
+
+    ``k`` is the linear, row-major block index ``i * n_col_blocks + j`` (or the position of
+    the block in whatever fixed order every rank enumerates them in). The owner accumulates
+    every sample for its blocks; :func:`all_reduce_sum` of zero-initialised full buffers then
+    acts as a gather, bitwise equal to the single-process result.
+
+    >>> owned = owned_blocks(0, 2)
+    >>> [k for k in range(6) if owned(k)]
+    [0, 2, 4]
+    """
+    return _RoundRobin("block", *_check_rank(rank, world_size))
+
+
+# --- checkpoint protocol ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _GroupState:
+    default: Any     # the default ProcessGroup this state belongs to
+    groups: dict = dataclasses.field(default_factory=dict)  # timeout seconds -> gloo group
+    counter: int = 0
+
+
+_state: _GroupState | None = None
+
+
+def _group_state() -> _GroupState:
+    global _state
+    default = dist.distributed_c10d._get_default_group()
+    if _state is None or _state.default is not default:
+        _state = _GroupState(default=default)
+    return _state
+
+
+def _gloo_group(seconds: float) -> Any:
+    """The gloo group over all ranks whose own timeout is ``seconds``, made on first use.
+
+    A separate group even when the default backend is gloo: ``monitored_barrier`` enforces
+    its ``timeout`` only on rank 0, and the other ranks wait for rank 0's answer with their
+    group's timeout, so a hung rank 0 would otherwise hold them for the process group's
+    timeout (30 minutes by default). Creating a group is a collective, bounded by
+    ``seconds`` too; all ranks reach their first checkpoint with a given timeout together.
+    """
+    state = _group_state()
+    if seconds not in state.groups:
+        try:
+            state.groups[seconds] = dist.new_group(backend=dist.Backend.GLOO,
+                                                   timeout=timedelta(seconds=seconds))
+        except Exception as exc:
+            raise _error(
+                "new_group(backend='gloo') for checkpoints", seconds,
+                f"{type(exc).__name__}: {exc}. A rank did not reach its first checkpoint "
+                "(with this timeout) in time: it crashed, hung or is still working.") from exc
+    return state.groups[seconds]
+
+
+def setup(backend: str | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT,
+          process_group_timeout: timedelta | None = None,
+          **init_kwargs: Any) -> torch.device:
+    """Starts the default process group for this rank and returns the device it should use.
+
+    ``backend=None`` picks ``"nccl"`` when CUDA is available and ``"gloo"`` otherwise. With
+    NCCL the device is ``cuda:LOCAL_RANK`` (the variable ``torchrun`` sets), made current with
+    ``torch.cuda.set_device``; with gloo it is the CPU. ``init_kwargs`` (``init_method``,
+    ``rank``, ``world_size``, ...) and ``process_group_timeout`` go to
+    ``dist.init_process_group``; without them it reads ``torchrun``'s environment. A group
+    that is already initialised is kept.
+
+    It then creates the gloo group that checkpoints with this ``timeout`` use (NOTE:
+    [Backends]) while all ranks are known to be together. Without this call the group is
+    made at the first checkpoint, which works the same, except that a rank missing there is
+    reported after ``timeout`` as "new_group ... failed", without its rank number.
+    """
+    seconds = _seconds(timeout)
+    initialised = dist.is_initialized()
+    if initialised:
+        backend = str(dist.get_backend())  # e.g. "gloo", "nccl", "cpu:gloo,cuda:nccl"
+    elif backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if "nccl" in backend:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not initialised:
+        if process_group_timeout is not None:
+            init_kwargs["timeout"] = process_group_timeout
+        dist.init_process_group(backend, **init_kwargs)
+    if world()[1] > 1:
+        _gloo_group(seconds)
+    return device
+
+
+def _seconds(timeout: Timeout) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"timeout must be seconds (a number) or a timedelta, got {timeout!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"timeout must be a positive finite number of seconds, got {timeout!r}")
+    return float(seconds)
+
+
+def _error(what: str, seconds: float, detail: str, cls: type = DistributedError,
+           **extra: Any) -> DistributedError:
+    rank, world_size = world()
+    message = (f"torchntk.distributed: {what} failed on rank {rank} of world size "
+               f"{world_size} (timeout {seconds:g} s): {detail}")
+    return cls(message, collective=what, rank=rank, world_size=world_size, timeout=seconds,
+               **extra)
+
+
+def _wait(what: str, seconds: float, start: Callable[[], Any]) -> None:
+    """Runs ``start()`` (an ``async_op=True`` collective) and waits at most ``seconds``."""
+    try:
+        work = start()
+        finished = work.wait(timeout=timedelta(seconds=seconds))
+    except Exception as exc:  # backend errors: timeouts, connection closed by a dead peer
+        raise _error(what, seconds, f"{type(exc).__name__}: {exc}".strip()) from exc
+    if finished is False:
+        raise _error(what, seconds, "the collective did not complete in time")
+
+
+def _describe_exception(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _run_checkpoint(kind: str, seconds: float, signature: int = 0,
+                    failure: BaseException | None = None) -> None:
+    """Steps 1 and 2 of NOTE: [Checkpoints]. Raises on every rank when one of them failed."""
+    rank, world_size = world()
+    state = _group_state()
+    state.counter += 1
+    what = f"{kind} (checkpoint {state.counter})"
+    group = _gloo_group(seconds)
+
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=seconds),
+                               wait_all_ranks=True)
+    except Exception as exc:
+        if rank == 0:
+            hint = ("The ranks named did not reach this checkpoint in time: they crashed, "
+                    "hung, or are still working (raise the timeout if their share of the work "
+                    "is simply slower).")
+        else:
+            hint = ("Rank 0 did not answer in time: either rank 0 itself did not reach this "
+                    "checkpoint (crashed, hung or still working), or it found other ranks "
+                    "missing; rank 0's error names them.")
+        raise _error(f"monitored_barrier of {what}", seconds,
+                     f"{str(exc).strip()} {hint}") from exc
+
+    status = torch.zeros(world_size, _N_FIELDS + _MESSAGE_BYTES, dtype=torch.int64)
+    row = status[rank]
+    row[_COUNTER] = state.counter
+    row[_KIND] = _KINDS[kind]
+    row[_SIGNATURE] = signature
+    if failure is not None:
+        row[_FAILED] = 1
+        text = _describe_exception(failure).encode("utf-8", "replace")[:_MESSAGE_BYTES]
+        row[_N_FIELDS:_N_FIELDS + len(text)] = torch.tensor(list(text), dtype=torch.int64)
+    _wait(f"status all_reduce of {what}", seconds,
+          lambda: dist.all_reduce(status, group=group, async_op=True))
+
+    if failure is not None:
+        return  # the failed rank re-raises its own exception
+    failed = tuple(int(r) for r in torch.nonzero(status[:, _FAILED]).flatten())
+    if failed:
+        messages = {
+            r: bytes(status[r, _N_FIELDS:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+            for r in failed}
+        listed = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        ranks = ", ".join(map(str, failed))
+        raise _error(what, seconds, f"rank {ranks} failed and reported it ({listed})",
+                     cls=RankFailedError, failed_ranks=failed, messages=messages)
+    for column, label in ((_COUNTER, "checkpoint counts"), (_KIND, "checkpoint kinds")):
+        values = status[:, column].tolist()
+        if len(set(values)) > 1:
+            shown = values if column == _COUNTER else [_KIND_NAMES.get(v, v) for v in values]
+            raise _error(what, seconds,
+                         f"the ranks are at different checkpoints ({label} by rank: {shown}); "
+                         "every rank must make the same sequence of checkpoint calls")
+    signatures = status[:, _SIGNATURE].tolist()
+    if len(set(signatures)) > 1:
+        raise _error(what, seconds,
+                     "the ranks passed pytrees with different structures, dtypes, shapes or "
+                     f"device types (hashes by rank: {signatures})")
+
+
+def checkpoint(*, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+    """A checked barrier: every rank waits for the others, and learns of failed peers.
+
+    Use it where ranks must synchronise without reducing anything, e.g. before reading
+    results another rank wrote. A no-op without a process group.
+    """
+    seconds = _seconds(timeout)
+    if world()[1] > 1:
+        _run_checkpoint("checkpoint", seconds)
+
+
+def _leaf_signature(leaves: list, spec: Any) -> int:
+    parts = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(f"{leaf.dtype}/{tuple(leaf.shape)}/{leaf.device.type}")
+        else:
+            parts.append(type(leaf).__name__)
+    return zlib.crc32("|".join(parts).encode())
+
+
+def all_reduce_sum(tree: Any, *, timeout: Timeout = DEFAULT_TIMEOUT) -> Any:
+    """Sums every tensor leaf of ``tree`` over all ranks; a checkpoint (NOTE: [Checkpoints]).
+
+    The leaves (found with :mod:`torch.utils._pytree`, so tensors, tuples, lists, dicts and
+    namedtuples nest freely) are flattened into one contiguous buffer per dtype and device
+    type, and each buffer is all-reduced with ``SUM``: gloo for CPU tensors, the default
+    backend (normally NCCL) for CUDA tensors. The result has the structure, shapes, dtypes
+    and devices of ``tree``; its leaves are new tensors (views into the reduced buffers) and
+    the inputs are not modified. Non-tensor leaves are returned as they are, unsummed.
+
+    **Every rank must call this at every checkpoint, even with nothing to contribute**: such
+    a rank passes zeros with the same structure, dtypes and shapes. The ranks' trees must
+    match (checked, via a hash in the status table). Without a process group, or with world
+    size 1, ``tree`` is returned unchanged, so single-process callers need no special case.
+
+    ``timeout`` (seconds or a ``timedelta``) bounds the wait for the other ranks; see NOTE:
+    [Timeouts]. Raises :class:`RankFailedError` if another rank reported a failure, and
+    :class:`DistributedError` on timeouts, backend errors or mismatched trees. Input errors
+    (``TypeError``/``ValueError``) are raised before any communication.
+
+    >>> all_reduce_sum({"ntk": torch.ones(2)})  # single process: unchanged
+    {'ntk': tensor([1., 1.])}
+    """
+    seconds = _seconds(timeout)
+    leaves, spec = pytree.tree_flatten(tree)
+    buckets: dict[tuple[torch.dtype, str], list[int]] = {}
+    devices: dict[str, torch.device] = {}
+    for position, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if leaf.dtype == torch.bool:
+            raise TypeError(f"all_reduce_sum cannot sum a bool tensor (leaf {position})")
+        kind = leaf.device.type
+        if devices.setdefault(kind, leaf.device) != leaf.device:
+            raise ValueError(
+                f"all_reduce_sum needs the tensor leaves of one device type on one device; "
+                f"found {devices[kind]} and {leaf.device}")
+        buckets.setdefault((leaf.dtype, kind), []).append(position)
+
+    if world()[1] == 1:
+        return tree
+
+    _run_checkpoint("all_reduce_sum", seconds, _leaf_signature(leaves, spec))
+    gloo = _gloo_group(seconds)
+    out = list(leaves)
+    for (dtype, kind), positions in buckets.items():  # insertion order, the same on all ranks
+        parts = [leaves[p].detach().reshape(-1) for p in positions]
+        buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        group = gloo if kind == "cpu" else None
+        _wait(f"all_reduce_sum of the {dtype} {kind} leaves", seconds,
+              lambda buffer=buffer, group=group: dist.all_reduce(
+                  buffer, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        for position, piece in zip(positions, buffer.split([t.numel() for t in parts])):
+            out[position] = piece.view(leaves[position].shape)
+    return pytree.tree_unflatten(out, spec)
+
+
+def propagate_failure(exc: BaseException, *, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+    """Tells the other ranks that this one failed with ``exc``; call it, then re-raise.
+
+    It joins the next checkpoint the others are waiting in (an :func:`all_reduce_sum`, a
+    :func:`checkpoint` or :func:`finalize`) with the failed flag set, so they raise
+    :class:`RankFailedError` naming this rank and ``exc``'s message. Call it once, from the
+    thread that makes checkpoints, after the last checkpoint this rank completed, and not
+    for a :class:`DistributedError` (the others already know). If the report itself fails
+    (the others exited, or time out), that is added to ``exc`` as a note and not raised, so
+    the caller's ``raise`` shows the original error. A no-op without a process group.
+    """
+    if isinstance(exc, DistributedError) or world()[1] == 1:
+        return
+    seconds = _seconds(timeout)
+    try:
+        _run_checkpoint("failure report", seconds, failure=exc)
+    except Exception as report_error:  # noqa: BLE001 (reported as a note instead)
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"torchntk.distributed: could not report this failure to the other "
+                         f"ranks: {report_error}")
+        return
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"torchntk.distributed: reported to the other ranks "
+                     f"(this is rank {world()[0]} of {world()[1]})")
+
+
+@contextlib.contextmanager
+def failure_guard(*, timeout: Timeout = DEFAULT_TIMEOUT) -> Iterator[None]:
+    """Wraps a rank's work so that an exception in it reaches the other ranks.
+
+    An ``Exception`` raised inside the block (other than a :class:`DistributedError`) is
+    reported with :func:`propagate_failure` and then re-raised unchanged. The other ranks
+    fail at their next checkpoint with :class:`RankFailedError` instead of waiting for the
+    timeout. ``KeyboardInterrupt`` and ``SystemExit`` pass straight through.
+    """
+    try:
+        yield
+    except DistributedError:
+        raise
+    except Exception as exc:
+        propagate_failure(exc, timeout=timeout)
+        raise
+
+
+def finalize(*, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+    """Ends distributed work: a final checkpoint, then ``dist.destroy_process_group()``.
+
+    The checkpoint is the barrier that keeps a rank from tearing down gloo while a peer is
+    still working, which can abort the peer with "terminate called without an active
+    exception". It also surfaces a failure another rank reported after the last
+    :func:`all_reduce_sum`. Call it on every rank, after the last checkpoint; a no-op
+    without a process group. The process group is destroyed even if the checkpoint raises.
+    """
+    global _state
+    seconds = _seconds(timeout)
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if world()[1] > 1:
+            _run_checkpoint("finalize", seconds)
+    finally:
+        _state = None
+        dist.destroy_process_group()
