@@ -20,6 +20,7 @@ device computes which block.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import queue
@@ -36,7 +37,7 @@ from ._kernel_spec import KernelFnSpec, attach, spec_of
 from ._layout import make_layout
 from ._tree import Flat, is_all_none
 from ._types import PyTree
-from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, world
+from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, world
 
 _NOT_SPLIT = ("params", "get")
 _FORWARD_MODE_LOCK = threading.Lock()
@@ -290,16 +291,24 @@ class _Job:
     # -- scheduling --------------------------------------------------------------------------------
 
     def run(self) -> PyTree:
-        functions = self._functions()
-        first_args = _move(self.args, self.devices[0])
-        first = self._compute(functions[0], self.devices[0], first_args, 0, 0)
-        self._allocate(first)
-        if any(kind != "kept" for kind in self.kinds) and self.rows != self.columns:
-            # Blocks must pair run i of x1 with run i of x2: cut both alike and start again.
-            self._set_tiling(self.rows[0][1], self.rows[0][1])
-            self.mirrored = self.reuse
-            first = self._compute(functions[0], self.devices[0], first_args, 0, 0)
         rank, world_size = world() if self.settings.share_blocks else (0, 1)
+        guard = failure_guard(timeout=self.settings.timeout) if world_size > 1 else contextlib.nullcontext()
+        with guard:  # an exception here reaches the other ranks at their all-reduce
+            functions = self._functions()
+            first_args = _move(self.args, self.devices[0])
+            first = self._compute(functions[0], self.devices[0], first_args, 0, 0)
+            self._allocate(first)
+            if any(kind != "kept" for kind in self.kinds) and self.rows != self.columns:
+                # Blocks must pair run i of x1 with run i of x2: cut both alike and start again.
+                self._set_tiling(self.rows[0][1], self.rows[0][1])
+                self.mirrored = self.reuse
+                first = self._compute(functions[0], self.devices[0], first_args, 0, 0)
+            self._run_owned(functions, first, rank, world_size)
+        if world_size > 1:  # blocks are disjoint, so the sum over ranks assembles the kernel
+            self.outputs = all_reduce_sum(self.outputs, timeout=self.settings.timeout)
+        return self.tree.rebuild(self.outputs)
+
+    def _run_owned(self, functions, first, rank: int, world_size: int) -> None:
         blocks = self._blocks()
         owned = [block for index, block in enumerate(blocks) if index % world_size == rank]
         if (0, 0) in owned:
@@ -337,9 +346,6 @@ class _Job:
         bar.close()
         if failures:
             raise failures[0]
-        if world_size > 1:  # blocks are disjoint, so the sum over ranks assembles the kernel
-            self.outputs = all_reduce_sum(self.outputs, timeout=self.settings.timeout)
-        return self.tree.rebuild(self.outputs)
 
     def _functions(self) -> list[Callable[..., PyTree]]:
         """One kernel function per device: the original for the model's own device, once."""

@@ -91,6 +91,8 @@ default group a hung rank 0 would hold them for the process group's timeout. CPU
 reduced on that gloo group too (this covers NCCL jobs that keep results on the host, e.g.
 ``store_on_device=False``). CUDA (or other accelerator) leaves are reduced on the default
 group, normally NCCL.
+On several nodes gloo finds its network interface through the hostname; if that resolves
+to the wrong interface (or to 127.0.0.1), set ``GLOO_SOCKET_IFNAME``.
 """
 
 from __future__ import annotations
@@ -251,7 +253,7 @@ _state: _GroupState | None = None
 
 def _group_state() -> _GroupState:
     global _state
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD
     if _state is None or _state.default is not default:
         _state = _GroupState(default=default)
     return _state
@@ -275,7 +277,8 @@ def _gloo_group(seconds: float) -> Any:
             raise _error(
                 "new_group(backend='gloo') for checkpoints", seconds,
                 f"{type(exc).__name__}: {exc}. A rank did not reach its first checkpoint "
-                "(with this timeout) in time: it crashed, hung or is still working.") from exc
+                "(with this timeout) in time: it crashed, hung or is still working. Call "
+                "torchntk.distributed.setup() when starting the job to have it named.") from exc
     return state.groups[seconds]
 
 
@@ -297,6 +300,9 @@ def setup(backend: str | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT,
     reported after ``timeout`` as "new_group ... failed", without its rank number.
     """
     seconds = _seconds(timeout)
+    if not dist.is_available():
+        raise RuntimeError(
+            "torchntk.distributed.setup: this PyTorch build has no torch.distributed")
     initialised = dist.is_initialized()
     if initialised:
         backend = str(dist.get_backend())  # e.g. "gloo", "nccl", "cpu:gloo,cuda:nccl"

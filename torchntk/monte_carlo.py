@@ -88,7 +88,7 @@ from ._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type
 from ._tree import Flat
 from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
 from .batching import batch
-from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, owned_samples, world
+from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, owned_samples, world
 from .empirical import DEFAULT_NTK_IMPLEMENTATION, empirical_kernel_fn
 
 _GLOBAL_RNG_LOCK = threading.Lock()
@@ -184,17 +184,7 @@ def monte_carlo_kernel_fn(
         order; ``None`` gives ``MonteCarloKernel(nngp, ntk)`` (neural-tangents returns its
         ``EmpiricalKernel`` type there). For tuple/list/dict outputs the result has that
         structure, one result per output leaf. Estimates have the kernels' dtype (the sum is
-        kept in float64, NOTE: [Sharing]
-Under ``torch.distributed`` (``torchrun``, or any initialised process group of several ranks),
-``distributed="auto"`` (the default) or ``"samples"`` shares the samples round-robin (rank ``r``
-computes the samples ``s`` with ``s % world_size == r``) and sums the ranks' running sums with one
-all-reduce per emitted estimate; every rank returns the estimate. ``"blocks"`` instead shares the
-kernel blocks of every sample (``torchntk.batch`` with its ``distributed="auto"``): one
-all-reduce per sample, and results bitwise equal to one process's. ``"off"`` makes every rank
-compute everything. ``timeout`` bounds how long a rank waits for the others at a collective; a
-rank that fails or hangs makes the others raise ``torchntk.distributed.DistributedError``.
-
-NOTE: [Monte Carlo accumulation]). Every call starts again from
+        kept in float64, NOTE: [Monte Carlo accumulation]). Every call starts again from
         sample 0: two calls give identical results, and in generator mode nothing is computed
         until the generator is iterated (``get`` and the model are checked at the call).
 
@@ -253,12 +243,12 @@ NOTE: [Monte Carlo accumulation]). Every call starts again from
         devices=devices, progress=False, distributed="auto" if distributed == "blocks" else "off", timeout=timeout,
     )
 
-    def strategy() -> tuple[Callable[[int], bool], Callable[[list], list]]:
+    def strategy() -> tuple[Callable[[int], bool], Callable[[list], list], bool]:
         """This process's samples and the reduction, decided at call time (see NOTE: [Sharing])."""
         rank, world_size = world()
         if _owned is not None or _reduce is not None or world_size == 1 or distributed in ("blocks", "off"):
-            return (_owned or (lambda s: True)), (_reduce or (lambda total: total))
-        return owned_samples(rank, world_size), lambda total: all_reduce_sum(total, timeout=timeout)
+            return (_owned or (lambda s: True)), (_reduce or (lambda total: total)), False
+        return owned_samples(rank, world_size), lambda total: all_reduce_sum(total, timeout=timeout), True
 
     def mc_kernel_fn(x1: PyTree, x2: Optional[PyTree] = None, get: Union[None, str, Sequence[str]] = None, **kwargs: Any) -> Any:
         call_where = "mc_kernel_fn"
@@ -275,8 +265,10 @@ NOTE: [Monte Carlo accumulation]). Every call starts again from
             # Always a tuple `get`: every leaf is an EmpiricalKernel, renamed when emitted.
             return structure.flatten(batched(x1, x2, names, params=sampler.draw(s), **kwargs))
 
-        owned, reduce = strategy()
+        owned, reduce, sharing = strategy()
         estimates = _estimates(sample_kernel, counts, owned, reduce, progress, structure.rebuild)
+        if sharing:  # an exception on this rank reaches the others at their next all-reduce
+            estimates = _guarded(estimates, timeout)
         if generator_mode:
             return estimates
         (estimate,) = estimates
@@ -515,6 +507,11 @@ def _call_init_fn(init_fn: Callable, args: tuple, seed: int, s: int) -> Any:
 
 # ------------------------------------------------------------------------------------------------
 # The sample loop
+
+
+def _guarded(estimates: Iterator[Any], timeout: float) -> Iterator[Any]:
+    with failure_guard(timeout=timeout):
+        yield from estimates
 
 
 def _estimates(
