@@ -107,3 +107,15 @@ def test_a_rank_that_raises_makes_the_others_fail_promptly(tmp_path, kind):
     assert time.monotonic() - start < 45
     assert torch.load(tmp_path / "rank1.pt") == "RuntimeError"
     assert torch.load(tmp_path / "rank0.pt") == "RankFailedError"
+
+
+def test_the_torchrun_example_runs():
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "distributed_monte_carlo.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ntk" in result.stdout.lower()
