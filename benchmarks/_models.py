@@ -244,3 +244,50 @@ def jax_apply_fn(name: str) -> Callable:
     if name == "cnn":
         return _cnn_apply
     raise ValueError(f"model {name!r} has no JAX version (those that do: {JAX_MODELS})")
+
+
+# --------------------------------------------------------------------------
+# NTK-parameterised MLP (Monte Carlo benchmark, ``bench_batching.py``)
+# --------------------------------------------------------------------------
+
+# One hidden ReLU layer, as neural-tangents' ``stax.serial(Dense(512, W_std, b_std), Relu(),
+# Dense(10, W_std, b_std))`` in its default NTK parameterisation.
+NTK_MLP = dict(d=64, width=512, k=10, W_std=1.5, b_std=0.05)
+
+
+class NtkDense(nn.Module):
+    """``W_std * x @ W.T / sqrt(in_features) + b_std * b`` with ``W``, ``b`` ~ N(0, 1), drawn by
+    ``reset_parameters`` (neural-tangents' ``stax.Dense`` with ``parameterization='ntk'``)."""
+
+    def __init__(self, in_features: int, out_features: int, W_std: float = 1.0, b_std: float = 0.0):
+        super().__init__()
+        self.W_std, self.b_std = float(W_std), float(b_std)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        nn.init.normal_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.W_std / float(np.sqrt(self.weight.shape[1]))
+        return x @ self.weight.T * scale + self.b_std * self.bias
+
+
+def build_ntk_mlp(d: int = NTK_MLP["d"], width: int = NTK_MLP["width"], k: int = NTK_MLP["k"],
+                  W_std: float = NTK_MLP["W_std"], b_std: float = NTK_MLP["b_std"]) -> nn.Module:
+    """``NtkDense(d, width) -> ReLU -> NtkDense(width, k)``, float32, eval mode, seeded."""
+    torch.manual_seed(MODEL_SEED)
+    model = nn.Sequential(NtkDense(d, width, W_std, b_std), nn.ReLU(),
+                          NtkDense(width, k, W_std, b_std))
+    return model.float().eval()
+
+
+def ntk_mlp_stax(width: int = NTK_MLP["width"], k: int = NTK_MLP["k"],
+                 W_std: float = NTK_MLP["W_std"], b_std: float = NTK_MLP["b_std"]):
+    """neural-tangents' ``(init_fn, apply_fn, kernel_fn)`` of the same network (NT must be
+    importable: see ``_common.import_neural_tangents``)."""
+    from neural_tangents import stax
+    return stax.serial(stax.Dense(width, W_std=W_std, b_std=b_std), stax.Relu(),
+                       stax.Dense(k, W_std=W_std, b_std=b_std))
