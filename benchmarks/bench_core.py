@@ -24,8 +24,6 @@ import gc
 import json
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile

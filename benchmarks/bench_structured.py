@@ -31,8 +31,6 @@ import gc
 import json
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile

@@ -13,9 +13,13 @@ import torch
 from torch import nn
 
 import torchntk
-from torchntk.monte_carlo import MonteCarloKernel, monte_carlo_kernel_fn, monte_carlo_kernel_type, sample_seed
-
 from tests.ntk_param import NtkDense, arccos_kernels, closed_form, one_hidden_relu
+from torchntk.monte_carlo import (
+    MonteCarloKernel,
+    monte_carlo_kernel_fn,
+    monte_carlo_kernel_type,
+    sample_seed,
+)
 
 D = 5
 

@@ -88,7 +88,13 @@ from ._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type
 from ._tree import Flat
 from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
 from .batching import batch
-from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, owned_samples, world
+from .distributed import (
+    DEFAULT_TIMEOUT,
+    all_reduce_sum,
+    failure_guard,
+    owned_samples,
+    world,
+)
 from .empirical import DEFAULT_NTK_IMPLEMENTATION, empirical_kernel_fn
 
 _GLOBAL_RNG_LOCK = threading.Lock()
