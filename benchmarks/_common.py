@@ -324,3 +324,22 @@ def run_header(title: str, args, want_torchntk: bool, want_nt: bool, nt_skip_rea
     header.append(f"timing  : 1 warm-up call (NT: includes jit compile), then median of "
                   f"{args.repeats} calls, time.perf_counter; NT results block_until_ready")
     return header, use_t, use_nt
+
+
+def write_markdown(path: str, header: List[str], intro: List[str], sections, targets: List[str],
+                   notes: List[str], failures: List[str], detail_headers: List[str], detail) -> None:
+    """The run's tables as Markdown: header, ``intro`` lines, ``(title, headers, rows)`` sections,
+    targets, notes, failures and the per-run details folded away."""
+    md = ["\n".join(header).replace("# torchntk", "## torchntk", 1).replace("\n", "  \n"), *intro]
+    for title, hs, rows in sections:
+        md += ["", f"### {title}", "", render(hs, rows, True)]
+    if targets:
+        md += ["", "### Targets", ""] + [f"- {t}" for t in targets]
+    md += ["", *(f"- {n}" for n in notes)]
+    if failures:
+        md += ["", "**Failures:**", ""] + [f"- {f}" for f in failures]
+    md += ["", "<details><summary>Per-run details</summary>", "",
+           render(detail_headers, detail, True), "", "</details>", ""]
+    with open(path, "w") as fh:
+        fh.write("\n".join(md))
+    print(f"\nMarkdown written to {path}")

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Tuple
 from _common import (HERE, REPO_ROOT, current_rss_mb, fmt_diff, hwm_rss_mb,
                      import_neural_tangents, launch_worker, limit_threads,
                      parse_list, peak_rss_mb, prepare_data, rel_diff, render,
-                     reset_peak_rss, run_header, time_calls)
+                     reset_peak_rss, run_header, time_calls, write_markdown)
 
 MODELS = ("mlp", "cnn", "resnet", "transformer")
 # Kernel each model is measured with unless --kernels says otherwise.
@@ -596,20 +596,8 @@ def main(argv=None) -> int:
     print("\n".join(text))
 
     if args.markdown:
-        md = ["\n".join(header).replace("# torchntk", "## torchntk", 1).replace("\n", "  \n"),
-              "", *(f"- {m}: {d}" for m, d in model_desc.items())]
-        for title, hs, rows in sections:
-            md += ["", f"### {title}", "", render(hs, rows, True)]
-        if target_lines:
-            md += ["", "### Targets", ""] + [f"- {t}" for t in target_lines]
-        md += ["", *(f"- {n}" for n in notes)]
-        if failures:
-            md += ["", "**Failures:**", ""] + [f"- {f}" for f in failures]
-        md += ["", "<details><summary>Per-run details</summary>", "",
-               render(detail_headers, detail, True), "", "</details>", ""]
-        with open(args.markdown, "w") as fh:
-            fh.write("\n".join(md))
-        print(f"\nMarkdown written to {args.markdown}")
+        write_markdown(args.markdown, header, ["", *(f"- {m}: {d}" for m, d in model_desc.items())], sections, target_lines, notes, failures,
+                       detail_headers, detail)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"header": header, "models": model_desc, "notes": notes,

@@ -179,14 +179,9 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict) -> Py
     columns = settings.batch_size or n2
     if n1 == 0 or n2 == 0 or (rows >= n1 and columns >= n2 and len(devices) == 1):
         result = settings.kernel_fn(x1, x2, *args, **kwargs)
-        return result if settings.store_on_device else _to(result, torch.device("cpu"))
+        return result if settings.store_on_device else _move(result, torch.device("cpu"))
     job = _Job(settings, flat1, flat2, reuse, n1, n2, rows, columns, devices, args, kwargs)
     return job.run()
-
-
-def _to(tree: Any, device: torch.device) -> Any:
-    flat = Flat.of(tree)
-    return flat.rebuild([leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat.leaves])
 
 
 class _Job:

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -64,11 +65,16 @@ class _NtkSettings:
     check_vmap_axes: bool
     structured: StructuredDerivatives
     auto: Optional[AutoSelector]
+    arguments: dict  # as given, to build the same kernel function around another copy of the model
 
     @classmethod
     def validate(cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, where):
         _checks.callable_model_argument(f, where)
         chosen = _checks.implementation_argument(implementation, where)
+        arguments = dict(
+            trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
+            chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, **structured,
+        )
         options = _structured_options(structured, chosen, where)
         structured = StructuredDerivatives(options)
         implementations = dict(IMPLEMENTATIONS)
@@ -84,6 +90,7 @@ class _NtkSettings:
             _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where),
             structured,
             auto,
+            arguments,
         )
 
     def prepare(self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True) -> KernelCall:
@@ -117,6 +124,12 @@ class _NtkSettings:
         if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
             return call.normalise(self.structured(call, key))
         return call.normalise(IMPLEMENTATIONS[self.implementation](call))
+
+    def publish(self, kernel_fn: KernelFn, kind: str, builder: Callable[..., KernelFn], where: str) -> KernelFn:
+        """Attaches the :class:`KernelFnSpec` (for ``batch``) and ``auto_choice`` to a kernel function."""
+        rebuild = functools.partial(builder, **self.arguments)
+        attach(kernel_fn, KernelFnSpec(kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, self.thread_safe))
+        return self.attach_auto_choice(kernel_fn, where)
 
     def attach_auto_choice(self, kernel_fn: KernelFn, where: str) -> KernelFn:
         def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
@@ -284,14 +297,7 @@ def empirical_ntk_fn(
         call = settings.prepare(x1, x2, params, kwargs, "ntk_fn")
         return settings.ntk(call, _shape_key(x1, x2, params, kwargs))
 
-    def rebuild(model: Model) -> KernelFn:
-        return empirical_ntk_fn(
-            model, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size=chunk_size,
-            check_vmap_axes=check_vmap_axes, **structured,
-        )
-
-    attach(ntk_fn, KernelFnSpec("ntk", f, settings.trace_axes, settings.diagonal_axes, rebuild, settings.thread_safe))
-    return settings.attach_auto_choice(ntk_fn, "ntk_fn")
+    return settings.publish(ntk_fn, "ntk", empirical_ntk_fn, "ntk_fn")
 
 
 def empirical_nngp_fn(f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = ()) -> KernelFn:
@@ -397,14 +403,7 @@ def empirical_kernel_fn(
             kernels["ntk"] = settings.ntk(call, _shape_key(x1, x2, params, kwargs))
         return combine(kernels, names, bare)
 
-    def rebuild(model: Model) -> KernelFn:
-        return empirical_kernel_fn(
-            model, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size=chunk_size,
-            check_vmap_axes=check_vmap_axes, **structured,
-        )
-
-    attach(kernel_fn, KernelFnSpec("kernel", f, settings.trace_axes, settings.diagonal_axes, rebuild, settings.thread_safe))
-    return settings.attach_auto_choice(kernel_fn, "kernel_fn")
+    return settings.publish(kernel_fn, "kernel", empirical_kernel_fn, "kernel_fn")
 
 
 def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> Callable[[PyTree], PyTree]:

@@ -99,11 +99,6 @@ class StructuredDerivatives:
             ) from None
 
 
-def structured_derivatives_ntk(call: KernelCall, options: StructuredOptions = StructuredOptions()) -> list[torch.Tensor]:
-    """Implementation 3 without a plan cache."""
-    return StructuredDerivatives(options)(call)
-
-
 def _compute(call: KernelCall, options: StructuredOptions, plan: Plan) -> list[torch.Tensor]:
     if options.verify:
         verify(call, plan)
