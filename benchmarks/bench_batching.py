@@ -106,8 +106,9 @@ def tiling_worker(spec: dict, res: dict) -> None:
         if b == 0 and workers == 1:
             call_fn = fn                                   # the reference: no batch() at all
         else:
+            cache = {} if spec["cache_bytes"] is None else {"cache_bytes": spec["cache_bytes"]}
             call_fn = torchntk.batch(fn, batch_size=b,
-                                     devices=["cpu"] * workers if workers > 1 else None)
+                                     devices=["cpu"] * workers if workers > 1 else None, **cache)
 
         def call():
             return call_fn(x1_t, x2_t)
@@ -270,7 +271,7 @@ def run_config(run: Run, tmpdir: str, args, mc_data: str, analytic_path: str) ->
                                 f"-{run.workers}-{run.n_samples}")
     spec = dict(part=run.part, lib=run.lib, model=run.model, impl=run.impl,
                 batch_size=run.batch_size, workers=run.workers, n=args.n,
-                n_samples=run.n_samples, threads=args.threads,
+                n_samples=run.n_samples, threads=args.threads, cache_bytes=args.cache_bytes,
                 repeats=args.repeats if run.part == "tiling" else args.mc_repeats,
                 result_out=stem + ".json")
     if run.part == "tiling":
@@ -356,6 +357,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="1,2",
                     help="tiling: worker counts for torchntk.batch, comma list of 1, 2 (2: "
                          "devices=['cpu'] * 2; also runs batch_size=0, two row slabs). Default: 1,2")
+    ap.add_argument("--cache-bytes", type=int, default=None,
+                    help="tiling: torchntk.batch's cache_bytes (default: the library's, 1 GiB; 0 "
+                         "prepares every block on its own, like nt.batch)")
     ap.add_argument("--n", type=int, default=256, help="tiling: examples in x1 and in x2 (default 256)")
     ap.add_argument("--nt-tiling", action="store_true",
                     help="tiling: also time neural-tangents' nt.batch (jitted, same functions and "
@@ -405,6 +409,9 @@ def main(argv=None) -> int:
     header, use_t, use_nt = run_header("# torchntk batching / Monte Carlo benchmark", args,
                                        not args.no_torchntk, want_nt,
                                        "" if not args.no_nt else " (--no-nt)")
+    if "tiling" in parts:
+        cache = "library default (1 GiB)" if args.cache_bytes is None else args.cache_bytes
+        header.append(f"          (tiling: torchntk.batch cache_bytes={cache})")
     if "mc" in parts:
         header.append(f"          (tiling: {args.repeats} timed calls; Monte Carlo: --mc-repeats "
                       f"{args.mc_repeats} timed calls)")
@@ -605,12 +612,13 @@ def main(argv=None) -> int:
             "batched: torchntk.batch(kernel_fn, batch_size=b) (workers=1: default device list, "
             "i.e. the inputs' CPU) or torchntk.batch(kernel_fn, batch_size=b, devices=['cpu']*2) "
             "(workers=2: two threads sharing the torch intra-op pool). batch_size=0 with 2 workers: "
-            "two row slabs. t / t_unbatched: median over the unbatched kernel_fn's median (target "
-            f"< {TARGET_RATIO}x). blocks: kernel_fn calls per batched call.",
-            "With x2 given, every block recomputes the per-example work (forward, Jacobian or "
-            "structured factors) of its x1 and x2 runs: with N/b runs per side that work is done "
-            "N/b times over (16x at b=16 for N=256), while the contraction itself is unchanged. "
-            "neural-tangents' nt.batch tiles the same way (--nt-tiling).",
+            "two shares. t / t_unbatched: median over the unbatched kernel_fn's median (target "
+            f"< {TARGET_RATIO}x). blocks: kernel blocks of batch_size (torchntk groups them into "
+            "prepared spans; nt.batch calls the kernel function once per block).",
+            "torchntk prepares each example's derivatives (Jacobians or structured factors) about "
+            "once, in spans that fit cache_bytes, and keeps prepared x2 spans cached; with "
+            "--cache-bytes 0 every span is one block and x2 runs are prepared again for every row "
+            "of blocks. nt.batch (--nt-tiling) redoes both runs' per-example work for every block.",
         ]
     if mc_runs:
         m = _models.NTK_MLP

@@ -30,15 +30,26 @@ def _inputs(n1: int, n2: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(n2, 3, generator=generator, dtype=torch.float64))
 
 
-def _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_device):
+# How batch computes: prepared spans with the default cache; spans of one block and no cache
+# (cache_bytes=0); a 12 KB cache, so spans hold a few examples and only some stay cached (this
+# model's prepared data: ~2.2 KB per example for implementation 1, ~0.5 KB for 3); and
+# a kernel function without vmap_axes, called once per block.
+MODES = ["spans", "no-cache", "tight-cache", "per-block"]
+_CACHE_BYTES = {"spans": torchntk.batching.DEFAULT_CACHE_BYTES, "no-cache": 0, "tight-cache": 12_000, "per-block": 0}
+
+
+def _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_device, mode):
     trace_axes, diagonal_axes = layout
     if (0 in trace_axes or 0 in diagonal_axes) and not same and n1 != n2:
         return
     x1, x2 = _inputs(n1, n2)
     x2 = None if same else x2
-    kernel_fn = torchntk.empirical_kernel_fn(_model(), trace_axes, diagonal_axes, vmap_axes=0, implementation=implementation)
+    vmap_axes = None if mode == "per-block" else 0
+    kernel_fn = torchntk.empirical_kernel_fn(_model(), trace_axes, diagonal_axes, vmap_axes, implementation=implementation)
     expected = kernel_fn(x1, x2, ("ntk", "nngp"))
-    batched = torchntk.batch(kernel_fn, batch_size, devices=devices, store_on_device=store_on_device)
+    batched = torchntk.batch(
+        kernel_fn, batch_size, devices=devices, store_on_device=store_on_device, cache_bytes=_CACHE_BYTES[mode]
+    )
     actual = batched(x1, x2, ("ntk", "nngp"))
     assert type(actual) is type(expected)
     for got, want in zip(actual, expected):
@@ -51,21 +62,130 @@ def _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_d
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 @pytest.mark.parametrize("n1, n2", SIZES)
 def test_batched_equals_unbatched(n1, n2, batch_size, devices, store_on_device):
-    """Every size and batch size; layouts, implementations and x2 rotate so the fast run stays short."""
+    """Every size and batch size; layouts, implementations, modes and x2 rotate so the fast run stays short."""
     index = SIZES.index((n1, n2)) + BATCH_SIZES.index(batch_size)
     for same in (False, True):
         layout = LAYOUTS[(index + same) % len(LAYOUTS)]
         implementation = 1 + (index + store_on_device) % 3
-        _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_device)
+        for mode in MODES:
+            _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_device, mode)
 
 
 @pytest.mark.slow
 def test_batched_equals_unbatched_full_grid():
     for n1, n2 in SIZES:
-        for layout, implementation, same, batch_size, devices, store_on_device in itertools.product(
-            LAYOUTS, (1, 2, 3), (False, True), BATCH_SIZES, (["cpu"], ["cpu"] * 3), (True, False)
+        for layout, implementation, same, batch_size, devices, store_on_device, mode in itertools.product(
+            LAYOUTS, (1, 2, 3), (False, True), BATCH_SIZES, (["cpu"], ["cpu"] * 3), (True, False), MODES
         ):
-            _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_device)
+            _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_device, mode)
+
+
+def test_spans_prepare_each_example_once_and_reuse_cached_x2_spans(monkeypatch):
+    """With room for everything, x1 and x2 are each prepared once (after one probe block, which
+    is x1's first span at this block size); with no cache, x1 runs are prepared once per row and
+    x2 runs once per block; a tight cache lies in between."""
+    x1, x2 = _inputs(13, 8)
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0, implementation=3)
+    prepared = []
+    original = torchntk._block_source.BlockSource.prepare
+
+    def counting(self, side, run):
+        prepared.append((side, run))
+        return original(self, side, run)
+
+    monkeypatch.setattr(torchntk._block_source.BlockSource, "prepare", counting)
+    counts = {}
+    for cache in (2**30, 6_000, 0):
+        prepared.clear()
+        assert_kernels_close(torchntk.batch(ntk_fn, 2, cache_bytes=cache)(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
+        counts[cache] = sum(run[1] for _, run in prepared)
+    assert counts[2**30] == 2 + 13 + 8  # the probe block, then each side once
+    assert counts[0] == 13 + 7 * 8  # the probe serves as x1's first run; 7 rows of all of x2
+    assert counts[2**30] < counts[6_000] < counts[0]  # ~0.5 KB per example: spans of 4, one cached
+
+
+def test_batch_axis_anywhere_with_vmap_axes():
+    """Inputs batched on axis 1 and outputs on axis 1: spans follow vmap_axes, not axis 0."""
+    def f(params, x):  # x: (features, N) -> (outputs, N); thread-safe, as batch requires
+        return torch.tanh(params["weight"] @ x + params["bias"][:, None])
+
+    params = {"weight": torch.randn(4, 3, dtype=torch.float64), "bias": torch.randn(4, dtype=torch.float64)}
+    x1, x2 = (x.T.contiguous() for x in _inputs(13, 8))
+    for trace_axes in ((0,), ()):
+        kernel_fn = torchntk.empirical_ntk_fn(f, trace_axes=trace_axes, vmap_axes=1)
+        for same in (False, True):
+            second = None if same else x2
+            expected = kernel_fn(x1, second, params)
+            actual = torchntk.batch(kernel_fn, 3, devices=["cpu"] * 2, cache_bytes=0)(x1, second, params)
+            assert_kernels_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_auto_and_nngp_only_requests_use_spans():
+    x1, x2 = _inputs(13, 8)
+    auto = torchntk.empirical_kernel_fn(_model(), vmap_axes=0, implementation=0)
+    for get in ("ntk", "nngp", ("nngp", "ntk")):
+        expected = auto(x1, x2, get)
+        actual = torchntk.batch(auto, 3, devices=["cpu"] * 2)(x1, x2, get)
+        for got, want in zip(torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected)):
+            assert_kernels_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_structured_plan_is_redone_when_later_spans_run_other_operations(monkeypatch):
+    """The quick plan probes x1's first example; when x2 reaches a ruled parameter through an op
+    without a rule, batch starts again with a plan made from every example."""
+
+    def f(params, x):  # a shape-dependent branch (the only kind vmap allows)
+        weight, bias = params["weight"], params["bias"]
+        if x.shape[-1] == 3:
+            return torch.tanh(torch.nn.functional.linear(x, weight, bias))
+        return torch.tanh(torch.einsum("nf,of->no", x[..., :3], weight) + bias)
+
+    params = {"weight": torch.randn(4, 3, dtype=torch.float64), "bias": torch.randn(4, dtype=torch.float64)}
+    x1 = _inputs(7, 5)[0]
+    x2 = torch.randn(5, 6, dtype=torch.float64)
+    expected = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=1)(x1, x2, params)
+    thorough = []
+    original = torchntk._implementations.structured.StructuredDerivatives.block_plan
+
+    def recording(self, call, key=None, thorough_plan=False):
+        thorough.append(thorough_plan)
+        return original(self, call, key, thorough_plan)
+
+    monkeypatch.setattr(torchntk._implementations.structured.StructuredDerivatives, "block_plan", recording)
+    ntk_fn = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=3)
+    assert_kernels_close(torchntk.batch(ntk_fn, 2, cache_bytes=0)(x1, x2, params), expected, rtol=1e-10, atol=1e-12)
+    assert thorough == [False, True]
+
+
+def test_replicas_follow_the_module_between_calls():
+    """Replicas are made once and refreshed from the module: later calls see its new parameters,
+    frozen flags and train/eval mode (and a changed structure makes new replicas)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double().eval()
+    x1, x2 = _inputs(7, 5)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    batched = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 3)
+    assert_kernels_close(batched(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
+    replicas = dict(torchntk.batching._settings_of(batched).replicas)
+    with torch.no_grad():
+        model[0].weight.mul_(3.0)
+    model[2].bias.requires_grad_(False)
+    assert_kernels_close(batched(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
+    assert torchntk.batching._settings_of(batched).replicas == replicas  # refreshed, not rebuilt
+    model[2] = torch.nn.Linear(8, 3).double()  # other shapes: the replicas are rebuilt
+    assert_kernels_close(batched(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
+    assert torchntk.batching._settings_of(batched).replicas != replicas
+
+
+def test_leaves_with_their_batch_axes_in_different_places_are_refused():
+    def f(params, x):  # leaf 0 batched on axis 0, leaf 1 on axis 1
+        y = x @ params["w"]
+        return y, y.T
+
+    params = {"w": torch.randn(3, 2, dtype=torch.float64)}
+    x1, x2 = _inputs(4, 4)
+    ntk_fn = torchntk.empirical_ntk_fn(f, trace_axes=(0,), vmap_axes=(0, (0, 1), None))
+    with pytest.raises(ValueError, match="output leaves put their batch axes in different places"):
+        torchntk.batch(ntk_fn, 2)(x1, x2, params)
 
 
 @pytest.mark.parametrize("case_id", ["cnn", "tuple_output", "dict_input", "dict_output", "embedding"])
@@ -103,8 +223,17 @@ def test_two_tuple_kwargs_are_cut_with_the_inputs_and_single_tensors_are_shared(
     expected = ntk_fn(x1, x2, params, scale=(scale1, scale2), shift=shift)
     actual = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 3)(x1, x2, params, scale=(scale1, scale2), shift=shift)
     assert_kernels_close(actual, expected)
-    with pytest.raises(ValueError, match="`scale` is a 2-tuple, so it is cut like x1 and x2"):
+    # With vmap_axes the kernel function cuts the kwargs it maps and reports the mismatch itself;
+    # without, batch cuts tensor 2-tuples on axis 0 and reports it.
+    with pytest.raises(ValueError, match="kwarg 'scale' of shape \\(7, 1\\) \\(axis 0\\) has 7"):
         torchntk.batch(ntk_fn, 2)(x1, x2, params, scale=(scale1, scale1), shift=shift)
+    unmapped = torchntk.empirical_ntk_fn(f)
+    assert_kernels_close(
+        torchntk.batch(unmapped, 2, devices=["cpu"] * 2)(x1, x2, params, scale=(scale1, scale2), shift=shift),
+        unmapped(x1, x2, params, scale=(scale1, scale2), shift=shift),
+    )
+    with pytest.raises(ValueError, match="`scale` is a 2-tuple, so it is cut like x1 and x2"):
+        torchntk.batch(unmapped, 2)(x1, x2, params, scale=(scale1, scale1), shift=shift)
 
 
 def test_repeated_runs_over_four_devices_are_identical():
@@ -148,6 +277,8 @@ def test_progress_bar_can_be_switched_on(capsys):
         ({"devices": ["cuda:7"]}, ValueError, "`devices` has cuda:7, but this machine has"),
         ({"devices": ["cpu"], "device_count": 2}, ValueError, "give either `devices` or `device_count`"),
         ({"store_on_device": 1}, TypeError, "`store_on_device` must be True or False"),
+        ({"cache_bytes": -1}, ValueError, "`cache_bytes` must be 0 or positive, got -1"),
+        ({"cache_bytes": 1.5}, TypeError, "`cache_bytes` must be a non-negative int \\(bytes\\), got 1.5"),
     ],
 )
 def test_bad_arguments(arguments, error, message):

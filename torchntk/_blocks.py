@@ -18,53 +18,62 @@ a single block covering everything.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._call import KernelCall
+from ._call import KernelCall, runs
 
 Prepare = Callable[[Any], Any]
 Contract = Callable[[Any, Any, Sequence[bool]], list[Optional[torch.Tensor]]]
 
 
-def _runs(size: int, chunk_size: Optional[int]) -> list[tuple[int, int]]:
-    if chunk_size is None or chunk_size >= size:
-        return [(0, size)]
-    return [(start, min(chunk_size, size - start)) for start in range(0, size, chunk_size)]
+@dataclass(frozen=True)
+class BlockPlan:
+    """How an implementation computes a kernel from runs of examples (see NOTE: [Blocks of examples]).
 
-
-def assemble(
-    call: KernelCall,
-    prepare1: Prepare,
-    prepare2: Prepare,
-    contract: Contract,
-    *,
-    reuse_prepared: bool,
-    split_x1: bool = True,
-    run_length: Optional[int] = None,
-) -> list[torch.Tensor]:
-    """Computes every output leaf's unnormalised kernel block by block.
-
-    Args:
+    Attributes:
         prepare1, prepare2: ``side -> prepared data`` for a run of x1 / x2 examples.
         contract: ``(prepared1, prepared2, needed) -> blocks``, one unnormalised block per output
-            leaf, ``None`` where ``needed`` is False.
+            leaf, ``None`` where ``needed`` is False. Given the same object twice (x2 None, a run
+            paired with itself) it may use the symmetric product.
         reuse_prepared: whether ``prepare1`` and ``prepare2`` return the same thing, so that a
-            diagonal pair with x2 None prepares its run once.
+            run paired with itself is prepared once.
         split_x1: whether x1 is cut into runs too. An implementation whose x1 work is cheap per
             example and batched over the whole x1 (NTK-vector products) keeps x1 whole.
         run_length: examples per run; ``None`` means no runs. The user's ``chunk_size`` unless the
             implementation has a better default.
     """
+
+    prepare1: Prepare
+    prepare2: Prepare
+    contract: Contract
+    reuse_prepared: bool
+    split_x1: bool = True
+    run_length: Optional[int] = None
+
+
+class Replan(Exception):
+    """A prepared run met a model the plan behind the :class:`BlockPlan` did not foresee.
+
+    Raised by implementations whose plan comes from a cheap probe (structured derivatives); the
+    caller starts again with a plan made from every example.
+    """
+
+
+def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
+    """Computes every output leaf's unnormalised kernel block by block, following ``plan``."""
+    prepare1, prepare2, contract = plan.prepare1, plan.prepare2, plan.contract
+    reuse_prepared, split_x1, run_length = plan.reuse_prepared, plan.split_x1, plan.run_length
     side1 = call.side1
     side2 = call.side2 if call.side2 is not None else call.side1
     if side1.mapped:
         batch_kinds = [layout.kind(axis) for layout, axis in zip(call.layouts, side1.out_axes)]
-        runs2 = _runs(side2.batch_size(), run_length)
+        runs2 = runs(side2.batch_size(), run_length)
         # A traced or diagonal batch axis pairs run i of x1 with run i of x2, so both are cut alike.
         split1 = split_x1 or any(kind != "kept" for kind in batch_kinds)
-        runs1 = _runs(side1.batch_size(), run_length if split1 else None)
+        runs1 = runs(side1.batch_size(), run_length if split1 else None)
     if not side1.mapped or (len(runs1) == 1 and len(runs2) == 1):
         prepared2 = prepare2(side2)
         prepared1 = prepared2 if (call.reuses_x1 and reuse_prepared) else prepare1(side1)
@@ -96,14 +105,14 @@ def assemble(
                 if kind == "trace":
                     kernel += block
                     continue
-                kernel[_index(positions, (start1, length1), (start2, length2))] = block
+                kernel[index(positions, (start1, length1), (start2, length2))] = block
                 if mirrored and i != j and kind == "kept":
                     swapped = block.permute(layout.swap_permutation())
-                    kernel[_index(positions, (start2, length2), (start1, length1))] = swapped
+                    kernel[index(positions, (start2, length2), (start1, length1))] = swapped
     return kernels
 
 
-def _index(positions: tuple[int, ...], run1: tuple[int, int], run2: tuple[int, int]) -> tuple:
+def index(positions: tuple[int, ...], run1: tuple[int, int], run2: tuple[int, int]) -> tuple:
     index: list[Any] = [slice(None)] * (positions[-1] + 1)
     index[positions[0]] = slice(run1[0], run1[0] + run1[1])
     if len(positions) == 2:

@@ -7,7 +7,7 @@ result dtypes. Implementations only compute; they never validate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -63,10 +63,22 @@ class KernelCall:
 
     def expected_outputs(self, side: Side) -> tuple[torch.Tensor, ...]:
         """The whole-batch outputs of the examples a (narrowed, mapped) side holds."""
-        outputs = self.outputs1 if side.name == "x1" else self.outputs2
+        outputs = self.outputs1 if side.name == "x1" or self.side2 is None else self.outputs2
         return tuple(
             output.narrow(axis, side.offset, side.batch_size()) for output, axis in zip(outputs, side.out_axes)
         )
+
+    def narrow(self, run1: tuple[int, int], run2: Optional[tuple[int, int]]) -> "KernelCall":
+        """The call restricted to a run ``(start, length)`` of x1 and one of x2 (needs vmap_axes).
+
+        ``run2=None`` pairs the x1 run with itself (x2 None); the result then reuses x1 too.
+        """
+        side1 = self.side1.narrow(*run1)
+        outputs1 = self.expected_outputs(side1)
+        if run2 is None:
+            return replace(self, side1=side1, side2=None, outputs1=outputs1, outputs2=outputs1)
+        side2 = (self.side2 or self.side1).narrow(*run2)
+        return replace(self, side1=side1, side2=side2, outputs1=outputs1, outputs2=self.expected_outputs(side2))
 
     def kernel_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(
@@ -97,11 +109,15 @@ def prepare_call(
     check_vmap_axes: bool = True,
     chunk_size: Optional[int] = None,
     defer_vmap_check: bool = False,
+    forward_run_length: Optional[int] = None,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side.
 
     ``defer_vmap_check`` leaves the per-example check of NOTE: [Checking vmap_axes] to an
     implementation that evaluates the model per example anyway (``KernelCall.vmap_check_pending``).
+    ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the model (and the
+    per-example check) on runs of at most this many examples, so that memory never scales with
+    the whole batch (``batch`` sets it to its block size).
 
     Raises:
         TypeError: outputs that are not tensors; bad ``params``.
@@ -114,9 +130,16 @@ def prepare_call(
     warn_training_mode(model, where)
     reuse = is_all_none(x2)
     kwargs1, kwargs2 = split_kwargs(kwargs, reuse, where)
+    resolved1 = resolved2 = None
+    if vmap_axes is not None:
+        resolved1 = resolve_inputs(vmap_axes, x1, kwargs1, where)
+        resolved2 = resolved1 if reuse else resolve_inputs(vmap_axes, x2, kwargs2, where)
+        if (resolved1 is None) != (resolved2 is None):
+            raise ValueError(f"{where}: `vmap_axes` maps the inputs of only one of x1 and x2.")
+    run_length = forward_run_length if resolved1 is not None else None
     with torch.no_grad():
-        output1 = Flat.of(model.apply(model.params, x1, kwargs1))
-        output2 = output1 if reuse else Flat.of(model.apply(model.params, x2, kwargs2))
+        output1 = _whole_batch(model, x1, kwargs1, resolved1, vmap_axes, run_length, where)
+        output2 = output1 if reuse else _whole_batch(model, x2, kwargs2, resolved2, vmap_axes, run_length, where)
     _check_outputs(output1, output2, where)
     leaves1, leaves2 = output1.leaves, output2.leaves
     layouts = []
@@ -126,28 +149,57 @@ def prepare_call(
         check_shapes(layout, one.shape, two.shape, where, leaf)
         layouts.append(layout)
 
-    resolved1 = resolved2 = out_axes = None
-    if vmap_axes is not None:
-        resolved1 = resolve_inputs(vmap_axes, x1, kwargs1, where)
-        resolved2 = resolved1 if reuse else resolve_inputs(vmap_axes, x2, kwargs2, where)
-        if resolved1 is not None or resolved2 is not None:
-            if resolved1 is None or resolved2 is None:
-                raise ValueError(f"{where}: `vmap_axes` maps the inputs of only one of x1 and x2.")
-            out_axes = resolve_outputs(vmap_axes, output1.rebuild(leaves1), where)
-            reject_vmap_with_coupling(model, where)
+    out_axes = None
+    if resolved1 is not None:
+        out_axes = resolve_outputs(vmap_axes, output1.rebuild(leaves1), where)
+        reject_vmap_with_coupling(model, where)
     side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1")
     side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2")
     pending = side1.mapped and check_vmap_axes
     if pending and not defer_vmap_check:
         for side, leaves in ((side1, leaves1), (side2, leaves2)):
-            if side is not None:
-                with torch.no_grad():
+            if side is None:
+                continue
+            with torch.no_grad():
+                if run_length is None:
                     compare_per_example(leaves, side.forward(), side.name, where)
+                    continue
+                for start, length in runs(side.batch_size(), run_length):
+                    expected = tuple(leaf.narrow(axis, start, length) for leaf, axis in zip(leaves, out_axes))
+                    compare_per_example(expected, side.narrow(start, length).forward(), side.name, where)
         pending = False
 
     param_dtype = model.param_dtype
     dtypes = tuple(torch.promote_types(leaf.dtype, param_dtype) for leaf in leaves1)
     return KernelCall(where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending)
+
+
+def runs(size: int, length: Optional[int]) -> list[tuple[int, int]]:
+    """``(start, length)`` runs of at most ``length`` covering ``range(size)`` (the last may be
+    shorter); one run when ``length`` is None or covers everything."""
+    if length is None or length >= size:
+        return [(0, size)]
+    return [(start, min(length, size - start)) for start in range(0, size, length)]
+
+
+def _whole_batch(model, x, kwargs, resolved, vmap_axes, run_length: Optional[int], where: str) -> Flat:
+    """The model's output on a whole batch; with a run length, by runs concatenated on the batch axes."""
+    if run_length is None:
+        return Flat.of(model.apply(model.params, x, kwargs))
+    side = Side.build(model, x, kwargs, resolved, (), where, "x")
+    parts = []
+    for start, length in runs(side.batch_size(), run_length):
+        run = side.narrow(start, length)
+        run_kwargs = {key: flat.rebuild(flat.leaves) for key, flat in run.kwargs.items()}
+        parts.append(Flat.of(model.apply(model.params, run.x.rebuild(run.x.leaves), run_kwargs)))
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if any(not part.same_structure(first) for part in parts):
+        raise ValueError(f"{where}: the model returns differently structured outputs for different examples.")
+    out_axes = resolve_outputs(vmap_axes, first.rebuild(first.leaves), where)
+    leaves = [torch.cat([part.leaves[index] for part in parts], dim=axis) for index, axis in enumerate(out_axes)]
+    return Flat.of(first.rebuild(leaves))
 
 
 def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:

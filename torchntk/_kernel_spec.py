@@ -32,6 +32,10 @@ class KernelFnSpec:
             nesting level in a process-wide variable (``torch.autograd.forward_ad``), so kernel
             functions that may use it (NTK-vector products, AUTO, op-local forward Jacobians) run
             one block at a time.
+        open_blocks: ``open_blocks(request, x1, x2, *args, **kwargs)`` with the kernel function's
+            arguments returns a :class:`~torchntk._block_source.BlockSource` for the call, or None
+            where the call cannot be split into prepared spans (no ``vmap_axes``); ``None`` for
+            kernel functions that never can. See NOTE: [Prepared spans].
     """
 
     kind: str
@@ -40,6 +44,7 @@ class KernelFnSpec:
     diagonal_axes: tuple[int, ...]
     rebuild: Callable[[Model], Callable[..., Any]]
     thread_safe: bool = True
+    open_blocks: Optional[Callable[..., Any]] = None
 
     def replicate(self, device: torch.device) -> Callable[..., Any]:
         """The kernel function around a private copy of a module on ``device``.
@@ -59,3 +64,29 @@ def spec_of(kernel_fn: Any) -> Optional[KernelFnSpec]:
 def attach(kernel_fn: Callable[..., Any], spec: KernelFnSpec) -> Callable[..., Any]:
     setattr(kernel_fn, SPEC_ATTRIBUTE, spec)
     return kernel_fn
+
+
+def sync_replica(original: Model, replica: Model) -> bool:
+    """Copies a module's parameters, buffers, ``requires_grad`` flags and train/eval modes into its
+    replica; returns False (copying nothing) when their structure, shapes or dtypes differ."""
+    if not isinstance(original, torch.nn.Module):
+        return original is replica
+    pairs = []
+    for named in ("named_parameters", "named_buffers"):
+        mine, theirs = list(getattr(original, named)()), list(getattr(replica, named)())
+        if [name for name, _ in mine] != [name for name, _ in theirs]:
+            return False
+        pairs += [(a, b) for (_, a), (_, b) in zip(mine, theirs)]
+    originals, copies = list(original.modules()), list(replica.modules())
+    if len(originals) != len(copies):
+        return False
+    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
+        return False
+    with torch.no_grad():
+        for source, target in pairs:
+            target.copy_(source)
+            if isinstance(target, torch.nn.Parameter):
+                target.requires_grad_(source.requires_grad)
+    for source, target in zip(originals, copies):
+        target.training = source.training
+    return True

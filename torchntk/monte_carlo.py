@@ -54,7 +54,8 @@ Under ``torch.distributed`` (``torchrun``, or any initialised process group of s
 computes the samples ``s`` with ``s % world_size == r``) and sums the ranks' running sums with one
 all-reduce per emitted estimate; every rank returns the estimate. ``"blocks"`` instead shares the
 kernel blocks of every sample (``torchntk.batch`` with its ``distributed="auto"``): one
-all-reduce per sample, and results bitwise equal to one process's. ``"off"`` makes every rank
+all-reduce per sample. Either way the estimates equal one process's up to rounding (the order of
+the sums differs). ``"off"`` makes every rank
 compute everything. ``timeout`` bounds how long a rank waits for the others at a collective; a
 rank that fails or hangs makes the others raise ``torchntk.distributed.DistributedError``.
 
@@ -175,7 +176,7 @@ def monte_carlo_kernel_fn(
         progress: show a ``tqdm`` progress bar over the samples. Default: ``False``.
         distributed: how ranks of an initialised ``torch.distributed`` process group share the
             work: ``"auto"`` or ``"samples"`` (samples round-robin, one all-reduce per estimate),
-            ``"blocks"`` (kernel blocks round-robin, bitwise equal to one process), ``"off"``.
+            ``"blocks"`` (kernel blocks shared out, one all-reduce per sample), ``"off"``.
             Ignored in a single process. See NOTE: [Sharing]. Default: ``"auto"``.
         timeout: seconds a rank waits for the others at a collective before raising
             ``torchntk.distributed.DistributedError``. Default: 300.

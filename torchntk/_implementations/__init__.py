@@ -14,8 +14,9 @@ import torch
 
 from .._call import KernelCall
 from .._types import NtkImplementation
-from .jacobian_contraction import jacobian_contraction_ntk
-from .ntk_vector_products import ntk_vector_products_ntk
+from .._blocks import BlockPlan
+from .jacobian_contraction import jacobian_contraction_blocks, jacobian_contraction_ntk
+from .ntk_vector_products import ntk_vector_products_blocks, ntk_vector_products_ntk
 
 NtkFunction = Callable[[KernelCall], list[torch.Tensor]]
 
@@ -23,3 +24,9 @@ IMPLEMENTATIONS: dict[NtkImplementation, NtkFunction] = {
     NtkImplementation.JACOBIAN_CONTRACTION: jacobian_contraction_ntk,
     NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products_ntk,
 }
+
+BLOCK_PLANS: dict[NtkImplementation, Callable[[KernelCall], BlockPlan]] = {
+    NtkImplementation.JACOBIAN_CONTRACTION: jacobian_contraction_blocks,
+    NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products_blocks,
+}
+"""The same implementations as :class:`~torchntk._blocks.BlockPlan` s, for ``batch``."""

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._blocks import assemble
+from .._blocks import BlockPlan, assemble
 from .._call import KernelCall
 from .._per_example import Side
 
@@ -25,6 +25,10 @@ Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
 
 def jacobian_contraction_ntk(call: KernelCall) -> list[torch.Tensor]:
+    return assemble(call, jacobian_contraction_blocks(call))
+
+
+def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
     jacobian_chunk = None if call.side1.mapped else call.chunk_size
 
     def prepare(side: Side) -> Jacobians:
@@ -46,7 +50,7 @@ def jacobian_contraction_ntk(call: KernelCall) -> list[torch.Tensor]:
             blocks.append(total)
         return blocks
 
-    return assemble(call, prepare, prepare, contract, reuse_prepared=True, run_length=call.chunk_size)
+    return BlockPlan(prepare, prepare, contract, reuse_prepared=True, run_length=call.chunk_size)
 
 
 def _flatten_param(jacobian: torch.Tensor, output_ndim: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch.func import jacrev, jvp, vmap
 
-from .._blocks import assemble
+from .._blocks import BlockPlan, assemble
 from .._call import KernelCall
 from .._per_example import Side
 
@@ -31,6 +31,10 @@ Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
 
 def ntk_vector_products_ntk(call: KernelCall) -> list[torch.Tensor]:
+    return assemble(call, ntk_vector_products_blocks(call))
+
+
+def ntk_vector_products_blocks(call: KernelCall) -> BlockPlan:
     vector_chunk = None if call.side1.mapped else call.chunk_size
 
     def prepare_x2(side: Side) -> Jacobians:
@@ -62,8 +66,8 @@ def ntk_vector_products_ntk(call: KernelCall) -> list[torch.Tensor]:
             blocks.append(layout.from_full(full))
         return blocks
 
-    return assemble(
-        call, lambda side: side, prepare_x2, contract, reuse_prepared=False, split_x1=False,
+    return BlockPlan(
+        lambda side: side, prepare_x2, contract, reuse_prepared=False, split_x1=False,
         run_length=call.chunk_size or _default_run_length(call),
     )
 

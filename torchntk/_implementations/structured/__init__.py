@@ -17,12 +17,13 @@ The pieces, in the order they run:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from ..._blocks import assemble
+from ..._blocks import BlockPlan, Replan, assemble
 from ..._call import KernelCall, compare_per_example
 from ..._per_example import Side
 from ._contract import contract_sides
@@ -77,29 +78,44 @@ class StructuredDerivatives:
         self._plans: dict[Any, Plan] = {}
 
     def __call__(self, call: KernelCall, key: Any = None) -> list[torch.Tensor]:
+        try:
+            return assemble(call, self.block_plan(call, key))
+        except Replan:
+            return assemble(call, self.block_plan(call, key, thorough=True))
+
+    def block_plan(self, call: KernelCall, key: Any = None, thorough: bool = False) -> BlockPlan:
+        """The :class:`BlockPlan` of ``call`` under the cached plan, or a ``thorough`` new one.
+
+        Its prepare functions raise :class:`Replan` when a pass meets parameter uses the cached
+        plan did not foresee (the plan is then dropped from the cache); under a thorough plan
+        that is a RuntimeError: the model runs different operations on the same inputs.
+        """
         if key is not None:  # which parameters are differentiated may change between calls
             key = (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
-        plan = self._plans.get(key) if key is not None else None
+        plan = None if thorough else self._plans.get(key)
         if plan is None:
-            plan = plan_for(call, self.options)
-        try:
-            kernels = _compute(call, self.options, plan)
-            if key is not None:
-                self._plans[key] = plan
-            return kernels
-        except PlanMismatch:
-            self._plans.pop(key, None)
-        try:
-            return _compute(call, self.options, plan_for(call, self.options, thorough=True))
-        except PlanMismatch:
-            raise RuntimeError(
-                f"{call.where}: structured derivatives: the model consumed its parameters through "
-                f"different operations in different evaluations on the same inputs; it must run the "
-                f"same operations every time. Use implementation=1 for this model."
-            ) from None
+            plan = plan_for(call, self.options, thorough=thorough)
+        if key is not None:
+            self._plans[key] = plan
+        blocks = _block_plan(call, self.options, plan)
+
+        def guarded(side: Side) -> SideFactors:
+            try:
+                return blocks.prepare1(side)
+            except PlanMismatch:
+                if thorough:
+                    raise RuntimeError(
+                        f"{call.where}: structured derivatives: the model consumed its parameters through "
+                        f"different operations in different evaluations on the same inputs; it must run the "
+                        f"same operations every time. Use implementation=1 for this model."
+                    ) from None
+                self._plans.pop(key, None)
+                raise Replan from None
+
+        return dataclasses.replace(blocks, prepare1=guarded, prepare2=guarded)
 
 
-def _compute(call: KernelCall, options: StructuredOptions, plan: Plan) -> list[torch.Tensor]:
+def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> BlockPlan:
     if options.verify:
         verify(call, plan)
     inner_chunk = None if call.side1.mapped else call.chunk_size
@@ -115,4 +131,4 @@ def _compute(call: KernelCall, options: StructuredOptions, plan: Plan) -> list[t
     def contract(first: SideFactors, second: SideFactors, needed) -> list[Optional[torch.Tensor]]:
         return contract_sides(call.layouts, out_axes, first, second, needed, call.dtypes, param_sizes)
 
-    return assemble(call, prepare, prepare, contract, reuse_prepared=True, run_length=call.chunk_size)
+    return BlockPlan(prepare, prepare, contract, reuse_prepared=True, run_length=call.chunk_size)

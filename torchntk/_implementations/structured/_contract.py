@@ -28,6 +28,7 @@ import opt_einsum
 import torch
 from opt_einsum.parser import convert_to_valid_einsum_chars
 
+from ..._blocks import index as block_index
 from ..._layout import KernelLayout
 from ._roles import Role
 from ._side import SideFactors, Use
@@ -81,17 +82,10 @@ def _mirrored_halves(layout, out_axes, leaf, factors: SideFactors, dtype, param_
             shape = list(block.shape)
             shape[positions[0]] = shape[positions[1]] = examples
             kernel = block.new_empty(shape)
-        kernel[_block_index(positions, runs[i], runs[j])] = block
+        kernel[block_index(positions, runs[i], runs[j])] = block
         if i != j:
-            kernel[_block_index(positions, runs[j], runs[i])] = block.permute(layout.swap_permutation())
+            kernel[block_index(positions, runs[j], runs[i])] = block.permute(layout.swap_permutation())
     return kernel
-
-
-def _block_index(positions: tuple[int, ...], run1: tuple[int, int], run2: tuple[int, int]) -> tuple:
-    index: list = [slice(None)] * (positions[1] + 1)
-    index[positions[0]] = slice(run1[0], run1[0] + run1[1])
-    index[positions[1]] = slice(run2[0], run2[0] + run2[1])
-    return tuple(index)
 
 
 def _contract_leaf(

@@ -1,0 +1,129 @@
+"""A kernel function's work split into prepared spans of examples, for ``batch``.
+
+NOTE: [Prepared spans]
+Calling a kernel function once per block repeats, for every block, the per-example work of both
+of its runs (Jacobians, structured factors: ``N1/b + N2/b`` times too often) and a fixed cost of
+a few milliseconds (checks, plan, ``vmap`` set-up). With ``vmap_axes`` a kernel function can do
+better: its implementation's :class:`~torchntk._blocks.BlockPlan` prepares a run of examples
+once and contracts any two prepared runs. A :class:`BlockSource` wraps one validated call of the
+kernel function on all of x1 and x2 and exposes exactly that: ``prepare`` a span of one side,
+``contract`` two prepared spans into the kernel function's result for those examples
+(normalised, with the NNGP too when ``get`` asks for it). ``batch`` decides the spans, caches
+prepared spans of x2 and writes the results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ._blocks import BlockPlan
+from ._call import KernelCall
+from ._implementations.nngp import nngp
+from ._layout import KernelLayout
+from ._outputs import combine
+from ._per_example import Side
+
+
+@dataclass
+class Prepared:
+    """One side's prepared span: ``run = (start, length)`` of its examples and the plan's data."""
+
+    side: int
+    run: tuple[int, int]
+    data: Any
+    nbytes: int
+
+
+@dataclass
+class BlockSource:
+    """One kernel function call on every example, ready to be computed span by span.
+
+    Attributes:
+        call: the validated call on all of x1 and x2 (its sides are mapped by ``vmap_axes``).
+        plan: the NTK implementation's block plan; ``None`` when only the NNGP is asked for.
+        names, bare: the kernels in the result and whether it is one bare kernel (see ``get``).
+        thread_safe: whether two threads may prepare or contract at once (see
+            ``KernelFnSpec.thread_safe``).
+    """
+
+    call: KernelCall
+    plan: Optional[BlockPlan]
+    names: tuple[str, ...]
+    bare: bool
+    thread_safe: bool
+
+    @property
+    def reuses_x1(self) -> bool:
+        return self.call.side2 is None
+
+    def sizes(self) -> tuple[int, int]:
+        n1 = self.call.side1.batch_size()
+        return n1, n1 if self.call.side2 is None else self.call.side2.batch_size()
+
+    def reuses_prepared(self) -> bool:
+        """Whether a prepared x1 span serves as the same span of x2 (x2 None, same preparation)."""
+        return self.reuses_x1 and (self.plan is None or self.plan.reuse_prepared)
+
+    def prepare(self, side: int, run: tuple[int, int]) -> Prepared:
+        """Prepares examples ``run = (start, length)`` of x1 (``side=1``) or x2 (``side=2``)."""
+        call = self.call
+        whole = call.side1 if side == 1 or call.side2 is None else call.side2
+        narrowed = whole.narrow(*run)
+        data = None
+        if self.plan is not None:
+            data = (self.plan.prepare1 if side == 1 else self.plan.prepare2)(narrowed)
+        return Prepared(side, run, data, nbytes(data))
+
+    def contract(self, first: Prepared, second: Prepared) -> Any:
+        """The kernel function's result for x1 examples ``first.run`` and x2 examples ``second.run``.
+
+        Passing the same :class:`Prepared` twice (x2 None) computes the run against itself.
+        """
+        same = first is second or (self.reuses_x1 and first.run == second.run)
+        block = self.call.narrow(first.run, None if same else second.run)
+        kernels = {}
+        if "nngp" in self.names:
+            kernels["nngp"] = block.normalise(nngp(block), dtypes=self.call.output_dtypes)
+        if "ntk" in self.names:
+            needed = [True] * len(block.layouts)
+            kernels["ntk"] = block.normalise(self.plan.contract(first.data, second.data, needed))
+        return combine(kernels, self.names, self.bare)
+
+    def leaf_layouts(self) -> list[tuple[KernelLayout, int]]:
+        """The layout and batch axis of every leaf of a result, in ``pytree`` leaf order."""
+        per_output = list(zip(self.call.layouts, self.call.side1.out_axes))
+        kernels = 1 if self.bare else len(self.names)
+        return [entry for entry in per_output for _ in range(kernels)]
+
+
+@dataclass(frozen=True)
+class BlockRequest:
+    """How ``batch`` asks a kernel function for a :class:`BlockSource`.
+
+    Attributes:
+        block_size: examples per block (``None``: one block). The model's whole-batch forward
+            passes run on runs this long, and AUTO chooses for blocks of this size.
+        thorough: make any plan from every example (after a :class:`~torchntk._blocks.Replan`).
+    """
+
+    block_size: Optional[int]
+    thorough: bool = False
+
+
+def nbytes(data: Any) -> int:
+    """Bytes held by the tensors in ``data`` (pytrees, dataclasses and lists of them)."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    if isinstance(data, Side):  # inputs only: the parameters are not the run's
+        return nbytes(data.x.leaves) + sum(nbytes(flat.leaves) for flat in data.kwargs.values())
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        return sum(nbytes(getattr(data, field.name)) for field in dataclasses.fields(data))
+    leaves = pytree.tree_leaves(data)
+    if len(leaves) == 1 and leaves[0] is data:
+        return 0
+    return sum(nbytes(leaf) for leaf in leaves)
