@@ -16,7 +16,6 @@ on which device computes which block.
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 import threading
 from dataclasses import dataclass, field

@@ -34,8 +34,8 @@ import torch
 from torch.func import jvp, vjp
 
 from . import _checks
-from ._call import KernelCall, prepare_call
 from ._block_source import BlockRequest, BlockSource
+from ._call import KernelCall, prepare_call
 from ._implementations import BLOCK_PLANS, IMPLEMENTATIONS
 from ._implementations.auto import AutoChoice, AutoSelector
 from ._implementations.nngp import nngp

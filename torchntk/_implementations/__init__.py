@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
+from .._blocks import BlockPlan
 from .._call import KernelCall
 from .._types import NtkImplementation
-from .._blocks import BlockPlan
 from .jacobian_contraction import jacobian_contraction_blocks, jacobian_contraction_ntk
 from .ntk_vector_products import ntk_vector_products_blocks, ntk_vector_products_ntk
 
