@@ -277,8 +277,8 @@ def test_progress_bar_can_be_switched_on(capsys):
         ({"devices": ["cuda:7"]}, ValueError, "`devices` has cuda:7, but this machine has"),
         ({"devices": ["cpu"], "device_count": 2}, ValueError, "give either `devices` or `device_count`"),
         ({"store_on_device": 1}, TypeError, "`store_on_device` must be True or False"),
-        ({"cache_bytes": -1}, ValueError, "`cache_bytes` must be 0 or positive, got -1"),
-        ({"cache_bytes": 1.5}, TypeError, "`cache_bytes` must be a non-negative int \\(bytes\\), got 1.5"),
+        ({"cache_bytes": -1}, ValueError, "`cache_bytes` must be 0 \\(no cache\\) or positive, got -1"),
+        ({"cache_bytes": 1.5}, TypeError, "`cache_bytes` must be a non-negative int, got 1.5"),
     ],
 )
 def test_bad_arguments(arguments, error, message):

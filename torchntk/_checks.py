@@ -83,3 +83,18 @@ def timeout_argument(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"{where}: `timeout` must be a positive number of seconds, got {show(value)}.")
     return float(value)
+
+
+def non_negative_int_argument(value: Any, name: str, where: str, zero_means: str = "") -> int:
+    """``value`` as an int >= 0; ``zero_means`` explains 0 in the message (e.g. ``"one block"``).
+
+    Raises:
+        TypeError: not an int (bools included).
+        ValueError: negative.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: `{name}` must be a non-negative int, got {show(value)}.")
+    if value < 0:
+        zero = f"0 ({zero_means})" if zero_means else "0"
+        raise ValueError(f"{where}: `{name}` must be {zero} or positive, got {value}.")
+    return int(value)

@@ -16,7 +16,6 @@ on which device computes which block.
 from __future__ import annotations
 
 import contextlib
-import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -114,10 +113,7 @@ def batch(
             f"{where}: `kernel_fn` must be a kernel function of torchntk (empirical_ntk_fn, "
             f"empirical_nngp_fn or empirical_kernel_fn), got {_checks.show(kernel_fn)}."
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-        raise TypeError(f"{where}: `batch_size` must be a non-negative int, got {_checks.show(batch_size)}.")
-    if batch_size < 0:
-        raise ValueError(f"{where}: `batch_size` must be 0 (one block) or positive, got {batch_size}.")
+    batch_size = _checks.non_negative_int_argument(batch_size, "batch_size", where, zero_means="one block")
     count = device_count_argument(device_count, where)
     chosen = devices_argument(devices, where)
     if chosen is not None and count != -1:
@@ -130,7 +126,7 @@ def batch(
         _checks.bool_argument(progress, "progress", where),
         distributed == "auto",
         _checks.timeout_argument(timeout, where),
-        _cache_bytes_argument(cache_bytes, where),
+        _checks.non_negative_int_argument(cache_bytes, "cache_bytes", where, zero_means="no cache"),
     )
 
     def batched(x1: PyTree, x2: Optional[PyTree] = None, *args: Any, **kwargs: Any) -> PyTree:
@@ -185,14 +181,6 @@ class _Settings:
 def _settings_of(batched: Callable[..., PyTree]) -> _Settings:
     """The settings (and replicas) behind a function returned by :func:`batch` (for tests)."""
     return batched._batch_settings  # type: ignore[attr-defined]
-
-
-def _cache_bytes_argument(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: `cache_bytes` must be a non-negative int (bytes), got {_checks.show(value)}.")
-    if value < 0:
-        raise ValueError(f"{where}: `cache_bytes` must be 0 or positive, got {value}.")
-    return int(value)
 
 
 def _batch_size_of(flat: Flat, name: str) -> int:

@@ -224,7 +224,7 @@ def monte_carlo_kernel_fn(
     where = "monte_carlo_kernel_fn"
     _checks.callable_model_argument(f, where)
     counts, generator_mode = _canonical_n_samples(n_samples, where)
-    seed = _seed_argument(seed, where)
+    seed = _checks.non_negative_int_argument(seed, "seed", where)
     is_module = isinstance(f, nn.Module)
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"{where}: `init_fn` must be None or a callable, got {show(init_fn)}.")
@@ -324,14 +324,6 @@ def _as_int(value: Any) -> Optional[int]:
     if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point() and not value.is_complex():
         return int(operator.index(value))
     return None
-
-
-def _seed_argument(seed: Any, where: str) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"{where}: `seed` must be a non-negative int, got {show(seed)}.")
-    if seed < 0:
-        raise ValueError(f"{where}: `seed` must be a non-negative int, got {show(seed)}.")
-    return int(seed)
 
 
 # ------------------------------------------------------------------------------------------------
