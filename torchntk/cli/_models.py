@@ -1,0 +1,164 @@
+"""The command line's models: built-in MLPs and CNNs, user factories, and their JAX twins.
+
+Built-in models are ``nn.Sequential`` stacks of ``Linear``, ``Conv2d`` (3x3, padding 1), ``ReLU``
+and ``Flatten``, initialised from a fixed seed. :func:`jax_twin` turns such a stack into a
+JAX ``apply(params, x)`` computing the same function with the same weights, which is how
+``torchntk bench`` gives neural-tangents exactly the model torchntk sees.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+MODEL_SEED = 0
+INPUT_SEED = 1
+
+
+class UsageError(Exception):
+    """A bad command-line argument: reported as one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """A model for the command line and the shape of one input example."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    description: str
+
+
+def mlp(input_dim: int = 784, width: int = 512, depth: int = 2, outputs: int = 10) -> nn.Sequential:
+    """``depth`` hidden ReLU layers of ``width``, then ``outputs`` logits."""
+    layers: list[nn.Module] = []
+    features = input_dim
+    for _ in range(depth):
+        layers += [nn.Linear(features, width), nn.ReLU()]
+        features = width
+    layers.append(nn.Linear(features, outputs))
+    return nn.Sequential(*layers)
+
+
+def cnn(channels: int = 32, depth: int = 3, image: tuple[int, int, int] = (3, 16, 16), outputs: int = 10) -> nn.Sequential:
+    """``depth`` 3x3 convolutions of ``channels`` (padding 1, ReLU), flattened into a linear readout."""
+    layers: list[nn.Module] = []
+    features = image[0]
+    for _ in range(depth):
+        layers += [nn.Conv2d(features, channels, 3, padding=1), nn.ReLU()]
+        features = channels
+    layers += [nn.Flatten(), nn.Linear(channels * image[1] * image[2], outputs)]
+    return nn.Sequential(*layers)
+
+
+def seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        torch.manual_seed(MODEL_SEED)
+        return build().eval()
+    return make
+
+
+DEMO_MODELS = {
+    "mlp": ModelChoice("mlp", seeded(lambda: mlp(64, 256, 2, 10)), (64,), "MLP 64-256-256-10 (ReLU)"),
+    "cnn": ModelChoice(
+        "cnn", seeded(lambda: cnn(16, 2, (3, 16, 16), 10)), (3, 16, 16),
+        "CNN 2x[Conv2d 3x3 16ch + ReLU] -> Linear(4096, 10)",
+    ),
+}
+"""Small enough that every implementation runs in seconds on a laptop CPU."""
+
+BENCH_MODELS = {
+    "mlp": ModelChoice("mlp", seeded(lambda: mlp(784, 512, 2, 10)), (784,), "MLP 784-512-512-10 (ReLU)"),
+    "cnn": ModelChoice(
+        "cnn", seeded(lambda: cnn(32, 3, (3, 16, 16), 10)), (3, 16, 16),
+        "CNN 3x[Conv2d 3x3 32ch + ReLU] -> Linear(8192, 10)",
+    ),
+}
+"""The models of the benchmark tables in ``docs/benchmarks.md``."""
+
+
+def user_model(path: str, input_shape: tuple[int, ...] | None) -> ModelChoice:
+    """``module:callable`` -> the module the callable returns (called with no arguments).
+
+    Raises:
+        UsageError: a malformed path, a module or attribute that cannot be found, a callable
+            that does not return an ``nn.Module``, or no ``--input-shape``.
+    """
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"--model {path!r}: expected 'mlp', 'cnn' or 'module:callable' (e.g. 'my_models:make_net')")
+    try:
+        factory: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"--model {path!r}: cannot import {module_name!r} ({error})") from None
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise UsageError(f"--model {path!r}: {module_name!r} has no attribute {attribute!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise UsageError(f"--model {path!r}: {attribute!r} is not callable")
+    if input_shape is None:
+        raise UsageError(f"--model {path!r}: give the shape of one input example with --input-shape (e.g. 3,32,32)")
+
+    def build() -> nn.Module:
+        torch.manual_seed(MODEL_SEED)
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"--model {path!r}: {attribute}() returned {type(model).__name__}, not an nn.Module")
+        return model
+
+    return ModelChoice(path, build, input_shape, f"{path}()")
+
+
+def inputs(shape: tuple[int, ...], n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` standard-normal examples of ``shape``, the same for every run."""
+    generator = torch.Generator().manual_seed(INPUT_SEED)
+    return torch.randn((n, *shape), generator=generator, dtype=dtype).to(device)
+
+
+def jax_twin(model: nn.Module) -> tuple[Callable[[Any, Any], Any], dict]:
+    """``(apply, params)``: the JAX function of a ``Sequential`` of the built-in layer types.
+
+    Dense weights are stored ``(in, out)`` so that ``apply`` computes ``h @ W``:
+    neural-tangents' structured derivatives analyse only a parameter's first consumer, and a
+    transpose there makes them as slow as Jacobian contraction (see ``docs/benchmarks.md``).
+
+    Raises:
+        TypeError: a layer other than Linear, Conv2d (3x3, stride 1, padding 1), ReLU, Flatten.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    params: dict = {}
+    steps: list[Callable] = []
+    for index, layer in enumerate(model):
+        key = str(index)
+        if isinstance(layer, nn.Linear):
+            params[key] = (jnp.asarray(layer.weight.detach().cpu().numpy().T), jnp.asarray(layer.bias.detach().cpu().numpy()))
+            steps.append(lambda p, h, key=key: h @ p[key][0] + p[key][1])
+        elif isinstance(layer, nn.Conv2d) and layer.kernel_size == (3, 3) and layer.padding == (1, 1) and layer.stride == (1, 1):
+            params[key] = (jnp.asarray(layer.weight.detach().cpu().numpy()), jnp.asarray(layer.bias.detach().cpu().numpy()))
+
+            def convolve(p, h, key=key):
+                weight, bias = p[key]
+                y = jax.lax.conv_general_dilated(h, weight, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NCHW", "OIHW", "NCHW"))
+                return y + bias[None, :, None, None]
+
+            steps.append(convolve)
+        elif isinstance(layer, nn.ReLU):
+            steps.append(lambda p, h: jax.nn.relu(h))
+        elif isinstance(layer, nn.Flatten):
+            steps.append(lambda p, h: h.reshape(h.shape[0], -1))
+        else:
+            raise TypeError(f"jax_twin: no JAX version of layer {index} ({type(layer).__name__})")
+
+    def apply(p, x):
+        for step in steps:
+            x = step(p, x)
+        return x
+
+    return apply, params

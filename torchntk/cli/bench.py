@@ -1,0 +1,189 @@
+"""``torchntk bench``: time every NTK implementation against N, beside neural-tangents when present.
+
+For each model of the benchmark tables (``_models.BENCH_MODELS``), each N and each
+implementation, the NTK of N examples against N others is computed by torchntk and, when ``jax``
+and ``neural_tangents`` can be imported, by neural-tangents (jitted) on the same function with
+the same weights (``_models.jax_twin``). Reported: the median of ``--repeats`` timed calls after a
+warm-up call (which includes XLA's compilation), the ratio, and the largest difference between
+the two kernels relative to the largest entry. neural-tangents runs after torchntk, in a process
+of its own (``_neural_tangents_worker.py`` says why). Output: a table on standard output, ``bench.md``
+and one log-log plot of time against N per model (``bench_<model>.png``) in ``--output``.
+
+The detailed scripts in ``benchmarks/`` (peak memory per configuration in separate processes,
+the PyTorch tutorial's method, batching and Monte Carlo) produce the tables of
+``docs/benchmarks.md``; this command is the quick, installed way to reproduce the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import torchntk
+
+from . import _arguments
+from ._figures import scaling_figure
+from ._models import BENCH_MODELS, UsageError, inputs
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = _arguments.Parser(
+        prog="torchntk bench",
+        description="Time torchntk's NTK implementations against N, side by side with neural-tangents when installed.",
+    )
+    parser.add_argument("--models", default="mlp,cnn", help=f"comma list of {', '.join(BENCH_MODELS)} (default: all)")
+    parser.add_argument("--sizes", type=_arguments.int_list, default=(8, 16, 32), metavar="N,...",
+                        help="numbers of examples N (x1 and x2 each have N; default 8,16,32)")
+    parser.add_argument("--implementations", type=_arguments.int_list, default=(1, 2, 3), metavar="I,...",
+                        help="NTK implementations, from 1, 2, 3 (default: all)")
+    parser.add_argument("--trace-axes", type=_arguments.axes, default=(-1,), metavar="AXES",
+                        help="output axes to trace, or 'none' for the full kernel (default -1)")
+    parser.add_argument("--repeats", type=_arguments.positive_int, default=3,
+                        help="timed calls after the warm-up call; the median is reported (default 3)")
+    parser.add_argument("--device", type=_arguments.device, default=torch.device("cpu"), help="torchntk's device (default cpu)")
+    parser.add_argument("--no-nt", action="store_true", help="do not run neural-tangents even if it is installed")
+    parser.add_argument("--output", type=Path, default=Path("torchntk-bench"),
+                        help="folder for bench.md and the plots (default ./torchntk-bench)")
+    parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                        help="progress bar on standard error (default: auto, shown in a terminal)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    arguments = parser().parse_args(argv)
+    models = [name.strip() for name in arguments.models.split(",") if name.strip()]
+    unknown = [name for name in models if name not in BENCH_MODELS]
+    if unknown or not models:
+        raise UsageError(f"--models {arguments.models!r}: expected a comma list of {', '.join(BENCH_MODELS)}")
+    bad = [i for i in arguments.implementations if i not in (1, 2, 3)]
+    if bad or not arguments.implementations:
+        raise UsageError(f"--implementations: expected a comma list of 1, 2, 3, got {bad or 'nothing'}")
+    arguments.output.mkdir(parents=True, exist_ok=True)
+    progress = {"auto": None, "on": False, "off": True}[arguments.progress]
+    steps = tqdm(total=len(models) * len(arguments.sizes) * len(arguments.implementations), disable=progress,
+                 desc="torchntk bench", leave=False)
+    ours = {name: _torchntk_runs(name, arguments, steps) for name in models}
+    steps.close()
+    nt_status, theirs = "not run (--no-nt)", {}
+    if not arguments.no_nt:
+        for name in models:
+            nt_status, theirs[name] = _neural_tangents_runs(name, arguments)
+    header = _header(argv, nt_status, arguments)
+    rows, notes = [], []
+    for name in models:
+        times: dict[tuple[str, int], dict[int, float]] = {}
+        for (n, implementation), (kernel, seconds) in ours[name].items():
+            times.setdefault(("torchntk", implementation), {})[n] = seconds
+            row = [name, str(n), str(implementation), f"{seconds:.4f}", "—", "—", "—"]
+            if (n, implementation) in theirs.get(name, {}):
+                reference, nt_seconds = theirs[name][n, implementation]
+                times.setdefault(("neural-tangents", implementation), {})[n] = nt_seconds
+                difference = np.abs(kernel - reference).max() / max(np.abs(reference).max(), 1e-30)
+                row[4:] = [f"{nt_seconds:.4f}", f"{nt_seconds / seconds:.2f}x", f"{difference:.1e}"]
+            rows.append(row)
+        figure = scaling_figure(times, arguments.output / f"bench_{name}.png", f"NTK time vs N: {name}")
+        notes.append(f"{name}: {BENCH_MODELS[name].description}; {figure}")
+    headers = ["model", "N", "impl", "torchntk [s]", "neural-tangents [s]", "NT / torchntk", "max rel diff"]
+    print("\n".join(header))
+    print(_arguments.text_table(headers, rows))
+    print("\n".join(notes))
+    lines = ["# torchntk bench", ""] + [f"    {line}" for line in header] + ["", _arguments.markdown_table(headers, rows), ""]
+    (arguments.output / "bench.md").write_text("\n".join(lines + [f"- {note}" for note in notes]) + "\n")
+    print(f"results: {arguments.output / 'bench.md'}")
+    return 0
+
+
+def _torchntk_runs(name: str, arguments, steps) -> dict[tuple[int, int], tuple[np.ndarray, float]]:
+    choice = BENCH_MODELS[name]
+    model = choice.build().to(arguments.device)
+    runs = {}
+    for n in arguments.sizes:
+        x = inputs(choice.input_shape, 2 * n, torch.float32, torch.device("cpu")).to(arguments.device)
+        x1, x2 = x[:n], x[n:]
+        for implementation in arguments.implementations:
+            steps.set_postfix_str(f"{name}, N={n}, implementation {implementation}")
+            ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=arguments.trace_axes, vmap_axes=0, implementation=implementation)
+            kernel, seconds = _median_time(lambda: ntk_fn(x1, x2), arguments.repeats, arguments.device)
+            runs[n, implementation] = (kernel.detach().cpu().numpy(), seconds)
+            steps.update(1)
+    return runs
+
+
+def _median_time(call: Callable[[], Any], repeats: int, device: torch.device) -> tuple[Any, float]:
+    result = call()  # warm-up: plans, caches
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        result = call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return result, statistics.median(times)
+
+
+def _neural_tangents_runs(name: str, arguments) -> tuple[str, dict[tuple[int, int], tuple[np.ndarray, float]]]:
+    """Runs the model in neural-tangents in a worker process (see ``_neural_tangents_worker``)."""
+    with tempfile.TemporaryDirectory() as folder:
+        spec = dict(
+            model=name, sizes=list(arguments.sizes), implementations=list(arguments.implementations),
+            trace_axes=list(arguments.trace_axes), repeats=arguments.repeats,
+            output=os.path.join(folder, "kernels.npz"), status=os.path.join(folder, "status.json"),
+        )
+        spec_path = os.path.join(folder, "spec.json")
+        with open(spec_path, "w") as file:
+            json.dump(spec, file)
+        command = [sys.executable, "-m", "torchntk.cli._neural_tangents_worker", spec_path]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"failed in the worker process ({last})", {}
+        with open(spec["status"]) as file:
+            status = json.load(file)["status"]
+        with np.load(spec["output"]) as saved:
+            runs = {
+                (n, implementation): (saved[f"{n}-{implementation}"], float(saved[f"{n}-{implementation}-seconds"]))
+                for n in arguments.sizes for implementation in arguments.implementations
+                if f"{n}-{implementation}" in saved
+            }
+    return status, runs
+
+
+def _header(argv: list[str], nt_status: str, arguments) -> list[str]:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else float("nan")
+    return [
+        f"command : torchntk bench {' '.join(argv)}".rstrip(),
+        f"date    : {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"machine : {_processor()}, {os.cpu_count()} logical cores, {memory:.1f} GiB RAM, {platform.platform()}",
+        f"torch   : {torch.__version__} ({torch.get_num_threads()} threads), torchntk {torchntk.__version__}, "
+        f"device {arguments.device}",
+        f"NT      : {nt_status}",
+        f"timing  : 1 warm-up call, then the median of {arguments.repeats}; trace_axes={arguments.trace_axes}, "
+        f"vmap_axes=0, float32",
+    ]
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
