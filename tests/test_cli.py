@@ -116,3 +116,10 @@ def test_bench_asks_a_worker_process_for_neural_tangents(tmp_path, capsys):
     assert status == f"NT      : {expected}"
     table = (tmp_path / "bench.md").read_text()
     assert ("| mlp | 1 | 3 |" in table) and (("—" in table) == (module is None))
+
+
+def test_the_console_script_is_declared():
+    from importlib.metadata import entry_points
+
+    scripts = {entry.name: entry.value for entry in entry_points(group="console_scripts")}
+    assert scripts.get("torchntk") == "torchntk.cli:main"
