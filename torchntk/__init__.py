@@ -3,6 +3,7 @@
 from ._implementations.auto import AutoChoice as AutoChoice
 from ._implementations.auto import Estimate as Estimate
 from ._types import NtkImplementation as NtkImplementation
+from . import predict as predict
 from .batching import batch as batch
 from .empirical import empirical_kernel_fn as empirical_kernel_fn
 from .empirical import empirical_nngp_fn as empirical_nngp_fn
@@ -29,4 +30,6 @@ __all__ = [
     # expansions
     "linearize",
     "taylor_expand",
+    # predictions from kernels (torchntk.predict.gradient_descent_mse, ...)
+    "predict",
 ]
