@@ -131,6 +131,7 @@ def test_outputs_with_more_axes_and_a_traced_middle_axis():
         (lambda: predict.gradient_descent_mse(torch.eye(4), torch.zeros(4, 1), trace_axes=(0,)), ValueError, "traces the batch axis"),
         (lambda: predict.gradient_descent_mse(torch.eye(4), torch.zeros(4, 1), trace_axes=(3,)), ValueError, "out of range"),
         (lambda: predict.gradient_descent_mse([[1.0]], torch.zeros(1, 1)), TypeError, "must be a tensor"),
+        (lambda: predict.gp_inference(torch.eye(2), torch.tensor(1.0)), TypeError, "`y_train` must be a tensor with a batch axis"),
         (lambda: predict.gradient_descent_mse(torch.eye(2), torch.zeros(2, 1))(1.0, 0.0, torch.zeros(1, 1)), ValueError,
          "`fx_test_0` needs `k_test_train`"),
         (lambda: predict.gradient_descent_mse(torch.eye(2), torch.zeros(2, 1))(1.0, None, None), ValueError, "nothing to predict"),

@@ -74,8 +74,6 @@ def gradient_descent_mse_ensemble(
     where = "gradient_descent_mse_ensemble"
     if not callable(kernel_fn):
         raise TypeError(f"{where}: `kernel_fn` must be a kernel function, got {show(kernel_fn)}.")
-    if not isinstance(y_train, torch.Tensor) or y_train.ndim == 0:
-        raise TypeError(f"{where}: `y_train` must be a tensor with a batch axis, got {show(y_train)}.")
     layout = TargetLayout.of(y_train, trace_axes, where)
     n, size = layout.shape[0], y_train.numel()
     train_kernels: dict[str, torch.Tensor] = {}

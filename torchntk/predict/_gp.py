@@ -123,8 +123,6 @@ def gp_inference(
         torch.Size([1, 1])
     """
     where = "gp_inference"
-    if not isinstance(y_train, torch.Tensor) or y_train.ndim == 0:
-        raise TypeError(f"{where}: `y_train` must be a tensor with a batch axis, got {show(y_train)}.")
     layout = TargetLayout.of(y_train, trace_axes, where)
     n = layout.shape[0]
 

@@ -39,7 +39,11 @@ class TargetLayout:
     kept: tuple[int, ...]
 
     @classmethod
-    def of(cls, y_train: torch.Tensor, trace_axes: Any, where: str) -> "TargetLayout":
+    def of(cls, y_train: Any, trace_axes: Any, where: str) -> "TargetLayout":
+        """Raises TypeError for ``y_train`` other than a tensor with a batch axis, ValueError for
+        bad ``trace_axes``."""
+        if not isinstance(y_train, torch.Tensor) or y_train.ndim == 0:
+            raise TypeError(f"{where}: `y_train` must be a tensor with a batch axis, got {show(y_train)}.")
         axes = axes_argument(trace_axes, "trace_axes", where)
         ndim = y_train.ndim
         traced = []

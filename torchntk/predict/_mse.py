@@ -84,7 +84,7 @@ def gradient_descent_mse(
         True
     """
     where = "gradient_descent_mse"
-    layout = TargetLayout.of(_tensor(y_train, "y_train", where), trace_axes, where)
+    layout = TargetLayout.of(y_train, trace_axes, where)
     n = layout.shape[0]
     matrix = regularised(layout.matrix(k_train_train, "k_train_train", n, n, where), diag_reg, diag_reg_absolute_scale)
     targets = layout.flatten(y_train.to(matrix))
@@ -136,14 +136,6 @@ def gradient_descent_mse(
         return train_t, test_t
 
     return predict_fn
-
-
-def _tensor(value: Any, name: str, where: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: `{name}` must be a tensor, got {show(value)}.")
-    if value.ndim == 0:
-        raise ValueError(f"{where}: `{name}` must have a batch axis, got a scalar.")
-    return value
 
 
 def _test_side(layout: TargetLayout, matrix: torch.Tensor, fx_test_0: Any, k_test_train: Any, where: str):

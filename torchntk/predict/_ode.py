@@ -106,8 +106,6 @@ def gradient_descent(
         raise TypeError(f"{where}: `loss` must be callable as loss(fx_train, y_train), got {show(loss)}.")
     if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
         raise ValueError(f"{where}: `momentum` must be None or a number in [0, 1), got {show(momentum)}.")
-    if not isinstance(y_train, torch.Tensor) or y_train.ndim == 0:
-        raise TypeError(f"{where}: `y_train` must be a tensor with a batch axis, got {show(y_train)}.")
     layout = TargetLayout.of(y_train, trace_axes, where)
     n = layout.shape[0]
     matrix = layout.matrix(k_train_train, "k_train_train", n, n, where)
