@@ -299,3 +299,41 @@ def test_traced_or_diagonal_batch_axis_needs_equal_sizes():
     x1, x2 = _inputs(5, 8)
     with pytest.raises(ValueError):
         torchntk.batch(torchntk.empirical_ntk_fn(_model(), diagonal_axes=(0,)), 2)(x1, x2)
+
+
+@pytest.mark.parametrize("implementation", [1, 2, 3])
+def test_a_rank_that_owns_no_span_contributes_zeros(implementation):
+    """Rank 3 of 4 with two spans only: its share of the all-reduce is zeros of the kernel's shape
+    (implementation 2 prepares x1 and x2 differently, so the x2 side is prepared on its own)."""
+    from torchntk._batch_jobs import Job, run_spans
+    from torchntk._block_source import BlockRequest
+    from torchntk._kernel_spec import spec_of
+
+    x1 = _inputs(3, 1)[0]
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=0, implementation=implementation)
+    spec = spec_of(ntk_fn)
+    cpu = torch.device("cpu")
+    job = Job(spec, [ntk_fn], [cpu], 2, False, cpu, False, rank=3, world_size=4)
+    source = spec.open_blocks(BlockRequest(2), x1, None)
+    tree, output = run_spans(job, source, lambda function, device: None, 2**30)
+    (kernel,) = output.tensors
+    assert kernel.shape == (3, 3, 4, 4) and torch.count_nonzero(kernel) == 0
+    assert tree.rebuild(output.tensors).shape == ntk_fn(x1).shape
+
+
+def test_an_empty_side_gives_the_kernel_functions_empty_kernel():
+    x1 = _inputs(5, 1)[0]
+    empty = torch.zeros(0, 3, dtype=torch.float64)
+    for vmap_axes in (0, None):
+        ntk_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=vmap_axes)
+        for first, second in ((x1, empty), (empty, x1)):
+            batched = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 2)(first, second)
+            assert batched.shape == ntk_fn(first, second).shape
+
+    def f(params, x):  # batch on axis 1
+        return torch.tanh(params["w"] @ x)
+
+    params = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    ntk_fn = torchntk.empirical_ntk_fn(f, trace_axes=(), vmap_axes=1)
+    batched = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 2)(x1.T, empty.T, params)
+    assert batched.shape == ntk_fn(x1.T, empty.T, params).shape == (4, 4, 5, 0)

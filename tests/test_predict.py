@@ -296,6 +296,8 @@ def test_gp_inference_errors_and_jitter():
     with pytest.raises(ValueError, match="hold a 'nngp' kernel"):
         Kernel = torchntk._outputs.empirical_kernel_type(("ntk",))
         predict.gp_inference(Kernel(torch.eye(3, dtype=F64)), y)("nngp", torch.ones(1, 3, dtype=F64))
+    with pytest.raises(ValueError, match="needs both the NNGP and the NTK"):
+        predict.gp_inference(torch.eye(3, dtype=F64), y)("ntk", torch.ones(1, 3, dtype=F64), torch.ones(1, 1, dtype=F64))
     with pytest.raises(ValueError, match="`get` must name each of"):
         predict.gp_inference(torch.eye(3, dtype=F64), y)("gp")
     with pytest.raises(ValueError, match="`k_test_test` has shape"):

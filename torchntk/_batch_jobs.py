@@ -144,6 +144,7 @@ def run_spans(
     ]
     if probe.run == spans1[0]:
         workers[0].cache[(1, 0)] = probe
+        workers[0].room -= probe.nbytes
     state: dict[str, Any] = {}
     lock = threading.Lock()
 
@@ -167,8 +168,9 @@ def run_spans(
     tasks = job.owned(list(range(len(spans1))))
     serve(workers, tasks, handle, progress=job.progress, total=sum(len(partners(s)) for s in tasks), description="kernel blocks")
     if "output" not in state:  # this rank owns no span: it contributes zeros of the right shapes
-        two = probe if mirrored else first.prepare(2, (0, min(unit, n2)))
-        result = Flat.of(first.contract(probe, two))
+        with _serialised(first.thread_safe):
+            two = probe if first.reuses_prepared() else first.prepare(2, (0, min(unit, n2)))
+            result = Flat.of(first.contract(probe, two))
         return result, KernelOutput(result.leaves, first.leaf_layouts(), n1, n2, job.store_device, job.pin_memory)
     return state["tree"], state["output"]
 

@@ -34,6 +34,8 @@ from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, world
 
 _NOT_SPLIT = ("params", "get")
 DEFAULT_CACHE_BYTES = 2**30
+_EMPTY = object()
+"""What the ways of computing return for a side without examples: the kernel function is called."""
 
 
 def batch(
@@ -209,7 +211,7 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict) -> Py
         computed = _by_spans(settings, job, x1, x2, args, kwargs)
         if computed is None:
             computed = _by_blocks(settings, job, x1, None if reuse else x2, args, kwargs)
-        if computed is None:  # an empty side: nothing to share out
+        if computed is _EMPTY:  # nothing to share out
             return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
         tree, output = computed
     for device in devices:
@@ -226,7 +228,8 @@ def _finish(result: PyTree, store_on_device: bool) -> PyTree:
 
 
 def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwargs: dict):
-    """The kernel from prepared spans, or None where the kernel function cannot be split."""
+    """The kernel from prepared spans; None where the kernel function cannot be split, ``_EMPTY``
+    when a side has no examples."""
     if settings.spec.open_blocks is None:
         return None
 
@@ -240,7 +243,7 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
         if first is None:
             return None
         if 0 in first.sizes():
-            return None
+            return _EMPTY
         try:
             return run_spans(job, first, lambda function, device: open_source(function, device, thorough), settings.cache_bytes)
         except Replan:  # a span met operations the quick plan did not foresee: plan from every example
@@ -249,12 +252,12 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
 
 
 def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwargs: dict):
-    """The kernel from one kernel-function call per block, or None when a side is empty."""
+    """The kernel from one kernel-function call per block, or ``_EMPTY`` when a side is empty."""
     flat1 = Flat.of(x1)
     flat2 = flat1 if x2 is None else Flat.of(x2)
     n1, n2 = _batch_size_of(flat1, "x1"), _batch_size_of(flat2, "x2")
     if n1 == 0 or n2 == 0:
-        return None
+        return _EMPTY
     moved_args: dict = {}
 
     def compute(function: Callable, device: torch.device, run1, run2) -> PyTree:

@@ -56,9 +56,13 @@ def cnn(channels: int = 32, depth: int = 3, image: tuple[int, int, int] = (3, 16
 
 
 def seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``build`` run from ``MODEL_SEED`` without touching the caller's random state; modules
+    are put in eval mode (the demo and the benchmarks compute kernels, they do not train)."""
     def make() -> nn.Module:
-        torch.manual_seed(MODEL_SEED)
-        return build().eval()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(MODEL_SEED)
+            model = build()
+        return model.eval() if isinstance(model, nn.Module) else model
     return make
 
 
@@ -105,8 +109,7 @@ def user_model(path: str, input_shape: tuple[int, ...] | None) -> ModelChoice:
         raise UsageError(f"--model {path!r}: give the shape of one input example with --input-shape (e.g. 3,32,32)")
 
     def build() -> nn.Module:
-        torch.manual_seed(MODEL_SEED)
-        model = factory()
+        model = seeded(factory)()
         if not isinstance(model, nn.Module):
             raise UsageError(f"--model {path!r}: {attribute}() returned {type(model).__name__}, not an nn.Module")
         return model

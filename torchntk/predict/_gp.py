@@ -159,6 +159,12 @@ def gp_inference(
             if k_test_test is None:
                 results[name] = mean
                 continue
+            if name == "ntk" and (isinstance(k_train_train, torch.Tensor) or isinstance(k_test_train, torch.Tensor)):
+                raise ValueError(
+                    f"{call}: the NTK posterior covariance needs both the NNGP and the NTK of the train-train and "
+                    f"test-train pairs: pass EmpiricalKernel namedtuples from kernel_fn(..., get=('nngp', 'ntk')), "
+                    f"not bare tensors."
+                )
             results[name] = Gaussian(mean, _covariance(name, layout, factor, train_matrix, cross, k_test_train, k_test_test, n, n_test))
         if bare:
             return results[names[0]]
