@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from torchntk.cli._models import BENCH_MODELS
+
 MODEL_SEED = 0
 INPUT_SEED = 1
 
@@ -133,22 +135,10 @@ def _randomise_norms(model: nn.Module) -> None:
 
 def build_torch_model(name: str) -> nn.Module:
     """Deterministically initialised float32 model, in eval mode."""
+    if name in BENCH_MODELS:  # the same seeded models as `python -m torchntk bench`
+        return BENCH_MODELS[name].build().float().eval()
     torch.manual_seed(MODEL_SEED)
-    if name == "mlp":
-        model = nn.Sequential(
-            nn.Linear(784, 512), nn.ReLU(),
-            nn.Linear(512, 512), nn.ReLU(),
-            nn.Linear(512, 10),
-        )
-    elif name == "cnn":
-        model = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(32 * 16 * 16, 10),
-        )
-    elif name == "resnet":
+    if name == "resnet":
         model = SmallResNet()
         _randomise_norms(model)
     elif name == "transformer":
