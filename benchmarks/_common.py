@@ -14,6 +14,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 import types
 from typing import List, Optional, Tuple
 
@@ -343,3 +344,35 @@ def write_markdown(path: str, header: List[str], intro: List[str], sections, tar
     with open(path, "w") as fh:
         fh.write("\n".join(md))
     print(f"\nMarkdown written to {path}")
+
+
+def add_common_arguments(ap: argparse.ArgumentParser) -> None:
+    """The output, library-skipping and worker options every benchmark script takes."""
+    ap.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
+    ap.add_argument("--json", metavar="PATH", help="also write all raw results as JSON")
+    ap.add_argument("--no-nt", action="store_true", help="skip neural-tangents")
+    ap.add_argument("--no-torchntk", action="store_true", help="skip torchntk")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep the worker scratch directory")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print worker tracebacks")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+
+
+def worker_entry(spec_path: str, run) -> int:
+    """A worker process's whole life: ``run(spec, res)`` fills ``res``; any exception (MemoryError,
+    ImportError, ...) is recorded in it instead, with the peak RSS, and ``res`` is written to the
+    spec's ``result_out`` for the driver (``launch_worker``)."""
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    res: dict = {"stage": "start"}
+    try:
+        run(spec, res)
+    except BaseException as exc:  # report everything, NotImplementedError and MemoryError included
+        res.update(ok=False, error=f"{type(exc).__name__}: {exc}".strip(),
+                   error_type=type(exc).__name__, traceback=traceback.format_exc())
+        try:
+            res.setdefault("peak_rss_mb", peak_rss_mb())
+        except Exception:
+            pass
+    with open(spec["result_out"], "w") as fh:
+        json.dump(res, fh)
+    return 0

@@ -41,14 +41,13 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from _common import (HERE, REPO_ROOT, current_rss_mb, fmt_diff, hwm_rss_mb,
+from _common import (HERE, REPO_ROOT, add_common_arguments, current_rss_mb, fmt_diff, hwm_rss_mb,
                      import_neural_tangents, launch_worker, limit_threads,
                      parse_list, peak_rss_mb, rel_diff, render, reset_peak_rss,
-                     run_header, time_calls, write_markdown)
+                     run_header, time_calls, worker_entry, write_markdown)
 
 TILING_MODELS = ("mlp", "cnn")
 DEFAULT_IMPLS = {"mlp": "3", "cnn": "1"}
@@ -213,20 +212,13 @@ def mc_worker(spec: dict, res: dict) -> None:
 
 
 def worker_main(spec_path: str) -> int:
-    with open(spec_path) as fh:
-        spec = json.load(fh)
-    res: dict = {"stage": "start"}
-    try:
+    def run(spec: dict, res: dict) -> None:
         limit_threads(spec["threads"])
         sys.path.insert(0, HERE)
         sys.path.insert(0, REPO_ROOT)
         (tiling_worker if spec["part"] == "tiling" else mc_worker)(spec, res)
-    except BaseException as exc:  # report everything: ImportError, MemoryError, ...
-        res.update(ok=False, error=f"{type(exc).__name__}: {exc}".strip(),
-                   error_type=type(exc).__name__, traceback=traceback.format_exc())
-    with open(spec["result_out"], "w") as fh:
-        json.dump(res, fh)
-    return 0
+
+    return worker_entry(spec_path, run)
 
 
 # ===========================================================================
@@ -380,13 +372,7 @@ def main(argv=None) -> int:
                          "XLA too). Default: no limit (all cores)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds allowed per configuration, warm-up and compile included (default 600)")
-    ap.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
-    ap.add_argument("--json", metavar="PATH", help="also write all raw results as JSON")
-    ap.add_argument("--no-nt", action="store_true", help="skip neural-tangents")
-    ap.add_argument("--no-torchntk", action="store_true", help="skip torchntk")
-    ap.add_argument("--keep-tmp", action="store_true", help="keep the worker scratch directory")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print worker tracebacks")
-    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    add_common_arguments(ap)
     args = ap.parse_args(argv)
 
     if args._worker:

@@ -28,13 +28,12 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from _common import (HERE, REPO_ROOT, fmt_diff, import_neural_tangents,
+from _common import (HERE, REPO_ROOT, add_common_arguments, fmt_diff, import_neural_tangents,
                      launch_worker, limit_threads, parse_list, peak_rss_mb,
-                     prepare_data, rel_diff, render, run_header, time_calls)
+                     prepare_data, rel_diff, render, run_header, time_calls, worker_entry)
 
 KERNELS = {"full": (), "traced": (-1,)}
 LIB_LABELS = {"torchntk": "torchntk", "nt": "neural-tangents",
@@ -131,21 +130,7 @@ def run_worker(spec: dict) -> dict:
 
 
 def worker_main(spec_path: str) -> int:
-    with open(spec_path) as fh:
-        spec = json.load(fh)
-    try:
-        res = run_worker(spec)
-    except BaseException as exc:  # report everything, including MemoryError
-        tb = traceback.format_exc()
-        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}".strip(),
-               "traceback": tb}
-        try:
-            res["peak_rss_mb"] = peak_rss_mb()
-        except Exception:
-            pass
-    with open(spec["result_out"], "w") as fh:
-        json.dump(res, fh)
-    return 0
+    return worker_entry(spec_path, lambda spec, res: res.update(run_worker(spec)))
 
 
 # ===========================================================================
@@ -221,17 +206,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds allowed per configuration, warm-up and compile included "
                          "(default 300)")
-    ap.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
-    ap.add_argument("--json", metavar="PATH", help="also write all raw results as JSON")
-    ap.add_argument("--no-nt", action="store_true", help="skip neural-tangents")
     ap.add_argument("--no-nt3", action="store_true",
                     help="skip the neural-tangents implementation 3 reference rows")
-    ap.add_argument("--no-torchntk", action="store_true", help="skip torchntk")
     ap.add_argument("--no-baseline", action="store_true",
                     help="skip the torch.func tutorial baseline (Jacobian contraction)")
-    ap.add_argument("--keep-tmp", action="store_true", help="keep the worker scratch directory")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print worker tracebacks")
-    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    add_common_arguments(ap)
     args = ap.parse_args(argv)
 
     if args._worker:

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
 import numpy as np
 
@@ -61,9 +60,10 @@ def worker(library: str, n: int, repeats: int, output: str) -> None:
         def finish(result):
             return result
     else:
-        sys.modules.setdefault("neural_tangents.experimental", types.ModuleType("neural_tangents.experimental"))
         import jax.numpy as jnp
-        import neural_tangents as nt
+        from _common import import_neural_tangents
+
+        nt = import_neural_tangents()
 
         k_dd, k_td, y, f0, g0 = (jnp.asarray(a) for a in (k_dd, k_td, y, f0, g0))
         times = jnp.asarray(TIMES)

@@ -35,14 +35,13 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from _common import (HERE, REPO_ROOT, current_rss_mb, fmt_diff, hwm_rss_mb,
+from _common import (HERE, REPO_ROOT, add_common_arguments, current_rss_mb, fmt_diff, hwm_rss_mb,
                      import_neural_tangents, launch_worker, limit_threads,
                      parse_list, peak_rss_mb, prepare_data, rel_diff, render,
-                     reset_peak_rss, run_header, time_calls, write_markdown)
+                     reset_peak_rss, run_header, time_calls, worker_entry, write_markdown)
 
 MODELS = ("mlp", "cnn", "resnet", "transformer")
 # Kernel each model is measured with unless --kernels says otherwise.
@@ -207,17 +206,7 @@ def run_worker(spec: dict, res: dict) -> dict:
 
 
 def worker_main(spec_path: str) -> int:
-    with open(spec_path) as fh:
-        spec = json.load(fh)
-    res: dict = {"stage": "start"}
-    try:
-        run_worker(spec, res)
-    except BaseException as exc:  # report everything, NotImplementedError and MemoryError included
-        res.update(ok=False, error=f"{type(exc).__name__}: {exc}".strip(),
-                   error_type=type(exc).__name__, traceback=traceback.format_exc())
-    with open(spec["result_out"], "w") as fh:
-        json.dump(res, fh)
-    return 0
+    return worker_entry(spec_path, run_worker)
 
 
 # ===========================================================================
@@ -379,13 +368,7 @@ def main(argv=None) -> int:
                     help="leave nn.MultiheadAttention's fused fast path and the default SDPA "
                          "kernel on (neither supports forward-mode AD); default: fast path off, "
                          "SDPA math kernel, in the transformer's workers")
-    ap.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
-    ap.add_argument("--json", metavar="PATH", help="also write all raw results as JSON")
-    ap.add_argument("--no-nt", action="store_true", help="skip neural-tangents")
-    ap.add_argument("--no-torchntk", action="store_true", help="skip torchntk")
-    ap.add_argument("--keep-tmp", action="store_true", help="keep the worker scratch directory")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print worker tracebacks")
-    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    add_common_arguments(ap)
     args = ap.parse_args(argv)
 
     if args._worker:
