@@ -123,7 +123,7 @@ def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]
                     f"parameter has shape {tuple(all_params[name].shape)}."
                 )
     names = tuple(chosen)
-    leaves = tuple(_check_float(value, name, where).detach() for name, value in chosen.items())
+    leaves = tuple(float_parameter(value, f"parameter {name!r}", where).detach() for name, value in chosen.items())
     chosen_ids = {id(all_params[name]) for name in chosen}
     # A tied parameter has several names for one tensor; every alias of a chosen one is chosen.
     constants = {name: p.detach() for name, p in all_params.items() if id(p) not in chosen_ids}
@@ -162,7 +162,7 @@ def _callable_model(f: Callable, params: Any, where: str) -> FunctionalModel:
     if not flat.leaves:
         raise ValueError(f"{where}: `params` has no tensors, so there is no parameter to differentiate.")
     names = tuple(f"params leaf {index}" for index in range(len(flat.leaves)))
-    leaves = tuple(_check_float(leaf, name, where).detach() for leaf, name in zip(flat.leaves, names))
+    leaves = tuple(float_parameter(leaf, f"parameter {name!r}", where).detach() for leaf, name in zip(flat.leaves, names))
 
     def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         return f(flat.rebuild(param_leaves), *args, **kwargs)
@@ -170,12 +170,17 @@ def _callable_model(f: Callable, params: Any, where: str) -> FunctionalModel:
     return FunctionalModel(call, leaves, names, params_tree=flat)
 
 
-def _check_float(value: Any, name: str, where: str) -> torch.Tensor:
+def float_parameter(value: Any, what: str, where: str) -> torch.Tensor:
+    """``value`` if it is a floating-point (or complex) tensor; ``what`` names it in the errors.
+
+    Raises:
+        TypeError: not a tensor, or an integer or boolean tensor.
+    """
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: parameter {name!r} must be a tensor, got {show(value)}.")
+        raise TypeError(f"{where}: {what} must be a tensor, got {show(value)}.")
     if not (value.is_floating_point() or value.is_complex()):
         raise TypeError(
-            f"{where}: parameter {name!r} has dtype {value.dtype}; only floating-point "
+            f"{where}: {what} has dtype {value.dtype}; only floating-point "
             f"parameters can be differentiated."
         )
     return value

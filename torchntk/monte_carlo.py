@@ -84,7 +84,7 @@ from torch.utils import _pytree as pytree
 
 from . import _checks
 from ._checks import show
-from ._model import functional_model
+from ._model import float_parameter, functional_model
 from ._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type
 from ._tree import Flat
 from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
@@ -465,14 +465,7 @@ def _draw_module_init_fn(init_fn: Callable, skeleton: nn.Module, names: list[str
     reference = dict(skeleton.named_parameters())
     drawn = {}
     for name in names:
-        value = values[name]
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{where}: `init_fn(module, generator)[{name!r}]` must be a tensor, got {show(value)}.")
-        if not (value.is_floating_point() or value.is_complex()):
-            raise TypeError(
-                f"{where}: `init_fn(module, generator)[{name!r}]` has dtype {value.dtype}; parameters must "
-                f"be floating-point."
-            )
+        value = float_parameter(values[name], f"`init_fn(module, generator)[{name!r}]`", where)
         if value.shape != reference[name].shape:
             raise ValueError(
                 f"{where}: `init_fn(module, generator)[{name!r}]` has shape {tuple(value.shape)}, but the "
