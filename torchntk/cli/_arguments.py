@@ -9,7 +9,6 @@ from typing import NoReturn, Optional
 import torch
 
 
-
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (``torchntk: error: ...``), exit status 2."""
 

@@ -25,9 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -38,6 +36,7 @@ import torchntk
 from . import _arguments
 from ._figures import scaling_figure
 from ._models import BENCH_MODELS, UsageError, inputs
+from ._timing import timed_calls
 
 
 def parser() -> argparse.ArgumentParser:
@@ -117,24 +116,11 @@ def _torchntk_runs(name: str, arguments, steps) -> dict[tuple[int, int], tuple[n
         for implementation in arguments.implementations:
             steps.set_postfix_str(f"{name}, N={n}, implementation {implementation}")
             ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=arguments.trace_axes, vmap_axes=0, implementation=implementation)
-            kernel, seconds = _median_time(lambda: ntk_fn(x1, x2), arguments.repeats, arguments.device)
+            kernel, times = timed_calls(lambda: ntk_fn(x1, x2), arguments.repeats, arguments.device)
+            seconds = statistics.median(times)
             runs[n, implementation] = (kernel.detach().cpu().numpy(), seconds)
             steps.update(1)
     return runs
-
-
-def _median_time(call: Callable[[], Any], repeats: int, device: torch.device) -> tuple[Any, float]:
-    result = call()  # warm-up: plans, caches
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        result = call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
 
 
 def _neural_tangents_runs(name: str, arguments) -> tuple[str, dict[tuple[int, int], tuple[np.ndarray, float]]]:

@@ -11,7 +11,6 @@ disagree (beyond 1e-4 relative in float32, 1e-9 in float64).
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,6 +24,7 @@ from . import _arguments
 from ._arguments import markdown_table, text_table
 from ._figures import kernel_figure
 from ._models import DEMO_MODELS, ModelChoice, UsageError, inputs, user_model
+from ._timing import timed_calls
 
 IMPLEMENTATION_NAMES = {
     1: "Jacobian contraction",
@@ -97,7 +97,8 @@ def main(argv: list[str]) -> int:
             ntk_fn = torchntk.empirical_ntk_fn(
                 model, trace_axes=arguments.trace_axes, vmap_axes=arguments.vmap_axes, implementation=implementation
             )
-            kernels[implementation], seconds = _timed(ntk_fn, x, arguments.repeats)
+            kernels[implementation], times = timed_calls(lambda: ntk_fn(x), arguments.repeats, x.device)
+            seconds = min(times)
             rows.append(Row(choice.name, implementation, tuple(kernels[implementation].shape), seconds, 0.0, True))
             steps.update(1)
         reference = kernels[implementations[0]]
@@ -136,23 +137,6 @@ def _models(names: list[str], input_shape: Optional[tuple[int, ...]]) -> list[Mo
         else:
             choices.append(user_model(name, input_shape))
     return choices
-
-
-def _timed(ntk_fn, x: torch.Tensor, repeats: int) -> tuple[torch.Tensor, float]:
-    kernel = ntk_fn(x)  # warm-up: plans, caches, lazy initialisation
-    best = float("inf")
-    for _ in range(repeats):
-        _synchronize(x.device)
-        start = time.perf_counter()
-        kernel = ntk_fn(x)
-        _synchronize(x.device)
-        best = min(best, time.perf_counter() - start)
-    return kernel, best
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _relative_difference(kernel: torch.Tensor, reference: torch.Tensor) -> float:
