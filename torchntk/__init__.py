@@ -1,9 +1,9 @@
 """torchntk: empirical neural tangent and NNGP kernels of PyTorch models."""
 
+from . import predict as predict
 from ._implementations.auto import AutoChoice as AutoChoice
 from ._implementations.auto import Estimate as Estimate
 from ._types import NtkImplementation as NtkImplementation
-from . import predict as predict
 from .batching import batch as batch
 from .empirical import empirical_kernel_fn as empirical_kernel_fn
 from .empirical import empirical_nngp_fn as empirical_nngp_fn

@@ -246,3 +246,13 @@ def check_shapes(
                 f"{shape2[axis]} for x2 (shapes {tuple(shape1)} and {tuple(shape2)}); traced and "
                 f"diagonal axes must have equal sizes."
             )
+
+
+def paired_matrix(kernel: torch.Tensor) -> torch.Tensor:
+    """A kernel whose axes come in (x1, x2) pairs, e.g. ``(N1, N2, O1, O2)``, as the matrix
+    ``(N1 O1, N2 O2)``: rows are x1's coordinates, columns x2's. That is the layout of kernels
+    with only kept axes (NOTE: [Kernel layout])."""
+    pairs = kernel.ndim // 2
+    rows, columns = math.prod(kernel.shape[0::2]), math.prod(kernel.shape[1::2])
+    return kernel.permute(*range(0, 2 * pairs, 2), *range(1, 2 * pairs, 2)).reshape(rows, columns)
+

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from .._layout import paired_matrix
+
 _SKIPPED = "figure skipped: matplotlib is not installed (pip install 'torchntk[plot]')"
 
 
@@ -30,8 +32,7 @@ def kernel_matrix(kernel: torch.Tensor) -> Optional[torch.Tensor]:
     if kernel.ndim == 2 and kernel.shape[0] == kernel.shape[1]:
         return kernel
     if kernel.ndim == 4 and kernel.shape[0] == kernel.shape[1] and kernel.shape[2] == kernel.shape[3]:
-        n, _, o, _ = kernel.shape
-        return kernel.permute(0, 2, 1, 3).reshape(n * o, n * o)
+        return paired_matrix(kernel)
     return None
 
 

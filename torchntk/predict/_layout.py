@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .._checks import axes_argument, show
+from .._layout import paired_matrix
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,7 @@ class TargetLayout:
                 f"trace_axes={self.traced} call for {expected} (a pair of axes per untraced axis, "
                 f"{n_rows} x {n_columns} points). Compute it with the same trace_axes and no diagonal_axes."
             )
-        pairs = len(rows)
-        ordered = kernel.permute(*range(0, 2 * pairs, 2), *range(1, 2 * pairs, 2))
-        return ordered.reshape(math.prod(rows), math.prod(columns))
+        return paired_matrix(kernel)
 
     def kernel(self, matrix: torch.Tensor, n: int, lead: tuple[int, ...] = ()) -> torch.Tensor:
         """``(*lead, rows, rows)`` of ``n`` points -> the kernel layout ``(*lead, n, n, a, a, ...)``."""

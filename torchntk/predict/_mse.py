@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .._checks import show
+from .._layout import paired_matrix
 from ._layout import TargetLayout, as_tensor, broadcast
 from ._linalg import Cholesky, Eigenbasis, expm1_decay, expm1_decay_over_value, regularised
 
@@ -187,9 +188,8 @@ def max_learning_rate(
     shape = tuple(ntk_train_train.shape)
     if len(shape) % 2 or shape[0::2] != shape[1::2] or not shape:
         raise ValueError(f"{where}: `ntk_train_train` must have pairs of equal axes, e.g. (N, N) or (N, N, O, O), got {shape}.")
-    pairs = len(shape) // 2
-    rows = int(torch.tensor(shape[0::2]).prod())
-    matrix = ntk_train_train.permute(*range(0, 2 * pairs, 2), *range(1, 2 * pairs, 2)).reshape(rows, rows)
+    matrix = paired_matrix(ntk_train_train)
+    rows = matrix.shape[0]
     largest = torch.linalg.eigvalsh((matrix + matrix.T).double() / 2)[-1].item()
     factor = rows if y_train_size is None else y_train_size
     return 2 * (1 + momentum) * factor / (largest + eps)
