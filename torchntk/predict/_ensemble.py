@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -110,26 +110,30 @@ def gradient_descent_mse_ensemble(
             # gp_inference predicts the training points (zero covariance) for any k_test_test given
             test_test = nngp_tt if x_test is not None else (True if compute_cov else None)
             return infinite(names[0] if bare else names, None if k_td is None else _named(k_td), test_test)
-        basis_dtype = k_dd[needed[-1]]
-        times = as_tensor(t, basis_dtype, "t", call) * learning_rate
+        n_out = n if x_test is None else k_td[needed[0]].shape[0]
+        # Every kernel as a matrix, once: the means and covariances below share them.
+        dd = {name: layout.matrix(k_dd[name], "kernel_fn(x_train, None)", n, n, call) for name in needed}
+        td = None if k_td is None else {
+            name: layout.matrix(k_td[name], "kernel_fn(x_test, x_train)", n_out, n, call) for name in needed
+        }
+        tt = None if nngp_tt is None else layout.matrix(nngp_tt, "kernel_fn(x_test, None)", n_out, n_out, call)
+        like = dd[needed[-1]]
+        times = as_tensor(t, like, "t", call) * learning_rate
         lead = tuple(times.shape)
         times = times.reshape(-1) / size
-        targets = layout.flatten(y_train.to(basis_dtype))
-        n_out = n if x_test is None else k_td[needed[0]].shape[0]
+        targets = layout.flatten(y_train.to(like))
         results = {}
         for name in names:
             basis = eigenbasis(name)
-            if k_td is None:
+            if td is None:
                 mean = -basis.apply(expm1_decay(basis.values, times), targets)
             else:
-                cross = layout.matrix(k_td[name], "kernel_fn(x_test, x_train)", n_out, n, call)
-                mean = -torch.einsum("ij,mjk->mik", cross, basis.apply(expm1_decay_over_value(basis.values, times), targets))
+                mean = -torch.einsum("ij,mjk->mik", td[name], basis.apply(expm1_decay_over_value(basis.values, times), targets))
             mean = layout.unflatten(mean, n_out, lead)
             if not compute_cov:
                 results[name] = mean
                 continue
-            covariance = _covariance(name, layout, basis, times, k_dd, k_td, nngp_tt, n, n_out, size)
-            results[name] = Gaussian(mean, layout.kernel(covariance, n_out, lead))
+            results[name] = Gaussian(mean, layout.kernel(_covariance(name, basis, times, dd, td, tt), n_out, lead))
         if bare:
             return results[names[0]]
         return gaussians_type(names)(**results)
@@ -141,24 +145,22 @@ def _named(kernels: dict[str, torch.Tensor]) -> Any:
     return empirical_kernel_type(tuple(kernels))(**kernels)
 
 
-def _covariance(name, layout, basis: Eigenbasis, times, k_dd, k_td, nngp_tt, n, n_out, size) -> torch.Tensor:
-    """``(times, rows, rows)`` covariance of the ensemble's outputs (NT's closed forms)."""
-    where = "predict_fn"
+def _covariance(name: str, basis: Eigenbasis, times: torch.Tensor, dd: dict, td: Optional[dict], tt: Optional[torch.Tensor]) -> torch.Tensor:
+    """``(times, rows, rows)`` covariance of the ensemble's outputs (NT's closed forms), from the
+    train-train (``dd``) and test-train (``td``, ``None`` on the training points) matrices by name
+    and the test-test NNGP matrix ``tt``."""
     values, vectors = basis.values, basis.vectors
-    nngp_dd = layout.matrix(k_dd["nngp"], "kernel_fn(x_train, None)", n, n, where)
-    if k_td is None:
+    if td is None:
         if name == "nngp":
             decay = values[None, :] * torch.exp(-2 * times[:, None] * values[None, :])
             return torch.einsum("ij,mj,kj->mik", vectors, decay, vectors)
         propagator = torch.einsum("ij,mj,kj->mik", vectors, torch.exp(-times[:, None] * values[None, :]), vectors)
-        return propagator @ nngp_dd @ propagator.transpose(1, 2)
-    prior = layout.matrix(nngp_tt, "kernel_fn(x_test, None)", n_out, n_out, where)
-    cross = layout.matrix(k_td[name], "kernel_fn(x_test, x_train)", n_out, n, where)
+        return propagator @ dd["nngp"] @ propagator.transpose(1, 2)
+    cross = td[name]
     if name == "nngp":
         shrink = torch.einsum("ij,mj,kj->mik", vectors, -expm1_decay_over_value(values, 2 * times), vectors)
-        return prior[None] - cross @ shrink @ cross.T
-    nngp_cross = layout.matrix(k_td["nngp"], "kernel_fn(x_test, x_train)", n_out, n, where)
+        return tt[None] - cross @ shrink @ cross.T
     response = torch.einsum("ij,mj,kj->mik", vectors, -expm1_decay_over_value(values, times), vectors)
     reach = response @ cross.T                                     # (m, n, n_out)
-    mixed = cross @ response @ nngp_cross.T                        # (m, n_out, n_out)
-    return reach.transpose(1, 2) @ nngp_dd @ reach - mixed - mixed.transpose(1, 2) + prior[None]
+    mixed = cross @ response @ td["nngp"].T                        # (m, n_out, n_out)
+    return reach.transpose(1, 2) @ dd["nngp"] @ reach - mixed - mixed.transpose(1, 2) + tt[None]
