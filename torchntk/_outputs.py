@@ -13,9 +13,15 @@ KERNEL_NAMES = ("nngp", "ntk")
 
 
 @functools.lru_cache(maxsize=None)
+def results_type(type_name: str, fields: tuple[str, ...]) -> type:
+    """The namedtuple class ``type_name`` with these fields, in this order: one class per name and
+    order, so that results of equal requests have equal types."""
+    return collections.namedtuple(type_name, fields)
+
+
 def empirical_kernel_type(fields: tuple[str, ...]) -> type:
-    """The ``EmpiricalKernel`` namedtuple class with these fields, in this order (one class per order)."""
-    return collections.namedtuple("EmpiricalKernel", fields)
+    """The ``EmpiricalKernel`` namedtuple class with these fields, in this order."""
+    return results_type("EmpiricalKernel", fields)
 
 
 def canonical_get(get: Union[None, str, Sequence[str]], where: str) -> tuple[tuple[str, ...], bool]:

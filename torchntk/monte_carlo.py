@@ -69,9 +69,7 @@ double-precision copy of the kernel. (neural-tangents sums in the kernel's dtype
 
 from __future__ import annotations
 
-import collections
 import copy
-import functools
 import numbers
 import operator
 import threading
@@ -85,7 +83,7 @@ from torch.utils import _pytree as pytree
 from . import _checks
 from ._checks import show
 from ._model import float_parameter, functional_model
-from ._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type
+from ._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type, results_type
 from ._tree import Flat
 from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
 from .batching import batch
@@ -569,10 +567,9 @@ def _progress_bar(total: int):
 # Results
 
 
-@functools.lru_cache(maxsize=None)
 def monte_carlo_kernel_type(fields: tuple[str, ...]) -> type:
-    """The ``MonteCarloKernel`` namedtuple class with these fields, in this order (one class per order)."""
-    return collections.namedtuple("MonteCarloKernel", fields)
+    """The ``MonteCarloKernel`` namedtuple class with these fields, in this order."""
+    return results_type("MonteCarloKernel", fields)
 
 
 class _Structure:

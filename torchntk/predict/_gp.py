@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import torch
 
 from .._checks import show
+from .._outputs import results_type
 from ._layout import TargetLayout
 from ._linalg import Cholesky, regularised
 
@@ -27,10 +27,9 @@ class Gaussian(NamedTuple):
     covariance: torch.Tensor
 
 
-@functools.lru_cache(maxsize=None)
 def gaussians_type(fields: tuple[str, ...]) -> type:
     """The ``Gaussians`` namedtuple class with these fields, in this order."""
-    return collections.namedtuple("Gaussians", fields)
+    return results_type("Gaussians", fields)
 
 
 def canonical_names(get: Union[None, str, Sequence[str]], allowed: tuple[str, ...], where: str) -> tuple[tuple[str, ...], bool]:
