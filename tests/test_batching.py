@@ -10,7 +10,7 @@ import torch
 
 import torchntk
 from tests.cases import CASES, make_x1_x2
-from torchntk.testing import assert_kernels_close
+from torchntk.testing import assert_kernels_close, reference_ntk
 
 SIZES = [(1, 5), (5, 8), (8, 1), (13, 13)]
 BATCH_SIZES = [1, 2, 3, 4, 16]
@@ -158,15 +158,24 @@ def test_structured_plan_is_redone_when_later_spans_run_other_operations(monkeyp
     assert thorough == [False, True]
 
 
-def test_replicas_follow_the_module_between_calls():
+def _pretend_the_module_lives_elsewhere(monkeypatch):
+    """CPU workers share the module's own kernel function; replicas are only made for other devices.
+    Pretending the module lives on another device makes CPU workers use replicas, so that their
+    refresh and rebuild can be tested on a machine without GPUs."""
+    monkeypatch.setattr(torchntk.batching, "_model_device", lambda spec: torch.device("meta"))
+
+
+def test_replicas_follow_the_module_between_calls(monkeypatch):
     """Replicas are made once and refreshed from the module: later calls see its new parameters,
     frozen flags and train/eval mode (and a changed structure makes new replicas)."""
+    _pretend_the_module_lives_elsewhere(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double().eval()
     x1, x2 = _inputs(7, 5)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
     batched = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 3)
     assert_kernels_close(batched(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
     replicas = dict(torchntk.batching._settings_of(batched).replicas)
+    assert len(replicas) == 1  # one per device
     with torch.no_grad():
         model[0].weight.mul_(3.0)
     model[2].bias.requires_grad_(False)
@@ -175,6 +184,49 @@ def test_replicas_follow_the_module_between_calls():
     model[2] = torch.nn.Linear(8, 3).double()  # other shapes: the replicas are rebuilt
     assert_kernels_close(batched(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
     assert torchntk.batching._settings_of(batched).replicas != replicas
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def _changes():
+    """Changes to a module that leave its parameters and buffers as they are."""
+    def attribute(model):
+        model.scale = 3.0
+
+    def submodule(model):
+        model.linear = torch.nn.Linear(3, 4).double()
+
+    def hook(model):
+        model.linear.register_forward_hook(lambda module, inputs, output: output.tanh())
+
+    def pre_hook(model):
+        model.register_forward_pre_hook(lambda module, inputs: (inputs[0] ** 2,))
+
+    return {"attribute": attribute, "submodule": submodule, "hook": hook, "pre_hook": pre_hook}
+
+
+@pytest.mark.parametrize("replicas", [True, False], ids=["replicas", "shared"])
+@pytest.mark.parametrize("change", sorted(_changes()))
+def test_workers_see_every_change_of_the_module(monkeypatch, change, replicas):
+    """A plain attribute, a swapped submodule or a new hook changes the model without touching its
+    tensors; workers on other devices must not keep computing the old model."""
+    if replicas:
+        _pretend_the_module_lives_elsewhere(monkeypatch)
+    model = _Scaled().double()
+    x1, x2 = _inputs(6, 5)
+    batched = torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2, devices=["cpu"] * 3)
+    assert_kernels_close(batched(x1, x2), reference_ntk(model, x1, x2), rtol=1e-10, atol=1e-12)
+    _changes()[change](model)
+    assert_kernels_close(batched(x1, x2), reference_ntk(model, x1, x2), rtol=1e-10, atol=1e-12)
+    assert bool(torchntk.batching._settings_of(batched).replicas) == replicas
 
 
 def test_leaves_with_their_batch_axes_in_different_places_are_refused():

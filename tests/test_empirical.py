@@ -10,6 +10,7 @@ import torch
 import torchntk
 from tests.cases import CASES, make_x1_x2
 from torchntk.testing import (
+    ModuleSnapshot,
     assert_kernels_close,
     reference_nngp,
     reference_ntk,
@@ -42,8 +43,10 @@ def test_ntk_matches_brute_force(case_id, implementation, vmap_axes, same):
     ntk_fn = torchntk.empirical_ntk_fn(
         case.module, trace_axes=case.trace_axes, vmap_axes=vmap_axes, implementation=implementation
     )
+    snapshot = ModuleSnapshot.of(case.module)
     actual = ntk_fn(x1, None if same else x2)
     assert_kernels_close(actual, _reference(case_id, "ntk", same, case.trace_axes))
+    snapshot.assert_unchanged()
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP", "SD"])

@@ -20,7 +20,6 @@ traced or diagonal only pairs of a span (or block) with itself exist.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -35,11 +34,9 @@ from ._block_source import BlockSource, Prepared
 from ._call import runs
 from ._kernel_spec import KernelFnSpec
 from ._layout import make_layout
+from ._threads import serialised
 from ._tree import Flat
 from .distributed import owned_blocks
-
-FORWARD_MODE_LOCK = threading.Lock()
-"""Serialises kernel functions that use forward-mode AD (see ``KernelFnSpec.thread_safe``)."""
 
 Run = tuple[int, int]
 
@@ -72,10 +69,6 @@ class Job:
         return [task for index, task in enumerate(tasks) if owns(index)]
 
 
-def _serialised(thread_safe: bool):
-    return contextlib.nullcontext() if thread_safe else FORWARD_MODE_LOCK
-
-
 # -- prepared spans ------------------------------------------------------------------------------
 
 
@@ -102,7 +95,7 @@ class _SpanWorker:
         key = (1 if self.source.reuses_prepared() else side, index)
         if key in self.cache:
             return self.cache[key]
-        with _serialised(self.source.thread_safe):
+        with serialised(self.source.thread_safe):
             prepared = self.source.prepare(side, span)
         if keep and prepared.nbytes <= self.room:
             self.cache[key] = prepared
@@ -119,7 +112,7 @@ def run_spans(
     """
     n1, n2 = first.sizes()
     unit = job.block_size or 1
-    with _serialised(first.thread_safe):
+    with serialised(first.thread_safe):
         probe = first.prepare(1, (0, min(unit, n1)))
     per_example = probe.nbytes / max(1, probe.run[1])
     half = cache_bytes / 2
@@ -160,7 +153,7 @@ def run_spans(
         one = worker.prepared(1, s, spans1[s], keep=source.reuses_prepared())
         for t in partners(s):
             two = one if (same_spans and t == s and source.reuses_prepared()) else worker.prepared(2, t, spans2[t], keep=True)
-            with _serialised(source.thread_safe):
+            with serialised(source.thread_safe):
                 result = Flat.of(source.contract(one, two))
             write(source, result, s, t)
         return len(partners(s))
@@ -168,7 +161,7 @@ def run_spans(
     tasks = job.owned(list(range(len(spans1))))
     serve(workers, tasks, handle, progress=job.progress, total=sum(len(partners(s)) for s in tasks), description="kernel blocks")
     if "output" not in state:  # this rank owns no span: it contributes zeros of the right shapes
-        with _serialised(first.thread_safe):
+        with serialised(first.thread_safe):
             two = probe if first.reuses_prepared() else first.prepare(2, (0, min(unit, n2)))
             result = Flat.of(first.contract(probe, two))
         return result, KernelOutput(result.leaves, first.leaf_layouts(), n1, n2, job.store_device, job.pin_memory)

@@ -2,9 +2,9 @@
 
 Every builder in ``empirical.py`` attaches a :class:`KernelFnSpec` to the function it returns
 (attribute ``_torchntk_spec``): the call signature, the axes that decide where the batch axis
-lands in the kernel, and how to build the same kernel function around another copy of the model
-(one per device, because ``torch.func.functional_call`` swaps a module's tensors while it runs,
-so two threads must never share a module).
+lands in the kernel, and how to build the same kernel function around a copy of the model on
+another device (a replica, refreshed by :func:`sync_replica` and rebuilt when
+``_fingerprint.structure_fingerprint`` changes).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class KernelFnSpec:
         thread_safe: whether blocks may run in several threads at once. Forward-mode AD keeps its
             nesting level in a process-wide variable (``torch.autograd.forward_ad``), so kernel
             functions that may use it (NTK-vector products, AUTO, op-local forward Jacobians) run
-            one block at a time.
+            one block at a time (NOTE: [Threads] in ``_threads.py``).
         open_blocks: ``open_blocks(request, x1, x2, *args, **kwargs)`` with the kernel function's
             arguments returns a :class:`~torchntk._block_source.BlockSource` for the call, or None
             where the call cannot be split into prepared spans (no ``vmap_axes``); ``None`` for

@@ -7,9 +7,10 @@ or ``N2``), writing each block into one preallocated output per kernel leaf (see
 ``_batch_output.py``). Kernel functions built with ``vmap_axes`` are computed from prepared
 spans of examples, which prepares each example's derivatives about once instead of once per
 block; others are called once per block (NOTE: [Spans and blocks] in ``_batch_jobs.py``).
-Work goes to one worker per device, each with its own copy of the model (``functional_call``
-swaps a module's tensors while it runs, so threads must never share one); the copies are made
-once per batched function and refreshed from the module at every call. The values do not depend
+Work goes to one worker per device. Workers on the module's own device share the kernel function
+(each evaluation runs on a private shell of the module, NOTE: [Threads]); a worker on another
+device gets a replica of the module there, made once per batched function, refreshed from the
+module at every call, and rebuilt whenever anything but tensor values changed. The values do not depend
 on which device computes which block.
 """
 
@@ -23,10 +24,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _checks
-from ._batch_jobs import FORWARD_MODE_LOCK, Job, run_blocks, run_spans
+from ._batch_jobs import Job, run_blocks, run_spans
 from ._block_source import BlockRequest
 from ._blocks import Replan
 from ._devices import device_count_argument, devices_argument, resolve
+from ._fingerprint import structure_fingerprint
 from ._kernel_spec import KernelFnSpec, attach, spec_of, sync_replica
 from ._tree import Flat, is_all_none
 from ._types import PyTree
@@ -163,21 +165,26 @@ class _Settings:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def functions(self, devices: tuple[torch.device, ...]) -> list[Callable[..., PyTree]]:
-        """One kernel function per device: the original for the model's own device (once), and
-        replicas made on first use and refreshed from the module at every call."""
+        """One kernel function per device: the original on the model's own device (every worker
+        there shares it: calls never share module state, NOTE: [Threads]); elsewhere a replica
+        per device, refreshed from the module at every call and rebuilt whenever anything but
+        tensor values changed (``_fingerprint.py``)."""
         home = _model_device(self.spec)
-        functions, used_original = [], False
-        for position, device in enumerate(devices):
-            if not used_original and (home is None or home == device):
+        functions = []
+        for device in devices:
+            if home is None or home == device:
                 functions.append(self.kernel_fn)
-                used_original = True
                 continue
-            key = (position, device)
-            replica = self.replicas.get(key)
-            if replica is None or not sync_replica(self.spec.f, spec_of(replica).f):
-                replica = self.replicas[key] = self.spec.replicate(device)
-            functions.append(replica)
+            functions.append(self._replica(device))
         return functions
+
+    def _replica(self, device: torch.device) -> Callable[..., PyTree]:
+        fingerprint = structure_fingerprint(self.spec.f)
+        replica, made_from = self.replicas.get(device, (None, None))
+        if replica is None or made_from != fingerprint or not sync_replica(self.spec.f, spec_of(replica).f):
+            replica = self.spec.replicate(device)
+            self.replicas[device] = (replica, fingerprint)
+        return replica
 
 
 def _settings_of(batched: Callable[..., PyTree]) -> _Settings:
@@ -266,10 +273,7 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
         one = _slice(flat1, *run1, device)
         two = None if run2 is None else _slice(flat2, *run2, device)
         cut = {key: _cut(key, value, run1, run2 or run1, n1, n2, device) for key, value in kwargs.items()}
-        if settings.spec.thread_safe:
-            return function(one, two, *moved_args[device], **cut)
-        with FORWARD_MODE_LOCK:
-            return function(one, two, *moved_args[device], **cut)
+        return function(one, two, *moved_args[device], **cut)  # takes the forward-mode lock itself
 
     return run_blocks(job, n1, n2, x2 is None, compute)
 

@@ -41,6 +41,8 @@ from ._implementations.auto import AutoChoice, AutoSelector
 from ._implementations.nngp import nngp
 from ._implementations.structured import StructuredDerivatives, StructuredOptions
 from ._kernel_spec import KernelFnSpec, attach
+from ._threads import FORWARD_MODE_LOCK, serialised
+from ._torch_errors import explained
 from ._model import functional_model, warn_training_mode
 from ._outputs import canonical_get, combine
 from ._tree import Flat, describe, is_all_none
@@ -162,11 +164,12 @@ class _NtkSettings:
         if all(math.prod(shape) == 0 for shape in shapes):
             # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
             return call.normalise([torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)])
-        if self.auto is not None:
-            return call.normalise(self.auto.compute(call, key))
-        if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
-            return call.normalise(self.structured(call, key))
-        return call.normalise(IMPLEMENTATIONS[self.implementation](call))
+        with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
+            if self.auto is not None:
+                return call.normalise(self.auto.compute(call, key))
+            if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
+                return call.normalise(self.structured(call, key))
+            return call.normalise(IMPLEMENTATIONS[self.implementation](call))
 
     def publish(
         self, kernel_fn: KernelFn, kind: str, builder: Callable[..., KernelFn], open_blocks: Callable[..., Any], where: str
@@ -525,7 +528,8 @@ def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, param
             )
         leaves = tuple(c.to(o.dtype) for c, o in zip(flat.leaves, outputs2))
         (tangents,) = pullback(leaves)
-        _, product = jvp(forward1, (model.params,), (tangents,))
+        with FORWARD_MODE_LOCK:  # NOTE: [Threads]
+            _, product = jvp(forward1, (model.params,), (tangents,))
         return structure["x1"].rebuild(product)
 
     return ntk_vp_fn

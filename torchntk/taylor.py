@@ -12,6 +12,7 @@ from torch.func import jvp
 
 from . import _checks
 from ._model import FunctionalModel, functional_model
+from ._threads import FORWARD_MODE_LOCK
 from ._tree import Flat
 from ._types import Model, PyTree
 
@@ -71,7 +72,8 @@ def linearize(f: Model, params: Any = None) -> Callable[..., PyTree]:
     def f_lin(p: Any, *args: Any, **kwargs: Any) -> PyTree:
         steps = _steps(model, p, "f_lin")
         structure: list = []
-        values, slopes = jvp(_output_leaves(model, args, kwargs, structure), (model.params,), (steps,))
+        with FORWARD_MODE_LOCK:  # NOTE: [Threads]
+            values, slopes = jvp(_output_leaves(model, args, kwargs, structure), (model.params,), (steps,))
         return structure[0].rebuild([value + slope for value, slope in zip(values, slopes)])
 
     return f_lin
@@ -125,7 +127,8 @@ def taylor_expand(f: Model, params: Any = None, degree: int = 1) -> Callable[...
             lower, higher = jvp(lambda leaves: derivatives(leaves, order - 1), (param_leaves,), (steps,))
             return (lower[0],) + tuple(higher)
 
-        terms = derivatives(model.params, degree)
+        with FORWARD_MODE_LOCK:  # NOTE: [Threads]
+            terms = derivatives(model.params, degree)
         leaves = [
             sum(term[index] / math.factorial(order) for order, term in enumerate(terms))
             for index in range(len(terms[0]))

@@ -1,7 +1,7 @@
 """Float64 brute-force reference kernels and a kernel comparison helper.
 
-This module is the independent oracle that torchntk's fast kernels are tested against. It shares
-no code with the library: every kernel here is computed the slow, obvious way, in float64:
+This module is the independent oracle that torchntk's fast kernels are tested against. Its kernels
+share no code with the library: every kernel here is computed the slow, obvious way, in float64:
 
 1. build the full Jacobian ``J[a, θ] = ∂f(x)[a]/∂θ`` of every output leaf with
    :func:`torch.autograd.functional.jacobian`, where θ is the flat concatenation of all
@@ -15,6 +15,8 @@ axis emits two adjacent axes, the x1 one first. For example an output of shape `
 ``trace_axes=(-1,)`` gives an ``(N1, N2)`` kernel, and ``trace_axes=()`` gives ``(N1, N2, C, C)``.
 
 Use these functions in tests and debugging only: they cost one backward pass per output entry.
+:class:`ModuleSnapshot` checks that a computation left a module (and any extra tensors) exactly
+as it was.
 
 The module is longer than most in torchntk on purpose: keeping the whole oracle (model handling,
 layout contraction and comparison report) in one file keeps it self-contained and reviewable
@@ -41,7 +43,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from ._module_snapshot import ModuleSnapshot
+
 __all__ = [
+    "ModuleSnapshot",
     "assert_kernels_close",
     "reference_nngp",
     "reference_ntk",
@@ -398,7 +403,9 @@ class _FlatPacking:
 
     def unpack(self, theta: Tensor) -> list[Tensor]:
         sizes = [shape.numel() for shape in self.shapes]
-        return [chunk.view(shape) for chunk, shape in zip(theta.split(sizes), self.shapes)]
+        # Clones, not views of theta: a forward pass may write into its parameters in place
+        # (nn.Embedding with max_norm renormalises rows), which autograd forbids on split views.
+        return [chunk.reshape(shape).clone() for chunk, shape in zip(theta.split(sizes), self.shapes)]
 
 
 def _module_model(

@@ -1,0 +1,245 @@
+"""The user's module is never changed, and kernel functions are safe to call from several threads.
+
+NOTE: [Modules are never mutated] (``_model.py``) and NOTE: [Threads] (``_threads.py``) state the
+promises; every test here checks the kernels against the float64 brute force of
+``torchntk.testing`` and the module against a :class:`~torchntk.testing.ModuleSnapshot`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import torchntk
+from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
+
+IMPLEMENTATIONS = [1, 2, 3, 0]
+VMAP_AXES = [0, None]
+
+
+def _mlp(seed: int) -> nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return model
+
+
+def _right_or_refused(compute, expected, reason: str) -> None:
+    """The kernel is right, or computing it raises a ValueError that names ``reason``."""
+    try:
+        actual = compute()
+    except ValueError as error:
+        assert reason in str(error), str(error)
+        return
+    assert_kernels_close(actual, expected)
+
+
+def _in_threads(work, count: int = 4, repeats: int = 5) -> list:
+    """Runs ``work(thread_index)`` ``repeats`` times in each of ``count`` threads started together."""
+    results: list = [[] for _ in range(count)]
+    errors: list = []
+    start = threading.Barrier(count)
+
+    def run(index: int) -> None:
+        try:
+            start.wait()
+            for _ in range(repeats):
+                results[index].append(work(index))
+        except BaseException as error:  # re-raised below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("vmap_axes", VMAP_AXES, ids=["vmap0", "no-vmap"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP", "SD", "AUTO"])
+def test_kernel_functions_from_four_threads(implementation, vmap_axes):
+    """Four threads share two kernel functions of two models (two threads each); every result is
+    right and both modules keep their nn.Parameters and values."""
+    models = [_mlp(0), _mlp(1)]
+    snapshots = [ModuleSnapshot.of(model) for model in models]
+    x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    expected = [reference_ntk(model, x1, x2, trace_axes=()) for model in models]
+    functions = [
+        torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation)
+        for model in models
+    ]
+    results = _in_threads(lambda index: functions[index % 2](x1, x2))
+    for index, kernels in enumerate(results):
+        for kernel in kernels:
+            assert_kernels_close(kernel, expected[index % 2])
+    for snapshot in snapshots:
+        snapshot.assert_unchanged()
+
+
+def test_batch_and_monte_carlo_from_threads():
+    model = _mlp(2)
+    snapshot = ModuleSnapshot.of(model)
+    x1 = torch.randn(7, 5, dtype=torch.float64)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    batched = torchntk.batch(ntk_fn, 3)
+    monte_carlo = torchntk.monte_carlo_kernel_fn(model, 3, seed=4, vmap_axes=0)
+    expected_batched = reference_ntk(model, x1)
+    expected_monte_carlo = monte_carlo(x1, None, "ntk")
+    results = _in_threads(lambda index: batched(x1) if index % 2 else monte_carlo(x1, None, "ntk"), repeats=3)
+    for index, kernels in enumerate(results):
+        for kernel in kernels:
+            assert_kernels_close(kernel, expected_batched if index % 2 else expected_monte_carlo)
+    snapshot.assert_unchanged()
+
+
+class _RenormalisedEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=...)`` renormalises the looked-up rows of its weight in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4, max_norm=1.0)
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.linear(self.embedding(tokens).mean(1))
+
+
+def _renormalised_embedding() -> nn.Module:
+    torch.manual_seed(3)
+    model = _RenormalisedEmbedding().double()
+    with torch.no_grad():
+        model.embedding.weight.mul_(3.0)  # every row longer than max_norm
+    return model
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
+@pytest.mark.parametrize("implementation", [1, 2], ids=["JC", "NVP"])
+def test_embedding_max_norm_leaves_the_weight_alone(implementation, same):
+    model = _renormalised_embedding()
+    x1, x2 = torch.randint(0, 10, (5, 3)), torch.randint(0, 10, (4, 3))
+    x2 = None if same else x2
+    snapshot = ModuleSnapshot.of(model)
+    expected = reference_ntk(model, x1, x2)
+    actual = torchntk.empirical_ntk_fn(model, implementation=implementation)(x1, x2)
+    assert_kernels_close(actual, expected)
+    snapshot.assert_unchanged()
+
+
+@pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
+def test_embedding_max_norm_leaves_params_alone(implementation):
+    """Tensors passed in ``params`` are as much the user's as the module's own."""
+    model = _renormalised_embedding()
+    params = {"embedding.weight": model.embedding.weight.detach().clone() * 2}
+    snapshot = ModuleSnapshot.of(model, extra=params)
+    x1 = torch.randint(0, 10, (5, 3))
+    expected = reference_ntk(model, x1, params=params)
+    compute = lambda: torchntk.empirical_ntk_fn(model, implementation=implementation)(x1, None, params)  # noqa: E731
+    _right_or_refused(compute, expected, "in place")
+    snapshot.assert_unchanged()
+
+
+class _SelfChanging(nn.Module):
+    """A forward pass that writes into its own state, as real models sometimes do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+        self.seen = 0
+        self.history: list = []
+
+    def forward(self, x):
+        self.seen += 1  # a plain attribute
+        self.history.append(x.shape)  # a mutable attribute
+        self.calls += 1  # a buffer, in place
+        self.linear.weight.data.clamp_(-0.5, 0.5)  # a parameter, in place behind autograd's back
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("vmap_axes", VMAP_AXES, ids=["vmap0", "no-vmap"])
+@pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
+def test_a_forward_that_writes_into_the_module_changes_nothing(implementation, vmap_axes):
+    torch.manual_seed(0)
+    model = _SelfChanging().double()
+    with torch.no_grad():
+        model.linear.weight.mul_(4.0)  # entries outside the clamp
+    snapshot = ModuleSnapshot.of(model)
+    x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    expected = reference_ntk(model, x1, x2)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=implementation)
+    _right_or_refused(lambda: ntk_fn(x1, x2), expected, "in place")
+    snapshot.assert_unchanged()
+    assert model.seen == 0 and model.history == []
+
+
+def _weight_normed() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+@pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
+def test_old_style_weight_norm_hook_writes_into_a_private_copy(implementation):
+    """``torch.nn.utils.weight_norm`` sets ``module.weight`` from a pre-forward hook."""
+    model = _weight_normed()
+    snapshot = ModuleSnapshot.of(model)
+    weight_before = model[0].weight
+    x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    twin = _weight_normed()  # such a module cannot be deep-copied, so the reference gets its own
+    params = {name: p.detach() for name, p in twin.named_parameters()}
+    expected = reference_ntk(lambda p, x: torch.func.functional_call(twin, p, (x,)), x1, x2, params=params)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
+    _right_or_refused(lambda: ntk_fn(x1, x2), expected, "forward-mode")  # no forward AD for weight_norm
+    snapshot.assert_unchanged()
+    assert model[0].weight is weight_before
+
+
+def test_shared_submodules_stay_shared_in_the_private_copy():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared).double()
+    x1 = torch.randn(5, 4, dtype=torch.float64)
+    actual = torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1)
+    assert_kernels_close(actual, reference_ntk(model, x1))
+
+
+def test_snapshot_sees_every_kind_of_change():
+    def changes():
+        def values(model):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+
+        def plain_tensor(model):
+            model[0]._parameters["bias"] = model[0].bias.detach()
+
+        def attribute(model):
+            model.scale = 2.0
+
+        def hook(model):
+            model.register_forward_hook(lambda module, inputs, output: output)
+
+        def mode(model):
+            model.train()
+
+        def frozen(model):
+            model[0].weight.requires_grad_(False)
+
+        def buffer(model):
+            model[1].running_mean.add_(1.0)
+
+        return [values, plain_tensor, attribute, hook, mode, frozen, buffer]
+
+    for change in changes():
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).eval()
+        snapshot = ModuleSnapshot.of(model)
+        snapshot.assert_unchanged()
+        change(model)
+        with pytest.raises(AssertionError, match="the module changed"):
+            snapshot.assert_unchanged()

@@ -1,0 +1,74 @@
+"""Private shells of a module: new module objects that share its tensors and nothing mutable.
+
+``torch.func.functional_call`` evaluates a module with other tensors by swapping them into the
+module's ``_parameters`` and ``_buffers`` for the duration of the call. Done on the user's module,
+two threads computing kernels at once see each other's tensors (wrong kernels), an exception or an
+interleaving at the wrong moment leaves plain tensors where the ``nn.Parameter``\\ s were, and
+hooks that ``setattr`` on the module (old-style ``weight_norm``, ``spectral_norm``) write
+torchntk's tensors into it. A shell is a copy of the module tree made of new module objects whose
+``__dict__`` is a shallow copy of the original's, with their own ``_parameters``, ``_buffers``,
+``_modules`` and hook dictionaries (so swapping, attribute writes and hook registrations stay in
+the shell), sharing the tensors, the submodule classes and every other attribute value.
+Submodules shared in the original (tied modules) are shared in the shell.
+
+TorchScript modules cannot be copied this way; :func:`private_shell` returns None for them and
+the caller serialises calls on the original instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+_CONTAINER_TYPES = (dict, collections.OrderedDict, list, set)
+"""Attribute values copied one level deep: the tensor, submodule and hook tables, and the plain
+containers a forward pass might append to."""
+
+
+def private_shell(module: nn.Module) -> Optional[nn.Module]:
+    """A shell of ``module`` (see the module docstring), or None when it cannot be made.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> shell = private_shell(model)
+        >>> shell is model, shell[0].weight is model[0].weight
+        (False, True)
+    """
+    if any(isinstance(sub, torch.jit.ScriptModule) for sub in module.modules()):
+        return None
+    copies: dict[int, nn.Module] = {}
+
+    def copy(original: nn.Module) -> nn.Module:
+        made = copies.get(id(original))
+        if made is not None:
+            return made
+        shell = original.__class__.__new__(original.__class__)
+        copies[id(original)] = shell
+        state = {
+            key: type(value)(value) if type(value) in _CONTAINER_TYPES else value
+            for key, value in original.__dict__.items()
+        }
+        state["_modules"] = {name: None if sub is None else copy(sub) for name, sub in original._modules.items()}
+        object.__setattr__(shell, "__dict__", state)
+        return shell
+
+    return copy(module)
+
+
+_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def module_lock(module: nn.Module) -> threading.RLock:
+    """The lock that serialises evaluations of a module that has no shell (TorchScript)."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(module)
+        if lock is None:
+            lock = _LOCKS[module] = threading.RLock()
+        return lock
