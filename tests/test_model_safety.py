@@ -243,3 +243,24 @@ def test_snapshot_sees_every_kind_of_change():
         change(model)
         with pytest.raises(AssertionError, match="the module changed"):
             snapshot.assert_unchanged()
+
+
+def test_structured_kernel_function_reports_its_fallback_parameters():
+    """``auto_choice`` of an implementation-3 kernel function reports the plan its calls use."""
+    class Hidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x):
+            weight = self.linear.weight.clone()
+            weight[0] = 0.0  # an in-place write the rules cannot follow
+            return torch.nn.functional.linear(x, weight, self.linear.bias)
+
+    model = Hidden().double()
+    x1 = torch.randn(5, 4, dtype=torch.float64)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3)
+    assert_kernels_close(ntk_fn(x1), reference_ntk(model, x1))
+    choice = ntk_fn.auto_choice(x1)
+    assert set(choice.fallback_parameters) == {"linear.weight"}
+    assert torchntk.empirical_ntk_fn(model, implementation=1).auto_choice(x1).fallback_parameters == {}

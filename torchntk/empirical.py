@@ -88,7 +88,7 @@ class _NtkSettings:
         structured = StructuredDerivatives(options)
         implementations = dict(IMPLEMENTATIONS)
         implementations[NtkImplementation.STRUCTURED_DERIVATIVES] = structured
-        auto = AutoSelector(implementations, options.structure_rules) if chosen == NtkImplementation.AUTO else None
+        auto = AutoSelector(implementations) if chosen == NtkImplementation.AUTO else None
         return cls(
             f,
             _checks.axes_argument(trace_axes, "trace_axes", where),
@@ -155,9 +155,12 @@ class _NtkSettings:
         return not (forward_mode or local)
 
     def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
-        if self.auto is None:
-            return AutoChoice(self.implementation)
-        return self.auto.choice(call, key)
+        if self.auto is not None:
+            return self.auto.choice(call, key)
+        if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
+            fallback = self.structured.fallback_parameters(call, key)  # the kernel call's cached plan
+            return AutoChoice(self.implementation, fallback_parameters=fallback)
+        return AutoChoice(self.implementation)
 
     def ntk(self, call: KernelCall, key: tuple) -> PyTree:
         shapes = call.kernel_shapes()

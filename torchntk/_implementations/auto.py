@@ -12,13 +12,16 @@ at least two FLOPs per parameter and example) and the shapes:
   coordinates and ``P`` parameters; memory: both sides' Jacobians;
 * NTK-vector products (2): one forward-mode pass over x1 (about ``3 F1``) per x2 output entry;
 * structured derivatives (3): opt_einsum's planned cost of every pair contraction, plus the
-  Jacobian-contraction cost of parameters the rules do not cover; memory: ``G``, the operands and
-  the largest planned intermediate.
+  Jacobian-contraction cost of parameters the rules do not cover (the plan implementation 3 would
+  use, checked against autograd, so demoted parameters are priced as fallback); memory: ``G``, the
+  operands and the largest planned intermediate.
 
-Candidates whose memory estimate exceeds the budget (half the machine's RAM, or the free memory of
-the CUDA device) are dropped unless none fits; among the rest the smallest cost wins, ties going to
-the earlier of 1, 2, 3. FLOP counts ignore GEMM efficiency and memory traffic, so the choice can be
-wrong when two estimates are close; ``auto_choice`` reports the estimates behind it.
+Implementation 2 is not a candidate when the model applies a custom ``torch.autograd.Function``
+without a ``jvp`` (forward-mode AD fails on it). Candidates whose memory estimate exceeds the
+budget (half the machine's RAM, or the free memory of the CUDA device) are dropped unless none
+fits; among the rest the smallest cost wins, ties going to the earlier of 1, 2, 3. FLOP counts
+ignore GEMM efficiency and memory traffic, so the choice can be wrong when two estimates are
+close; ``auto_choice`` reports the estimates behind it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .._call import KernelCall
 from .._types import NtkImplementation
+from .structured import StructuredDerivatives
 from .structured._cost import structured_cost
+from .structured._plan import Plan
 
 
 @dataclass(frozen=True)
@@ -53,15 +58,25 @@ class AutoChoice:
         estimates: the cost model's estimate per candidate (empty when ``implementation`` was
             fixed by the caller rather than chosen).
         memory_budget_bytes: candidates estimated above this were dropped (unless none fit).
+        fallback_parameters: ``{parameter name: reason}`` for every parameter whose share of the
+            kernel structured derivatives take from the Jacobian fallback (full per-parameter
+            Jacobians, exact but slower) instead of their rules: an operation without a rule
+            consumes it, it is written in place, or its rules disagreed with autograd when the
+            plan was checked (see ``docs/structured.md``). Filled when implementation 3 is used or
+            priced; empty otherwise.
     """
 
     implementation: NtkImplementation
     estimates: dict = field(default_factory=dict)
     memory_budget_bytes: float = math.inf
+    fallback_parameters: dict = field(default_factory=dict)
 
 
-def choose(call: KernelCall, structure_rules: bool = True) -> AutoChoice:
-    """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that fits in memory."""
+def choose(call: KernelCall, plan: Plan) -> AutoChoice:
+    """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that fits in memory.
+
+    ``plan``: implementation 3's plan for ``call`` (from ``StructuredDerivatives.plan``).
+    """
     sides = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
     element = max(call.model.params[0].element_size(), max(o.element_size() for o in call.outputs1))
     params = sum(p.numel() for p in call.model.params)
@@ -82,7 +97,7 @@ def choose(call: KernelCall, structure_rules: bool = True) -> AutoChoice:
     sweeps = sum(2.0 * b * f for b, f in list(zip(basis, forward))[:sweep_sides])
     jacobian_contraction = Estimate(sweeps + 2.0 * kernel * params, element * params * sum(entries[:sweep_sides]))
     ntk_vector_products = Estimate(2.0 * basis[1] * forward[1] + 3.0 * entries[1] * forward[0], element * params * 8)
-    structured = structured_cost(call, structure_rules)
+    structured = structured_cost(call, plan)
     structured_derivatives = Estimate(
         sweeps / 2 + 2.0 * sum(forward[:sweep_sides]) + structured.contraction_flops,
         element * structured.memory_elements,
@@ -92,13 +107,16 @@ def choose(call: KernelCall, structure_rules: bool = True) -> AutoChoice:
         NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products,
         NtkImplementation.STRUCTURED_DERIVATIVES: structured_derivatives,
     }
+    if structured.without_jvp:  # forward-mode AD would raise on them
+        del estimates[NtkImplementation.NTK_VECTOR_PRODUCTS]
     budget = _memory_budget(call.outputs1[0].device)
     fitting = {key: value for key, value in estimates.items() if value.memory_bytes <= budget}
     if not fitting:
         smallest = min(estimates, key=lambda key: estimates[key].memory_bytes)
         fitting = {smallest: estimates[smallest]}
     best = min(fitting, key=lambda key: (fitting[key].flops, int(key)))
-    return AutoChoice(best, estimates, budget)
+    fallback = {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
+    return AutoChoice(best, estimates, budget, fallback)
 
 
 def _forward_flops(side) -> float:
@@ -121,16 +139,18 @@ def _memory_budget(device: torch.device) -> float:
 class AutoSelector:
     """Chooses per input shapes (cached) and runs the chosen implementation."""
 
-    def __init__(self, implementations: dict[NtkImplementation, Callable[[KernelCall], Any]], structure_rules: bool):
+    def __init__(self, implementations: dict[NtkImplementation, Callable[[KernelCall], Any]]):
+        """``implementations[STRUCTURED_DERIVATIVES]`` is the :class:`StructuredDerivatives` whose
+        plans (cached per input shapes, under the same keys) AUTO prices and then uses."""
         self._implementations = implementations
-        self._structure_rules = structure_rules
+        self._structured: StructuredDerivatives = implementations[NtkImplementation.STRUCTURED_DERIVATIVES]
         self._choices: dict[tuple, AutoChoice] = {}
 
     def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
-        key = (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
-        if key not in self._choices:
-            self._choices[key] = choose(call, self._structure_rules)
-        return self._choices[key]
+        cache_key = (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
+        if cache_key not in self._choices:
+            self._choices[cache_key] = choose(call, self._structured.plan(call, key))
+        return self._choices[cache_key]
 
     def compute(self, call: KernelCall, key: tuple) -> Any:
         chosen = self.choice(call, key).implementation  # the structured plan cache extends the key itself

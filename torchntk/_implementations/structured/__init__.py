@@ -12,7 +12,7 @@ The pieces, in the order they run:
 * ``_plan.py``: which parameters the rules cover (the rest go to the Jacobian fallback);
 * ``_side.py``: ``G`` and the operands of each use, per side;
 * ``_contract.py``: the pair contractions;
-* ``_verify.py``: the optional check against autograd.
+* ``_verify.py``: the check of a plan against autograd (when it is made, or on every call).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..._per_example import Side
 from ._contract import contract_sides
 from ._plan import Plan, make_plan
 from ._side import PlanMismatch, SideFactors, probe, side_factors
-from ._verify import verify
+from ._verify import disagreements, verify
 
 
 @dataclass(frozen=True)
@@ -43,25 +43,56 @@ class StructuredOptions:
 
 
 def plan_for(call: KernelCall, options: StructuredOptions, thorough: bool = False) -> Plan:
-    """Splits the parameters between the rules and the fallback from probe passes.
+    """Splits the parameters between the rules and the fallback from probe passes, checked.
 
     The quick plan probes the first example of x1; a ``thorough`` one probes every example of
-    both sides (needed when the model's operations depend on the data).
+    both sides (needed when the model's operations depend on the data). The plan is then checked
+    against autograd on the probed examples (NOTE: [Checking a plan against autograd]) and every
+    parameter that fails goes to the fallback, its reason kept in :attr:`Plan.reasons`; with
+    ``verify=True`` the check runs on every call instead and raises.
+
+    Raises:
+        RuntimeError: the check's pass met other operations than the probe on the same inputs.
     """
     n_params = len(call.model.params)
     local = None if options.closed_form_rules else options.local_jacobian
     if not options.structure_rules:
         return make_plan([], set(), n_params, structure_rules=False, local_jacobian=local)
     sides = [side for side in (call.side1, call.side2) if side is not None] if thorough else [call.side1]
-    calls, unruled, shapes = [], set(), []
+    if not thorough:
+        sides = [side.narrow(0, min(1, side.batch_size())) if side.mapped else side for side in sides]
+    calls, unruled, shapes, reasons = [], set(), [], {}
     for side in sides:
-        recorder = probe(side, first_example_only=not thorough)
+        recorder = probe(side, first_example_only=False)
         calls.extend(recorder.calls)
         unruled |= recorder.unruled
         shapes.extend(recorder.shapes)
+        reasons = {**recorder.reasons, **reasons}
     one_pass = len(sides) == 1 and local is None
-    return make_plan(
-        calls, unruled, n_params, structure_rules=True, local_jacobian=local, shapes=shapes if one_pass else None
+
+    def build(demoted: dict[int, str]) -> Plan:
+        return make_plan(
+            calls, unruled | set(demoted), n_params, structure_rules=True, local_jacobian=local,
+            shapes=shapes if one_pass else None, reasons={**reasons, **demoted},
+        )
+
+    plan = build({})
+    if options.verify or len(plan.fallback) == n_params:  # verify=True checks every call; nothing to check
+        return plan
+    demoted: dict[int, str] = {}
+    for side in sides:
+        try:
+            demoted.update(disagreements(side, plan))
+        except PlanMismatch:
+            raise _nondeterministic(call.where) from None
+    return build(demoted) if demoted else plan
+
+
+def _nondeterministic(where: str) -> RuntimeError:
+    return RuntimeError(
+        f"{where}: structured derivatives: the model consumed its parameters through different "
+        f"operations in different evaluations on the same inputs; it must run the same operations "
+        f"every time. Use implementation=1 for this model."
     )
 
 
@@ -83,6 +114,28 @@ class StructuredDerivatives:
         except Replan:
             return assemble(call, self.block_plan(call, key, thorough=True))
 
+    def plan(self, call: KernelCall, key: Any = None, thorough: bool = False) -> Plan:
+        """The cached plan for ``key`` (or a new one, cached; always new when ``thorough``)."""
+        key = self._plan_key(call, key)
+        plan = None if thorough else self._plans.get(key)
+        if plan is None:
+            plan = plan_for(call, self.options, thorough=thorough)
+        if key is not None:
+            self._plans[key] = plan
+        return plan
+
+    def fallback_parameters(self, call: KernelCall, key: Any = None) -> dict[str, str]:
+        """``{name: reason}`` of the parameters whose share comes from the Jacobian fallback."""
+        plan = self.plan(call, key)
+        return {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
+
+    @staticmethod
+    def _plan_key(call: KernelCall, key: Any) -> Any:
+        if key is None:
+            return None
+        # which parameters are differentiated may change between calls
+        return (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
+
     def block_plan(self, call: KernelCall, key: Any = None, thorough: bool = False) -> BlockPlan:
         """The :class:`BlockPlan` of ``call`` under the cached plan, or a ``thorough`` new one.
 
@@ -90,13 +143,8 @@ class StructuredDerivatives:
         plan did not foresee (the plan is then dropped from the cache); under a thorough plan
         that is a RuntimeError: the model runs different operations on the same inputs.
         """
-        if key is not None:  # which parameters are differentiated may change between calls
-            key = (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
-        plan = None if thorough else self._plans.get(key)
-        if plan is None:
-            plan = plan_for(call, self.options, thorough=thorough)
-        if key is not None:
-            self._plans[key] = plan
+        plan = self.plan(call, key, thorough)
+        key = self._plan_key(call, key)
         blocks = _block_plan(call, self.options, plan)
 
         def guarded(side: Side) -> SideFactors:
@@ -104,11 +152,7 @@ class StructuredDerivatives:
                 return blocks.prepare1(side)
             except PlanMismatch:
                 if thorough:
-                    raise RuntimeError(
-                        f"{call.where}: structured derivatives: the model consumed its parameters through "
-                        f"different operations in different evaluations on the same inputs; it must run the "
-                        f"same operations every time. Use implementation=1 for this model."
-                    ) from None
+                    raise _nondeterministic(call.where) from None
                 self._plans.pop(key, None)
                 raise Replan from None
 

@@ -139,7 +139,7 @@ def _pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes, j
             term = _expression(equation, shapes)(*tensors, backend="torch")
             scale = first.role.scale * second.role.scale
             return term if scale == 1.0 else term * scale
-    out_symbols, _, _ = _output_symbols(layout)
+    out_symbols, _, _ = output_symbols(layout)
     one, two = (
         _cached(jacobians, use, lambda use=use: dense_jacobian(use, leaf, out_symbols, out_axis, param_sizes, scatter).to(dtype))
         for use in (first, second)
@@ -174,7 +174,7 @@ def pair_kind(role1: Role, role2: Role) -> str:
 def pair_equation(layout, out_axis, first: Use, second: Use, leaf) -> tuple[str, list[torch.Tensor]]:
     """The einsum of NOTE: [Pair contraction] and its operands (which may be meta tensors)."""
     role1, role2 = first.role, second.role
-    out1, out2, result = _output_symbols(layout)
+    out1, out2, result = output_symbols(layout)
     shared = {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(role1.param_labels)}
     shared2 = {letter: shared[other] for letter, other in zip(role2.param_labels, role1.param_labels)}
     terms1, tensors1 = _side_terms(first, leaf, out1, out_axis, shared, _SIDE1)
@@ -229,9 +229,7 @@ def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes, scat
     role = use.role
     if role.joint and scatter:
         raise AssertionError("joint roles always pair with roles of the same coordinates")
-    shared = {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(role.param_labels)}
-    terms, tensors = _side_terms(use, leaf, out_symbols, out_axis, shared, _SIDE1)
-    equation = ",".join(terms) + "->" + "".join(out_symbols) + "".join(shared.values())
+    equation, tensors = jacobian_equation(use, leaf, out_symbols, out_axis)
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     tensors = [t.to(dtype) for t in tensors]
     if len(tensors) == 2:
@@ -251,8 +249,16 @@ def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes, scat
     return full.index_add_(-1, ref.index.reshape(-1).to(seen.device), seen)
 
 
+def jacobian_equation(use: Use, leaf: int, out_symbols, out_axis) -> tuple[str, list[torch.Tensor]]:
+    """The einsum forming one use's ``J`` as ``(*output, *param_shape)``, and its operands."""
+    shared = {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(use.role.param_labels)}
+    terms, tensors = _side_terms(use, leaf, out_symbols, out_axis, shared, _SIDE1)
+    return ",".join(terms) + "->" + "".join(out_symbols) + "".join(shared.values()), tensors
+
+
 @functools.lru_cache(maxsize=256)
-def _output_symbols(layout: KernelLayout) -> tuple[list[str], list[str], list[str]]:
+def output_symbols(layout: KernelLayout) -> tuple[list[str], list[str], list[str]]:
+    """The einsum symbols of side 1's output axes, side 2's, and the kernel's."""
     one, two, result = layout._letters
     return list(one), list(two), list(result)
 

@@ -2,7 +2,9 @@
 
 The probe passes give every use's per-example shapes; the pair contractions are priced by
 opt_einsum's planner on those shapes scaled to the batch, and the fallback parameters by the
-Jacobian-contraction formula. The backward sweeps are priced by the caller.
+Jacobian-contraction formula. A pair of uses seeing a parameter in different coordinates (``W``
+and ``W.T``, a slice and the whole) is contracted through both uses' ``J`` (``_contract.py``)
+and priced that way. The backward sweeps are priced by the caller.
 """
 
 from __future__ import annotations
@@ -13,24 +15,29 @@ import math
 import torch
 
 from ..._call import KernelCall
-from ._contract import pair_cost, pair_equation, pair_kind
-from ._plan import make_plan
+from ._contract import jacobian_equation, output_symbols, pair_cost, pair_equation, pair_kind
+from ._plan import Plan
 from ._side import Use, probe
 
 
 @dataclasses.dataclass(frozen=True)
 class StructuredCost:
+    """``without_jvp``: custom ``torch.autograd.Function`` classes the model applies that have no
+    ``jvp`` (forward-mode AD, and so implementation 2, fails on them)."""
+
     contraction_flops: float
     memory_elements: float
     fallback_params: int
+    without_jvp: tuple[str, ...] = ()
 
 
-def structured_cost(call: KernelCall, structure_rules: bool) -> StructuredCost:
+def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
+    """The cost of ``call`` under ``plan`` (which must come from a probe of ``call``'s x1)."""
     sides = [call.side1] if call.side2 is None else [call.side1, call.side2]
-    recorder = probe(call.side1) if structure_rules else None
-    calls = recorder.calls if recorder is not None else []
-    unruled = recorder.unruled if recorder is not None else set()
-    plan = make_plan(calls, unruled, len(call.model.params), structure_rules=structure_rules, local_jacobian=None)
+    recorder = probe(call.side1)
+    calls = recorder.calls if plan.ruled else []
+    missing_jvp = [function for function in recorder.custom_functions if function.jvp is torch.autograd.Function.jvp]
+    without_jvp = tuple(sorted(function.__name__ for function in missing_jvp))
     outputs = (call.outputs1, call.outputs2 if call.side2 is not None else call.outputs1)
     uses = [
         [_meta_use(role, side, output_leaves) for c in calls for role in plan.roles(c)]
@@ -38,22 +45,43 @@ def structured_cost(call: KernelCall, structure_rules: bool) -> StructuredCost:
     ]
     uses1, uses2 = uses[0], uses[-1]
     out_axes = call.side1.out_axes if call.side1.mapped else None
+    param_sizes = [param.numel() for param in call.model.params]
     flops = memory = 0.0
-    for leaf, layout in enumerate(call.layouts):
+    for leaf, (layout, kernel_shape) in enumerate(zip(call.layouts, call.kernel_shapes())):
+        out_axis = None if out_axes is None else out_axes[leaf]
+        kernel = math.prod(kernel_shape) * layout.trace_size(call.outputs1[leaf].shape)
+        jacobians: set[int] = set()  # uses whose J is formed (once, shared by their pairs)
         for first in uses1:
             for second in uses2:
-                if first.role.unit != second.role.unit or pair_kind(first.role, second.role) == "disjoint":
+                kind = pair_kind(first.role, second.role) if first.role.unit == second.role.unit else "disjoint"
+                if kind == "disjoint":
                     continue
-                equation, tensors = pair_equation(layout, None if out_axes is None else out_axes[leaf], first, second, leaf)
-                cost, largest = pair_cost(equation, tuple(tuple(t.shape) for t in tensors))
-                flops += cost
-                memory = max(memory, largest)
+                if kind == "einsum":
+                    equation, tensors = pair_equation(layout, out_axis, first, second, leaf)
+                    cost, largest = pair_cost(equation, tuple(tuple(t.shape) for t in tensors))
+                    flops += cost
+                    memory = max(memory, largest)
+                    continue
+                size = param_sizes[first.role.unit[0]]
+                for use in (first, second):
+                    if id(use) not in jacobians:
+                        jacobians.add(id(use))
+                        flops += _jacobian_cost(use, leaf, layout, out_axis)
+                        memory += math.prod(use.gradients[leaf].shape[: layout.ndim]) * size
+                flops += 2.0 * kernel * size
     memory += sum(t.numel() for side_uses in (uses1, uses2) for use in side_uses for t in _tensors(use))
-    fallback = sum(call.model.params[index].numel() for index in plan.fallback)
+    fallback = sum(param_sizes[index] for index in plan.fallback)
     kernel = sum(math.prod(s) * layout.trace_size(o.shape) for s, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1))
     flops += 2.0 * kernel * fallback
     memory += fallback * sum(o.numel() for o in call.outputs1 + call.outputs2)
-    return StructuredCost(flops, memory, fallback)
+    return StructuredCost(flops, memory, fallback, without_jvp)
+
+
+def _jacobian_cost(use: Use, leaf: int, layout, out_axis) -> float:
+    out_symbols, _, _ = output_symbols(layout)
+    equation, tensors = jacobian_equation(use, leaf, out_symbols, out_axis)
+    cost, _ = pair_cost(equation, tuple(tuple(t.shape) for t in tensors))
+    return cost
 
 
 def _meta_use(role, side, output_leaves) -> Use:

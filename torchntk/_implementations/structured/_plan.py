@@ -2,15 +2,16 @@
 
 A parameter is *ruled* when every op that consumed it in a probe pass had an applicable rule;
 otherwise it goes to the Jacobian fallback whole. A parameter no op consumed is *unused* and
-contributes nothing (``verify=True`` checks that claim against autograd). A weight and a bias are
-stated *jointly* when both are ruled, seen whole, and every call using either uses both.
+contributes nothing. Both claims are checked against autograd when the plan is made
+(``_verify.py``); a parameter failing the check is *demoted* to the fallback. A weight and a bias
+are stated *jointly* when both are ruled, seen whole, and every call using either uses both.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -29,6 +30,7 @@ class Plan:
             to compute each op's ``dy/dp`` densely instead (a test oracle).
         perturbed_shapes: the rule calls that contribute and their output shapes (per example) and
             dtypes, as seen by the probe; a pass on inputs of other shapes finds its own.
+        reasons: why each fallback parameter is in the fallback (by index).
     """
 
     ruled: frozenset[int]
@@ -36,6 +38,7 @@ class Plan:
     joint: frozenset[tuple[int, ...]]
     local_jacobian: Optional[str]
     perturbed_shapes: Optional[dict[int, tuple[tuple[int, ...], torch.dtype]]] = None
+    reasons: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
     def roles(self, call: RuleCall) -> list[Role]:
         """The roles of ``call`` that contribute: ruled parameters, joint pairs stated jointly."""
@@ -73,13 +76,16 @@ def make_plan(
     structure_rules: bool,
     local_jacobian: Optional[str],
     shapes: Optional[list[tuple[tuple[int, ...], torch.dtype]]] = None,
+    reasons: Optional[Mapping[int, str]] = None,
 ) -> Plan:
     """Builds the plan from the rule calls and unruled parameters of the probe passes.
 
     ``shapes``: the output shape and dtype of each call, when the calls come from one probe pass.
+    ``reasons``: why each unruled parameter is (kept in :attr:`Plan.reasons`).
     """
     if not structure_rules:
-        return Plan(frozenset(), tuple(range(n_params)), frozenset(), local_jacobian)
+        everything = {index: "structure_rules=False" for index in range(n_params)}
+        return Plan(frozenset(), tuple(range(n_params)), frozenset(), local_jacobian, reasons=everything)
     used: set[int] = set()
     calls_using: dict[int, set[int]] = {}
     offers: dict[int, tuple[int, ...]] = {}
@@ -97,7 +103,9 @@ def make_plan(
             positions = calls_using.get(unit[0], set()) | calls_using.get(unit[1], set())
             if set(unit) <= ruled and all(offers.get(position) == unit for position in positions):
                 joint_units.add(unit)
-    plan = Plan(ruled, tuple(sorted(unruled)), frozenset(joint_units), local_jacobian)
+    given = reasons or {}
+    reasons = {index: given.get(index, "an operation without a derivative rule consumes it") for index in unruled}
+    plan = Plan(ruled, tuple(sorted(unruled)), frozenset(joint_units), local_jacobian, reasons=reasons)
     if shapes is None:
         return plan
     perturbed = {position: shapes[position] for position, call in enumerate(calls) if plan.roles(call)}

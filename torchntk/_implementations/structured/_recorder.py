@@ -12,12 +12,26 @@ identity: the tensors passed to ``functional_call`` are the ones the ops receive
   VJP with respect to ``delta_k`` is ``G_k = df/dy_k``;
 * a Python composite (``F.multi_head_attention_forward`` and the like) receiving a parameter: its
   body is run with the mode still active, so the ops inside are seen one by one;
-* anything else receiving a parameter (and returning a tensor): the parameter is *unruled* and its
-  share of the kernel comes from the Jacobian fallback. Calls returning no tensor (``W.shape``,
-  ``W.dim()``) are metadata and ignored.
+* an op that writes in place (``Tensor.__setitem__``, a method or ``torch`` function ending in
+  ``_``, an ``out=`` argument) into a parameter or a tracked view of one, or that writes one into
+  another tensor: the parameter is *unruled*; a view no longer tells what the tensor holds;
+* anything else receiving a parameter and returning a floating-point tensor: the parameter is
+  *unruled* and its share of the kernel comes from the Jacobian fallback. An op whose results
+  carry no derivative is not a use: calls returning no tensor (``W.shape``, ``W.dim()``,
+  ``W.item()``) and casts or comparisons giving integer or boolean tensors (``W.to(torch.int64)``,
+  ``W > 0``); autograd gives nothing through them either.
+
+A rule reads its operands (``x`` of ``F.linear(x, W)``) after the forward, so the recorder notes
+the version counter of every tensor a rule call received and, when the recording ends, unrules the
+parameters of calls whose inputs were later written in place. Complex-valued rule calls are
+unruled too: the rules state real derivatives. :attr:`Recorder.reasons` says why each unruled
+parameter is.
 
 The same sequence of rule calls must happen in every pass over the same inputs (the forward must be
-deterministic); :class:`Recorder` checks the output shapes it perturbs.
+deterministic); :class:`Recorder` checks the output shapes it perturbs. A custom
+``torch.autograd.Function`` reaches a function mode as one ``custom_function_call`` only under a
+``torch.func`` transform (outside one, the mode sees the ops of its ``forward``, which its
+``backward`` may contradict), so every recording pass runs under a transform (``_side.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +62,8 @@ class Recorder(TorchFunctionMode):
     Attributes:
         calls: the rule calls, in order.
         unruled: parameter indices consumed by an op without an applicable rule.
+        reasons: why each unruled parameter is (the first reason met).
+        custom_functions: the custom ``torch.autograd.Function`` classes the model applied.
     """
 
     def __init__(self, params: tuple[torch.Tensor, ...], deltas: Optional[dict[int, torch.Tensor]] = None):
@@ -57,8 +73,12 @@ class Recorder(TorchFunctionMode):
         self._views: dict[int, tuple[torch.Tensor, ParamRef]] = {}
         self._deltas = deltas
         self._count = 0
+        self._depth = 0  # composites re-enter the mode (``with self``) while it is active
+        self._inputs: list[tuple[str, set[int], list[tuple[torch.Tensor, int]]]] = []
         self.calls: list[RuleCall] = []
         self.unruled: set[int] = set()
+        self.reasons: dict[int, str] = {}
+        self.custom_functions: set[type] = set()
 
     def ref_of(self, value: Any) -> Optional[ParamRef]:
         if not isinstance(value, torch.Tensor):
@@ -74,23 +94,54 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types_: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func is _CUSTOM_FUNCTION_CALL and args:
+            self.custom_functions.add(args[0])
         found = [(leaf, ref) for leaf in pytree.tree_leaves((args, kwargs)) if (ref := self.ref_of(leaf)) is not None]
         if not found:
+            return func(*args, **kwargs)
+        if _writes_in_place(func, kwargs):
+            self._unrule(found, f"`{_name(func)}` writes in place into it (or a view of it), or writes it elsewhere")
             return func(*args, **kwargs)
         if func in CAST_OPS or func in VIEW_OPS or is_view_property(func):
             return self._view(func, args, kwargs, found)
         rule = RULES.get(func)
         if rule is not None:
             call = rule(func, args, kwargs, self.ref_of)
+            if call is not None and not call.output.is_complex():
+                return self._rule_call(call, func, args, kwargs, found)
             if call is not None:
-                return self._rule_call(call)
+                self._unrule(found, f"`{_name(func)}` is complex-valued here (the rules state real derivatives)")
+                return call.output
         elif isinstance(func, types.FunctionType):
             with self:
                 return _without_outer_check(func)(*args, **kwargs)
         result = func(*args, **kwargs)
-        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(result)):
-            self.unruled.update(ref.param for _, ref in found)
+        if any(_carries_derivative(leaf) for leaf in pytree.tree_leaves(result)):
+            self._unrule(found, _no_rule(func, args))
         return result
+
+    def __enter__(self) -> "Recorder":
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, exc_type: Any = None, exc_value: Any = None, traceback: Any = None) -> Any:
+        result = super().__exit__(exc_type, exc_value, traceback)
+        self._depth -= 1
+        if self._depth:
+            return result
+        for name, params, inputs in self._inputs:
+            if any(_storage_version(tensor) != version for tensor, version in inputs):
+                reason = f"an input of `{name}` was written in place after `{name}` consumed it"
+                for param in params:
+                    self.unruled.add(param)
+                    self.reasons.setdefault(param, reason)
+        self._inputs.clear()
+        return result
+
+    def _unrule(self, found: list, reason: str) -> None:
+        for _, ref in found:
+            self.unruled.add(ref.param)
+            self.reasons.setdefault(ref.param, reason)
 
     def _view(self, func: Callable, args: tuple, kwargs: dict, found: list) -> Any:
         result = func(*args, **kwargs)
@@ -98,7 +149,15 @@ class Recorder(TorchFunctionMode):
         if source_ref is None:
             return result  # a parameter only as a template (``x.view_as(W)``, ``x.to(W)``)
         if len(found) != 1:
-            self.unruled.update(ref.param for _, ref in found)
+            self._unrule(found, f"`{_name(func)}` receives it twice")
+            return result
+        source = args[0]
+        if not any(_carries_derivative(leaf) for leaf in pytree.tree_leaves(result)):
+            return result  # a cast to an integer or boolean dtype: no derivative flows through it
+        dtypes = {leaf.dtype for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor)}
+        if any(dtype.is_complex for dtype in dtypes) or (func in VIEW_OPS and dtypes != {source.dtype}):
+            # a bit reinterpretation (``W.view(torch.int32)``) or a cast to complex: not a view
+            self._unrule(found, f"`{_name(func)}` changes its dtype to one the rules do not follow")
             return result
         if func in CAST_OPS:
             if isinstance(result, torch.Tensor):
@@ -112,7 +171,13 @@ class Recorder(TorchFunctionMode):
     def _track(self, tensor: torch.Tensor, ref: ParamRef) -> None:
         self._views[id(tensor)] = (tensor, ref)
 
-    def _rule_call(self, call: RuleCall) -> torch.Tensor:
+    def _rule_call(self, call: RuleCall, func: Callable, args: tuple, kwargs: dict, found: list) -> torch.Tensor:
+        inputs = [
+            (tensor, _storage_version(tensor))
+            for tensor in pytree.tree_leaves((args, kwargs))
+            if isinstance(tensor, torch.Tensor) and self.ref_of(tensor) is None
+        ]
+        self._inputs.append((_name(func), {ref.param for _, ref in found}, inputs))
         position = self._count
         self._count += 1
         self.calls.append(call)
@@ -127,6 +192,55 @@ class Recorder(TorchFunctionMode):
 class ShapeMismatch(Exception):
     """A perturbation prepared for a rule call does not have the shape of the call's output."""
 
+
+_IN_PLACE_OPERATORS = frozenset(
+    "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ __imatmul__ "
+    "__iand__ __ior__ __ixor__ __ilshift__ __irshift__".split()
+)
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__name__", None) or repr(func)
+
+
+def _no_rule(func: Callable, args: tuple) -> str:
+    function_class = args[0] if args else None
+    if isinstance(function_class, type) and issubclass(function_class, torch.autograd.Function):
+        # ``custom_function_call(cls, *inputs)``: the class's own backward defines the derivative
+        return f"the custom torch.autograd.Function `{function_class.__name__}` consumes it"
+    return f"`{_name(func)}` consumes it and has no derivative rule"
+
+
+def _writes_in_place(func: Callable, kwargs: dict) -> bool:
+    """``Tensor.__setitem__``, ``x += y``, ``Tensor.add_``, ``torch.relu_``, or an ``out=`` argument."""
+    name = getattr(func, "__name__", "")
+    if name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")):
+        return True
+    return kwargs.get("out") is not None
+
+
+def _carries_derivative(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.dtype.is_floating_point or value.dtype.is_complex)
+
+
+def _storage_version(tensor: torch.Tensor) -> int:
+    """The version counter of the storage behind ``tensor``: under ``torch.func`` transforms the
+    wrappers' own counters do not move when the wrapped tensor is written in place."""
+    while _is_wrapped(tensor):
+        tensor = _unwrapped(tensor)
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor: it has no counter, and cannot be written outside inference mode
+        return -1
+
+
+try:
+    from torch._functorch.autograd_function import custom_function_call as _CUSTOM_FUNCTION_CALL
+except ImportError:  # pragma: no cover - older or newer torch: custom Functions are then only unruled
+    _CUSTOM_FUNCTION_CALL = None
+
+_is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda tensor: False)
+_unwrapped = getattr(torch._C._functorch, "get_unwrapped", None)
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 

@@ -68,7 +68,9 @@ class Role:
 
     Attributes:
         refs: the parameter seen (one ref), or a (weight, bias) pair stated jointly so that the
-            pair shares one contraction (e.g. ``[x, 1]`` as the operand of a linear layer).
+            pair shares one contraction (e.g. ``[x, 1]`` as the operand of a linear layer). A
+            joint role's coordinates hold the bias in the last entry of the last parameter axis
+            and the weight in the others (``_verify.py`` splits them that way).
         name: the role in the op, for messages (``"weight"``, ``"bias"``, ``"weight+bias"``).
         y_shape: the shape ``G``'s per-example ``y`` part is viewed as.
         g_labels: letters of that view.

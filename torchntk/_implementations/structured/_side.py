@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.func import jacfwd, jacrev, vjp, vmap
@@ -81,18 +81,40 @@ def probe(side: Side, first_example_only: bool = True) -> Recorder:
         side = side.narrow(0, min(1, side.batch_size()))
     recorder = Recorder(side.model.params)
 
-    def run(x_leaves, kwarg_leaves):
+    def record(x_leaves, kwarg_leaves):
         with torch.no_grad(), recorder:
             side.evaluate(side.model.params, x_leaves, kwarg_leaves)
         recorder.shapes = [(tuple(call.output.shape), call.output.dtype) for call in recorder.calls]
         for call in recorder.calls:
-            # Only shapes may leave vmap: the operands become meta tensors of the per-example shape.
+            # Only shapes may leave the transforms: the operands become meta tensors of the per-example shape.
             separate, joint = call.roles()
             call._built = ([_on_meta(role) for role in separate], joint and _on_meta(joint))
+
+    def run(x_leaves, kwarg_leaves):
+        under_a_transform(lambda: record(x_leaves, kwarg_leaves))
         return torch.zeros(())
 
     side.per_example(run)
     return recorder
+
+
+def under_a_transform(function: Callable[[], Any]) -> Any:
+    """``function()``, under a ``torch.func`` transform like every perturbed pass.
+
+    A custom ``torch.autograd.Function`` reaches a function mode as one ``custom_function_call``
+    only under a transform; outside one the mode would see the ops of its ``forward`` (which its
+    ``backward`` need not differentiate) and the probe and the perturbed passes would disagree.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return function()
+    found = []
+
+    def run(_unused: torch.Tensor) -> torch.Tensor:
+        found.append(function())
+        return _unused
+
+    vjp(run, torch.zeros(()))
+    return found[0]
 
 
 def _zeros(spec: tuple[tuple[int, ...], torch.dtype], side: Side) -> torch.Tensor:
@@ -145,7 +167,7 @@ def side_factors(
         if positions is None:  # shapes differ from the probe's: find them with a recording pass
             recorder = Recorder(params)
             with torch.no_grad(), recorder:
-                side.evaluate(params, x_leaves, kwarg_leaves)
+                under_a_transform(lambda: side.evaluate(params, x_leaves, kwarg_leaves))
             if not plan.foresees(recorder):
                 raise PlanMismatch
             positions = [position for position, call in enumerate(recorder.calls) if plan.roles(call)]
