@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ._checks import show
+from ._checks import input_argument, show
 from ._layout import KernelLayout, check_shapes, make_layout
 from ._model import (
     FunctionalModel,
@@ -20,9 +20,15 @@ from ._model import (
     reject_vmap_with_coupling,
     warn_training_mode,
 )
-from ._per_example import Side
+from ._per_example import Side, runs
 from ._tree import Flat, describe, is_all_none
-from ._vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
+from ._vmap_axes import (
+    ParsedVmapAxes,
+    resolve_inputs,
+    resolve_outputs,
+    split_kwargs,
+)
+from ._vmap_check import PROBE_EXAMPLES, VmapAxesCheck
 
 
 @dataclass(frozen=True)
@@ -110,24 +116,40 @@ def prepare_call(
     chunk_size: Optional[int] = None,
     defer_vmap_check: bool = False,
     forward_run_length: Optional[int] = None,
+    for_ntk: Optional[bool] = None,
+    check_derivatives: bool = True,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side.
 
-    ``defer_vmap_check`` leaves the per-example check of NOTE: [Checking vmap_axes] to an
-    implementation that evaluates the model per example anyway (``KernelCall.vmap_check_pending``).
-    ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the model (and the
-    per-example check) on runs of at most this many examples, so that memory never scales with
-    the whole batch (``batch`` sets it to its block size).
+    ``x1`` and ``x2`` are pytrees of tensors; numpy arrays are rejected, not converted (see
+    :func:`~torchntk._checks.input_argument`). ``defer_vmap_check`` leaves the per-example
+    output check of NOTE: [Checking vmap_axes] to an implementation that evaluates the model per
+    example anyway (``KernelCall.vmap_check_pending``); the derivative check on the probe always
+    runs here. ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the model
+    (and the per-example check) on runs of at most this many examples, so that memory never
+    scales with the whole batch (``batch`` sets it to its block size). ``for_ntk``: whether the
+    NTK will be computed, which rejects complex parameters and outputs; ``None`` means "when
+    ``vmap_axes`` is given" (the NTK front ends always pass one, the NNGP never does).
+    ``check_derivatives=False`` skips the derivative check (the caller ran it on an earlier call
+    with the same shapes and module structure).
 
     Raises:
-        TypeError: outputs that are not tensors; bad ``params``.
+        TypeError: outputs that are not tensors; bad ``params``; numpy inputs; for the NTK,
+            complex parameters or outputs.
         ValueError: output structures or ndims that differ between x1 and x2, bad axes, traced
-            or diagonal sizes that differ, ``vmap_axes`` that do not fit the data or the model.
+            or diagonal sizes that differ, ``vmap_axes`` that do not fit the data or the model
+            (NOTE: [Checking vmap_axes] lists the causes told apart), a model that vmap cannot
+            evaluate per example (data-dependent shapes or control flow).
     """
     if x1 is None or is_all_none(x1):
         raise ValueError(f"{where}: `x1` must contain at least one tensor, got {show(x1)}.")
+    input_argument(x1, "x1", where)
+    input_argument(x2, "x2", where)
     model = functional_model(f, params, where)
     warn_training_mode(model, where)
+    computes_ntk = vmap_axes is not None if for_ntk is None else for_ntk
+    if computes_ntk:
+        _reject_complex_parameters(model, where)
     reuse = is_all_none(x2)
     kwargs1, kwargs2 = split_kwargs(kwargs, reuse, where)
     resolved1 = resolved2 = None
@@ -142,6 +164,8 @@ def prepare_call(
         output2 = output1 if reuse else _whole_batch(model, x2, kwargs2, resolved2, vmap_axes, run_length, where)
     _check_outputs(output1, output2, where)
     leaves1, leaves2 = output1.leaves, output2.leaves
+    if computes_ntk:
+        _reject_complex_outputs(leaves1, leaves2, where)
     layouts = []
     for index, (one, two) in enumerate(zip(leaves1, leaves2)):
         leaf = "the output" if len(leaves1) == 1 else f"output leaf {index} of {len(leaves1)}"
@@ -156,30 +180,23 @@ def prepare_call(
     side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1")
     side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2")
     pending = side1.mapped and check_vmap_axes
-    if pending and not defer_vmap_check:
-        for side, leaves in ((side1, leaves1), (side2, leaves2)):
-            if side is None:
-                continue
-            with torch.no_grad():
-                if run_length is None:
-                    compare_per_example(leaves, side.forward(), side.name, where)
-                    continue
-                for start, length in runs(side.batch_size(), run_length):
-                    expected = tuple(leaf.narrow(axis, start, length) for leaf, axis in zip(leaves, out_axes))
-                    compare_per_example(expected, side.narrow(start, length).forward(), side.name, where)
-        pending = False
+    if pending:
+        check = VmapAxesCheck(model, vmap_axes, where)
+        sides = [(side, leaves) for side, leaves in ((side1, leaves1), (side2, leaves2)) if side is not None]
+        for side, leaves in sides:
+            check.finite_outputs(side, leaves)
+        if not defer_vmap_check:
+            for side, leaves in sides:
+                check.outputs(side, leaves, run_length)
+            pending = False
+        if check_derivatives:
+            check.derivatives(side1)
+            if side2 is not None and side1.batch_size() < PROBE_EXAMPLES <= side2.batch_size():
+                check.derivatives(side2)  # a batch of one hides vmap bugs that mix examples up
 
     param_dtype = model.param_dtype
     dtypes = tuple(torch.promote_types(leaf.dtype, param_dtype) for leaf in leaves1)
     return KernelCall(where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending)
-
-
-def runs(size: int, length: Optional[int]) -> list[tuple[int, int]]:
-    """``(start, length)`` runs of at most ``length`` covering ``range(size)`` (the last may be
-    shorter); one run when ``length`` is None or covers everything."""
-    if length is None or length >= size:
-        return [(0, size)]
-    return [(start, min(length, size - start)) for start in range(0, size, length)]
 
 
 def _whole_batch(model, x, kwargs, resolved, vmap_axes, run_length: Optional[int], where: str) -> Flat:
@@ -222,35 +239,22 @@ def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:
             )
 
 
-_PER_EXAMPLE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.complex128: 1e-9, torch.complex64: 1e-4}
-
-
-def compare_per_example(expected: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...], name: str, where: str) -> None:
-    """Compares per-example (vmapped) outputs with the whole-batch outputs.
-
-    NOTE: [Checking vmap_axes]
-    ``vmap_axes`` is a promise that examples do not interact. Breaking it (batch statistics,
-    attention across the batch, a wrong axis) makes every implementation return silently wrong
-    kernels, so the model is evaluated once more per example and compared with the whole-batch
-    output. It costs one forward pass, small next to the ``O`` backward passes of a kernel
-    (structured derivatives compare the per-example pass they make anyway).
-    """
-    for index, (want, have) in enumerate(zip(expected, got)):
-        if want.shape != have.shape:
-            raise ValueError(
-                f"{where}: with `vmap_axes`, output leaf {index} for {name} has shape {tuple(have.shape)} "
-                f"when evaluated per example but {tuple(want.shape)} for the whole batch. Check `vmap_axes`."
+def _reject_complex_parameters(model: FunctionalModel, where: str) -> None:
+    for name, param in zip(model.names, model.params):
+        if param.is_complex():
+            raise TypeError(
+                f"{where}: parameter {name!r} is complex ({param.dtype}); the NTK is defined here for real "
+                f"parameters only. Store it as a real tensor, torch.view_as_real(...) (real and imaginary "
+                f"parts on a last axis of size 2), and rebuild it in the model with torch.view_as_complex."
             )
-        if want.numel() == 0:
-            continue
-        scale = max(want.abs().max().item(), have.abs().max().item())
-        error = (want - have).abs().max().item()
-        if not error <= _PER_EXAMPLE_RTOL.get(want.dtype, 1e-2) * scale:
-            raise ValueError(
-                f"{where}: `vmap_axes` says examples are independent, but output leaf {index} for "
-                f"{name} differs between the whole batch and a per-example evaluation (max abs "
-                f"difference {error:.3g}, max abs value {scale:.3g}). The model couples examples "
-                f"(batch statistics, attention across the batch, ...) or `vmap_axes` names the wrong "
-                f"axes. Pass vmap_axes=None, fix the axes, or pass check_vmap_axes=False if the "
-                f"difference is expected rounding."
-            )
+
+
+def _reject_complex_outputs(leaves1: tuple, leaves2: tuple, where: str) -> None:
+    for name, leaves in (("x1", leaves1), ("x2", leaves2)):
+        for index, leaf in enumerate(leaves):
+            if leaf.is_complex():
+                raise TypeError(
+                    f"{where}: output leaf {index} of {len(leaves)} for {name} is complex ({leaf.dtype}); the NTK "
+                    f"needs real outputs. Return torch.view_as_real(output) (real and imaginary parts on a new "
+                    f"last axis) instead; the NNGP (empirical_nngp_fn) accepts complex outputs."
+                )

@@ -6,10 +6,12 @@ received and says what was expected, so a user can fix the call from the message
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ._types import NtkImplementation
 
@@ -19,6 +21,72 @@ def show(value: Any) -> str:
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{text} ({type(value).__name__})"
+
+
+def leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:
+    """``(name, leaf)`` for every non-``None`` leaf of ``tree``, named like ``x1['image'][0]``."""
+    leaves, _ = pytree.tree_flatten_with_path(tree)
+    return [(root + pytree.keystr(path), leaf) for path, leaf in leaves if leaf is not None]
+
+
+def _is_numpy_array(value: Any) -> bool:
+    kind = type(value)
+    return kind.__name__ == "ndarray" and kind.__module__ == "numpy"
+
+
+def input_argument(value: Any, name: str, where: str) -> None:
+    """Rejects numpy arrays among the leaves of the input pytree ``value`` (``x1`` or ``x2``).
+
+    Arrays are not converted, as PyTorch modules and ``torch.func`` do not convert them either:
+    the dtype and device the model needs are the caller's choice (numpy's default float64 would
+    not fit a float32 model), and a silent copy to the device would hide a cost.
+
+    Raises:
+        TypeError: naming the leaf, its shape and dtype.
+    """
+    for leaf_name, leaf in leaves_with_names(value, name):
+        if _is_numpy_array(leaf):
+            raise TypeError(
+                f"{where}: `{name}` must be a tensor or a pytree of tensors, but {leaf_name} is a numpy.ndarray "
+                f"of shape {tuple(leaf.shape)} and dtype {leaf.dtype}. Convert it with "
+                f"torch.from_numpy(...).to(dtype, device), in the dtype and on the device of the model's parameters."
+            )
+
+
+def non_finite_count(tensor: torch.Tensor) -> int:
+    """How many entries of a floating or complex tensor are NaN or infinite (0 for other dtypes)."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return 0
+    return int((~torch.isfinite(tensor)).sum())
+
+
+def finite_tensor_argument(value: torch.Tensor, name: str, where: str) -> None:
+    """Raises ValueError when the tensor argument ``name`` holds NaN or infinite entries."""
+    count = non_finite_count(value)
+    if count:
+        raise ValueError(
+            f"{where}: `{name}` holds {count} NaN or infinite entr{'y' if count == 1 else 'ies'} (shape "
+            f"{tuple(value.shape)}); every result computed from it would be NaN. Find where the NaN/Inf "
+            f"come from (e.g. a kernel computed from NaN inputs or parameters) and remove them."
+        )
+
+
+def real_number_argument(value: Any, name: str, where: str) -> float:
+    """A finite real number (an int, a float or a one-element real tensor) as a float.
+
+    Raises:
+        TypeError: a string, a bool, a complex number or anything else that is not a real number.
+        ValueError: NaN or infinite.
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+        number = float(value.item())
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: `{name}` must be a real number, got {show(value)}.")
+    else:
+        number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{where}: `{name}` must be a finite number, got {show(value)}.")
+    return number
 
 
 def axes_argument(value: Any, name: str, where: str) -> tuple[int, ...]:

@@ -10,14 +10,26 @@ passes over the whole batch. Without ``vmap_axes`` the model runs on the whole b
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
-from torch.func import jacrev, vmap
+from torch.func import jacrev, vjp, vmap
 
 from ._model import FunctionalModel
 from ._tree import Flat
+
+
+class OutputAxisError(ValueError):
+    """The model applied to one example returned an output without a size-1 batch axis."""
+
+    def __init__(self, where: str, shape: tuple[int, ...], axis: int):
+        self.symptom = (
+            f"the model applied to one example returned an output leaf of shape {shape}, which has no "
+            f"size-1 batch axis at out_axes={axis}"
+        )
+        super().__init__(f"{where}: with `vmap_axes`, {self.symptom}. Check `vmap_axes`, or pass vmap_axes=None.")
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,25 @@ class Side:
                 if axis is not None:
                     yield leaf, axis
 
+    def probe(self, size: int) -> "Side":
+        """The first ``size`` examples, or the first one repeated ``size`` times when there are fewer.
+
+        A repeated example still gives vmap a batch of ``size``: some PyTorch batching bugs only
+        show with more than one example (needs vmap_axes and at least one example).
+        """
+        if self.batch_size() >= size:
+            return self.narrow(0, size)
+
+        def repeat(flat: Flat, axes: tuple[Optional[int], ...]) -> Flat:
+            leaves = tuple(
+                leaf if axis is None else torch.cat([leaf.narrow(axis, 0, 1)] * size, dim=axis)
+                for leaf, axis in zip(flat.leaves, axes)
+            )
+            return replace(flat, leaves=leaves)
+
+        kwargs = {key: repeat(flat, self.kwarg_axes[key]) for key, flat in self.kwargs.items()}
+        return replace(self, x=repeat(self.x, self.x_axes), kwargs=kwargs)
+
     def narrow(self, start: int, length: int) -> "Side":
         """The same side restricted to examples ``start .. start + length - 1`` (needs vmap_axes)."""
         def cut(flat: Flat, axes: tuple[Optional[int], ...]) -> Flat:
@@ -105,11 +136,7 @@ class Side:
         squeezed = []
         for leaf, axis in zip(outputs, self.out_axes):
             if leaf.ndim <= axis or leaf.shape[axis] != 1:
-                raise ValueError(
-                    f"{self.where}: with `vmap_axes`, the model applied to one example returned an "
-                    f"output leaf of shape {tuple(leaf.shape)}, which has no size-1 batch axis at "
-                    f"out_axes={axis}. Check `vmap_axes`, or pass vmap_axes=None."
-                )
+                raise OutputAxisError(self.where, tuple(leaf.shape), axis)
             squeezed.append(leaf.squeeze(axis))
         return tuple(squeezed)
 
@@ -124,7 +151,8 @@ class Side:
         if not self.mapped:
             return self.whole_batch()(self.model.params)
         mapped = vmap(self._one_example, in_dims=self._in_dims(), out_dims=self.out_axes)
-        return mapped(self.model.params, *self._data())
+        with vmap_errors(self.where):
+            return mapped(self.model.params, *self._data())
 
     def jacobians(
         self, chunk_size: Optional[int] = None, only: Optional[tuple[int, ...]] = None
@@ -150,7 +178,28 @@ class Side:
         if not self.mapped:
             return jacrev(evaluate, chunk_size=chunk_size)(chosen, *self._data())
         mapped = vmap(jacrev(evaluate, argnums=0), in_dims=self._in_dims(), out_dims=self.out_axes)
-        return mapped(chosen, *self._data())
+        with vmap_errors(self.where):
+            return mapped(chosen, *self._data())
+
+    def summed_vjps(self, cotangents: tuple[torch.Tensor, ...]) -> tuple[tuple, tuple]:
+        """Per-example outputs and, for each row ``r`` of ``cotangents``, ``sum_n J_n^T v[r, n]``.
+
+        ``cotangents`` has one tensor per output leaf, of shape ``(R, *output_leaf.shape)``. Each
+        example is differentiated under ``vmap`` (needs vmap_axes), its ``R`` products batched
+        by an inner ``vmap`` as ``jacrev`` batches its basis, so that a check made with them goes
+        through the same nesting of transforms as the kernels. Returns ``(outputs, products)``:
+        the output leaves, and one ``(R, *param.shape)`` tensor per parameter.
+        """
+        def one_example(params: tuple, x_leaves: tuple, kwarg_leaves: tuple, example_cotangents: tuple):
+            outputs, pullback = vjp(lambda p: self._one_example(p, x_leaves, kwarg_leaves), params)
+            (products,) = vmap(pullback)(example_cotangents)
+            return outputs, products
+
+        cotangent_dims = tuple(axis + 1 for axis in self.out_axes)
+        mapped = vmap(one_example, in_dims=self._in_dims() + (cotangent_dims,), out_dims=(self.out_axes, 0))
+        with vmap_errors(self.where):
+            outputs, products = mapped(self.model.params, *self._data(), tuple(cotangents))
+        return outputs, tuple(product.sum(0) for product in products)
 
     @property
     def evaluate(self):
@@ -166,7 +215,81 @@ class Side:
         if not self.mapped:
             return function(x_leaves, kwarg_leaves, *extra)
         in_dims = self._in_dims()[1:] + tuple(extra_dims)
-        return vmap(function, in_dims=in_dims)(x_leaves, kwarg_leaves, *extra)
+        with vmap_errors(self.where):
+            return vmap(function, in_dims=in_dims)(x_leaves, kwarg_leaves, *extra)
+
+
+def runs(size: int, length: Optional[int]) -> list[tuple[int, int]]:
+    """``(start, length)`` runs of at most ``length`` covering ``range(size)`` (the last may be
+    shorter); one run when ``length`` is None or covers everything."""
+    if length is None or length >= size:
+        return [(0, size)]
+    return [(start, min(length, size - start)) for start in range(0, size, length)]
+
 
 def _unsqueeze(leaves: tuple, axes: tuple[Optional[int], ...]) -> tuple:
     return tuple(leaf if axis is None else leaf.unsqueeze(axis) for leaf, axis in zip(leaves, axes))
+
+
+# What PyTorch says when vmap meets an operation whose shape or control flow depends on values
+# (boolean-mask indexing, nonzero, unique, masked_select, .item(), `if tensor:`, .tolist()).
+_DATA_DEPENDENT_MESSAGES = (
+    "dynamic shape",
+    "data-dependent control flow",
+    ".item()",
+    "differently shaped tensor",
+    "doesn't have storage",
+)
+
+
+def is_data_dependent_error(error: BaseException) -> bool:
+    """True for the errors torch.func.vmap raises on data-dependent shapes or control flow."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(message in text for message in _DATA_DEPENDENT_MESSAGES)
+
+
+class VmapRuntimeError(RuntimeError):
+    """A RuntimeError raised under ``vmap`` per example, with a hint; ``original`` is PyTorch's."""
+
+    def __init__(self, where: str, original: RuntimeError):
+        self.original = original
+        # PyTorch's whole text comes last, for whoever recognises its wording (``_torch_errors``).
+        super().__init__(
+            f"{where}: evaluating or differentiating the model per example under torch.func.vmap "
+            f"(`vmap_axes`) failed. If the model runs on whole batches, this is a limitation or a bug "
+            f"of vmap for one of its operations (in-place writes into shared tensors; nn.PReLU's "
+            f"derivative): pass vmap_axes=None, which does not evaluate the model under vmap. "
+            f"PyTorch said: {original}"
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def vmap_errors(where: str) -> Iterator[None]:
+    """Explains the errors of the model evaluated per example under vmap (``vmap_axes``).
+
+    vmap's errors on data-dependent operations become a ValueError that says what to do; other
+    plain RuntimeErrors get a hint (a :class:`VmapRuntimeError`, still a RuntimeError, as the
+    cause cannot be told here). Subclasses such as ``torch.OutOfMemoryError`` pass unchanged.
+
+    Raises:
+        ValueError, VmapRuntimeError: chained to the original RuntimeError.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if is_data_dependent_error(error):
+            raise ValueError(
+                f"{where}: the model uses data-dependent control flow or shapes (boolean-mask indexing "
+                f"such as x[x > 0], torch.nonzero, .item(), `if tensor:` ...), which torch.func.vmap "
+                f"cannot batch, and `vmap_axes` evaluates the model per example under vmap. Pass "
+                f"vmap_axes=None (the model then sees whole batches), or write the operation with fixed "
+                f"shapes (e.g. torch.where). PyTorch said: {_first_line(error)}"
+            ) from error
+        if type(error) is RuntimeError:
+            raise VmapRuntimeError(where, error) from error
+        raise

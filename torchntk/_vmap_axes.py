@@ -215,3 +215,53 @@ def _same(a: Any, b: Any) -> bool:
         elif leaf_a != leaf_b:
             return False
     return True
+
+
+@dataclass(frozen=True)
+class UnmappedKwarg:
+    """A keyword argument that ``vmap_axes`` passes whole to every per-example call although one
+    of its axes has the batch size, so it probably holds one entry per example.
+
+    Attributes:
+        name: the keyword.
+        shapes: the shapes of its tensor leaves.
+        axes: the axis tree to map it with (its pytree structure, an int for a single tensor).
+    """
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    axes: Any
+
+
+def unmapped_batch_sized_kwargs(
+    kwargs: Mapping[str, Flat], kwarg_axes: Mapping[str, tuple[Optional[int], ...]], batch_size: int
+) -> list[UnmappedKwarg]:
+    """The keyword arguments with an unmapped tensor leaf having an axis of size ``batch_size``.
+
+    The suggested axis of such a leaf is its first axis of that size; mapped leaves keep theirs.
+    """
+    found = []
+    for name, flat in kwargs.items():
+        axes = list(kwarg_axes.get(name, (None,) * len(flat.leaves)))
+        suspicious = False
+        for index, leaf in enumerate(flat.leaves):
+            if axes[index] is not None or not isinstance(leaf, torch.Tensor):
+                continue
+            sizes = list(leaf.shape)
+            if batch_size in sizes:
+                axes[index] = sizes.index(batch_size)
+                suspicious = True
+        if suspicious:
+            shapes = tuple(tuple(leaf.shape) for leaf in flat.leaves if isinstance(leaf, torch.Tensor))
+            single = len(flat.leaves) == 1 and not flat.none_positions and isinstance(flat.leaves[0], torch.Tensor)
+            tree = axes[0] if single and flat.spec.num_leaves == 1 else flat.rebuild(axes)
+            found.append(UnmappedKwarg(name, shapes, tree))
+    return found
+
+
+def suggested_vmap_axes(parsed: ParsedVmapAxes, additions: list[UnmappedKwarg]) -> str:
+    """``vmap_axes=(in_axes, out_axes, {...})``: what was given, plus ``additions`` mapped."""
+    kwargs_axes = dict(parsed.kwargs_axes) if isinstance(parsed.kwargs_axes, Mapping) else {}
+    for addition in additions:
+        kwargs_axes[addition.name] = addition.axes
+    return f"vmap_axes=({parsed.in_axes!r}, {parsed.out_axes!r}, {kwargs_axes!r})"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -35,16 +35,18 @@ from torch.func import jvp, vjp
 
 from . import _checks
 from ._block_source import BlockRequest, BlockSource
+from ._bounded_cache import BoundedCache
 from ._call import KernelCall, prepare_call
+from ._fingerprint import structure_fingerprint
 from ._implementations import BLOCK_PLANS, IMPLEMENTATIONS
 from ._implementations.auto import AutoChoice, AutoSelector
 from ._implementations.nngp import nngp
 from ._implementations.structured import StructuredDerivatives, StructuredOptions
 from ._kernel_spec import KernelFnSpec, attach
-from ._threads import FORWARD_MODE_LOCK, serialised
-from ._torch_errors import explained
 from ._model import functional_model, warn_training_mode
 from ._outputs import canonical_get, combine
+from ._threads import FORWARD_MODE_LOCK, serialised
+from ._torch_errors import explained
 from ._tree import Flat, describe, is_all_none
 from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
 from ._vmap_axes import ParsedVmapAxes, parse_vmap_axes, split_kwargs
@@ -53,6 +55,9 @@ DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
 """Jacobian contraction: exact, general, and the fastest of 1 and 2 for traced kernels."""
 
 KernelFn = Callable[..., PyTree]
+
+_CHECKED_SHAPES = 64
+"""Input shapes (and module structures) whose derivatives were checked, kept per kernel function."""
 
 _FORWARD_RUN = 256
 """Examples per whole-batch forward pass of a batched call (``open_blocks``), at least the block
@@ -75,6 +80,7 @@ class _NtkSettings:
     structured: StructuredDerivatives
     auto: Optional[AutoSelector]
     arguments: dict  # as given, to build the same kernel function around another copy of the model
+    derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
 
     @classmethod
     def validate(cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, where):
@@ -108,14 +114,24 @@ class _NtkSettings:
     ) -> KernelCall:
         """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK
         (``for_ntk``), or for a batched NNGP (``computes_ntk=False``: the check cannot wait for
-        the structured pass, which will not run)."""
-        return prepare_call(
+        the structured pass, which will not run).
+
+        The derivative part of NOTE: [Checking vmap_axes] runs once per input shapes and module
+        structure: what it catches (a PyTorch vmap bug, coupling in the backward pass) does not
+        depend on the values, and it costs as much as a small kernel (about 6 ms on the benchmark
+        MLP). The output check runs on every call."""
+        key = (_shape_key(x1, x2, params, kwargs), _structure_key(self.f)) if for_ntk else None
+        call = prepare_call(
             self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
             diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
             check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
             defer_vmap_check=computes_ntk and self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
-            forward_run_length=forward_run_length,
+            forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
+            check_derivatives=key not in self.derivatives_checked,
         )
+        if key is not None:
+            self.derivatives_checked[key] = True
+        return call
 
     def open_blocks(
         self, request: BlockRequest, x1: Any, x2: Any, params: Any, kwargs: dict, names: tuple[str, ...], bare: bool,
@@ -220,6 +236,11 @@ def _structured_options(values: dict, chosen: NtkImplementation, where: str) -> 
     return StructuredOptions(**values)
 
 
+def _structure_key(f: Model) -> Any:
+    """What of the model the derivative check depends on, besides the shapes."""
+    return structure_fingerprint(f) if isinstance(f, torch.nn.Module) else id(f)
+
+
 def _shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
     """What AUTO's choice may depend on: the structure, shapes and dtypes of every argument."""
     def describe_leaves(tree: Any) -> tuple:
@@ -280,8 +301,11 @@ def empirical_ntk_fn(
             NTK-vector products x1 is never cut (unless its batch axis is traced or diagonal).
             Default: ``None``.
         check_vmap_axes: when ``vmap_axes`` is given, compare one per-example forward pass with the
-            whole-batch forward pass and raise if they differ, so a model that couples examples
-            cannot give silently wrong kernels. Default: ``True``.
+            whole-batch forward pass on every call, and (once per input shapes and module
+            structure) random vector-Jacobian products of two examples per example and as a
+            batch, and raise a ValueError naming the cause if they differ (NaN/Inf, unmapped
+            keyword arguments, a PyTorch vmap bug, or coupling), so that neither a model that
+            couples examples nor a vmap bug gives silently wrong kernels. Default: ``True``.
         structure_rules: implementation 3 (and AUTO) only. ``False`` sends every parameter to the
             Jacobian fallback, which makes implementation 3 compute Jacobian contraction (a test
             oracle). Default: ``True``.
@@ -297,8 +321,9 @@ def empirical_ntk_fn(
     Returns:
         ``ntk_fn(x1, x2=None, params=None, **kwargs)``, with a method
         ``ntk_fn.auto_choice(x1, x2=None, params=None, **kwargs)`` returning the
-        :class:`~torchntk.AutoChoice` (implementation and cost estimates) for those inputs. ``x1``/``x2`` are inputs (tensors or
-        pytrees); ``x2=None`` means x1. ``params``: for a module, an optional mapping
+        :class:`~torchntk.AutoChoice` (implementation, cost estimates, parameters sent to the
+        Jacobian fallback) for those inputs. ``x1``/``x2`` are inputs (tensors or pytrees of
+        tensors; numpy arrays raise a TypeError); ``x2=None`` means x1. ``params``: for a module, an optional mapping
         ``name -> tensor`` choosing which parameters are differentiated (at these values; the
         others keep the module's values); for a function, the required parameter pytree.
         ``kwargs`` go to ``f``; a 2-tuple value is split between x1 and x2. The result is a tensor
@@ -306,8 +331,8 @@ def empirical_ntk_fn(
         from the output and the parameters.
 
     Raises:
-        TypeError: at build time, arguments of the wrong type; at call time, bad ``params`` or
-            non-tensor outputs.
+        TypeError: at build time, arguments of the wrong type; at call time, bad ``params``,
+            numpy inputs, non-tensor outputs, complex parameters or outputs.
         ValueError: ``implementation`` outside 0..3; the implementation-3 options with
             implementation 1 or 2; an unknown ``local_jacobian``; at call time, axes out of range,
             duplicated, or both traced and diagonal; traced/diagonal sizes or output ndims that
@@ -501,6 +526,8 @@ def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, param
     """
     where = "empirical_ntk_vp_fn"
     _checks.callable_model_argument(f, where)
+    _checks.input_argument(x1, "x1", where)
+    _checks.input_argument(x2, "x2", where)
     model = functional_model(f, params, where)
     warn_training_mode(model, where)
     reuse = is_all_none(x2)

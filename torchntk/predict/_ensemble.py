@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .._checks import show
+from .._checks import real_number_argument, show
 from .._outputs import empirical_kernel_type
 from ._gp import Gaussian, canonical_names, gaussians_type, gp_inference
 from ._layout import TargetLayout, as_tensor
@@ -74,6 +74,8 @@ def gradient_descent_mse_ensemble(
     where = "gradient_descent_mse_ensemble"
     if not callable(kernel_fn):
         raise TypeError(f"{where}: `kernel_fn` must be a kernel function, got {show(kernel_fn)}.")
+    learning_rate = real_number_argument(learning_rate, "learning_rate", where)
+    diag_reg = real_number_argument(diag_reg, "diag_reg", where)
     layout = TargetLayout.of(y_train, trace_axes, where)
     n, size = layout.shape[0], y_train.numel()
     train_kernels: dict[str, torch.Tensor] = {}

@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import torch
 
-from .._checks import show
+from .._checks import real_number_argument, show
 from .._outputs import results_type
 from ._layout import TargetLayout
 from ._linalg import Cholesky, regularised
@@ -105,7 +105,8 @@ def gp_inference(
 
     Raises:
         ValueError: shapes that do not fit; a kernel missing for what ``get`` asks; a train-train
-            kernel that is not positive definite, even after jitter.
+            kernel that is not positive definite, even after jitter; NaN or infinite kernels or
+            targets.
         TypeError: arguments of the wrong type.
 
     Example:
@@ -122,6 +123,7 @@ def gp_inference(
         torch.Size([1, 1])
     """
     where = "gp_inference"
+    diag_reg = real_number_argument(diag_reg, "diag_reg", where)
     layout = TargetLayout.of(y_train, trace_axes, where)
     n = layout.shape[0]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._checks import axes_argument, show
+from .._checks import axes_argument, finite_tensor_argument, show
 from .._layout import paired_matrix
 
 
@@ -45,6 +45,7 @@ class TargetLayout:
         bad ``trace_axes``."""
         if not isinstance(y_train, torch.Tensor) or y_train.ndim == 0:
             raise TypeError(f"{where}: `y_train` must be a tensor with a batch axis, got {show(y_train)}.")
+        finite_tensor_argument(y_train, "y_train", where)
         axes = axes_argument(trace_axes, "trace_axes", where)
         ndim = y_train.ndim
         traced = []
@@ -95,10 +96,12 @@ class TargetLayout:
 
         Raises:
             TypeError: not a tensor.
-            ValueError: a shape other than the pairs of axes the targets call for.
+            ValueError: a shape other than the pairs of axes the targets call for; NaN or infinite
+                entries (every prediction would be NaN).
         """
         if not isinstance(kernel, torch.Tensor):
             raise TypeError(f"{where}: `{name}` must be a tensor, got {show(kernel)}.")
+        finite_tensor_argument(kernel, name, where)
         rows, columns = self.test_kept_shape(n_rows), self.test_kept_shape(n_columns)
         expected = tuple(size for pair in zip(rows, columns) for size in pair)
         if tuple(kernel.shape) != expected:
@@ -120,12 +123,20 @@ class TargetLayout:
 
 
 def as_tensor(value: Any, like: torch.Tensor, name: str, where: str) -> torch.Tensor:
-    """A number or tensor as a tensor with ``like``'s dtype and device."""
+    """A finite number or tensor as a tensor with ``like``'s dtype and device.
+
+    Raises:
+        TypeError: neither a tensor nor a real number.
+        ValueError: NaN or infinite entries.
+    """
     if isinstance(value, torch.Tensor):
-        return value.to(dtype=like.dtype, device=like.device)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return torch.tensor(float(value), dtype=like.dtype, device=like.device)
-    raise TypeError(f"{where}: `{name}` must be a tensor or a number, got {show(value)}.")
+        converted = value.to(dtype=like.dtype, device=like.device)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        converted = torch.tensor(float(value), dtype=like.dtype, device=like.device)
+    else:
+        raise TypeError(f"{where}: `{name}` must be a tensor or a number, got {show(value)}.")
+    finite_tensor_argument(converted, name, where)
+    return converted
 
 
 def broadcast(value: torch.Tensor, shape: tuple[int, ...], name: str, where: str) -> torch.Tensor:

@@ -7,10 +7,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .._checks import show
+from .._checks import finite_tensor_argument, real_number_argument, show
 from .._layout import paired_matrix
 from ._layout import TargetLayout, as_tensor, broadcast
-from ._linalg import Cholesky, Eigenbasis, expm1_decay, expm1_decay_over_value, regularised
+from ._linalg import (
+    Cholesky,
+    Eigenbasis,
+    expm1_decay,
+    expm1_decay_over_value,
+    regularised,
+)
 
 Prediction = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -67,8 +73,9 @@ def gradient_descent_mse(
     Raises:
         ValueError: kernels whose shapes do not fit ``y_train`` and ``trace_axes``; ``fx_test_0``
             without ``k_test_train``; outputs that do not broadcast; at ``t=None``, a kernel that is
-            not positive definite (even after jitter).
-        TypeError: arguments of the wrong type.
+            not positive definite (even after jitter); NaN or infinite kernels, targets, outputs,
+            times, ``learning_rate`` or ``diag_reg``.
+        TypeError: arguments of the wrong type (e.g. a ``learning_rate`` that is not a number).
 
     Example:
         >>> import torch
@@ -85,6 +92,8 @@ def gradient_descent_mse(
         True
     """
     where = "gradient_descent_mse"
+    learning_rate = real_number_argument(learning_rate, "learning_rate", where)
+    diag_reg = real_number_argument(diag_reg, "diag_reg", where)
     layout = TargetLayout.of(y_train, trace_axes, where)
     n = layout.shape[0]
     matrix = regularised(layout.matrix(k_train_train, "k_train_train", n, n, where), diag_reg, diag_reg_absolute_scale)
@@ -174,7 +183,8 @@ def max_learning_rate(
         The learning rate, a Python float.
 
     Raises:
-        ValueError: a kernel with an odd number of axes or unequal pairs.
+        ValueError: a kernel with an odd number of axes or unequal pairs, or NaN/infinite entries.
+        TypeError: a kernel that is not a tensor; ``momentum`` or ``eps`` not a number.
 
     Example:
         >>> import torch
@@ -185,6 +195,9 @@ def max_learning_rate(
     where = "max_learning_rate"
     if not isinstance(ntk_train_train, torch.Tensor):
         raise TypeError(f"{where}: `ntk_train_train` must be a tensor, got {show(ntk_train_train)}.")
+    finite_tensor_argument(ntk_train_train, "ntk_train_train", where)
+    momentum = real_number_argument(momentum, "momentum", where)
+    eps = real_number_argument(eps, "eps", where)
     shape = tuple(ntk_train_train.shape)
     if len(shape) % 2 or shape[0::2] != shape[1::2] or not shape:
         raise ValueError(f"{where}: `ntk_train_train` must have pairs of equal axes, e.g. (N, N) or (N, N, O, O), got {shape}.")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch.func import grad
 
-from .._checks import show
+from .._checks import real_number_argument, show
 from ._layout import TargetLayout, as_tensor, broadcast
 
 
@@ -81,7 +81,8 @@ def gradient_descent(
         ImportError: ``torchdiffeq`` is not installed.
         ValueError: shapes that do not fit; ``t=None`` (the ODE has no closed-form limit:
             integrate to a large finite ``t``); negative times; ``momentum`` outside ``[0, 1)``;
-            velocities in an :class:`ODEState` without ``momentum``.
+            velocities in an :class:`ODEState` without ``momentum``; NaN or infinite kernels,
+            targets, outputs or ``learning_rate``.
         TypeError: arguments of the wrong type.
 
     Example:
@@ -104,6 +105,7 @@ def gradient_descent(
         ) from None
     if not callable(loss):
         raise TypeError(f"{where}: `loss` must be callable as loss(fx_train, y_train), got {show(loss)}.")
+    learning_rate = real_number_argument(learning_rate, "learning_rate", where)
     if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
         raise ValueError(f"{where}: `momentum` must be None or a number in [0, 1), got {show(momentum)}.")
     layout = TargetLayout.of(y_train, trace_axes, where)

@@ -24,8 +24,9 @@ from typing import Any, Optional
 import torch
 
 from ..._blocks import BlockPlan, Replan, assemble
-from ..._call import KernelCall, compare_per_example
+from ..._call import KernelCall
 from ..._per_example import Side
+from ..._vmap_check import compare_per_example
 from ._contract import contract_sides
 from ._plan import Plan, make_plan
 from ._side import PlanMismatch, SideFactors, probe, side_factors

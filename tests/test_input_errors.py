@@ -1,0 +1,212 @@
+"""Clear errors for inputs the kernels cannot take: numpy arrays, complex NTKs, data-dependent
+operations under vmap, NaN kernels and non-numeric arguments in ``torchntk.predict``.
+
+Where a message promises that another setting works, the test computes that setting and
+compares it with the float64 brute-force kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import torchntk
+from torchntk import predict
+from torchntk.testing import assert_kernels_close, reference_ntk
+
+F64 = torch.float64
+ALL_IMPLEMENTATIONS = pytest.mark.parametrize("implementation", [0, 1, 2, 3], ids=["AUTO", "JC", "NVP", "SD"])
+IMPLEMENTATIONS = pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double().eval()
+
+
+# -- numpy inputs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vmap_axes", [None, 0])
+def test_numpy_x1_is_a_type_error_naming_it(vmap_axes):
+    array = np.zeros((5, 4), dtype=np.float64)
+    with pytest.raises(TypeError, match=r"`x1` must be a tensor .* x1 is a numpy.ndarray of shape \(5, 4\) and dtype float64"):
+        torchntk.empirical_ntk_fn(_mlp(), vmap_axes=vmap_axes)(array)
+    with pytest.raises(TypeError, match="torch.from_numpy"):
+        torchntk.empirical_nngp_fn(_mlp())(array)
+
+
+def test_numpy_x2_and_pytree_leaves_are_named():
+    x1 = torch.randn(5, 4, dtype=F64)
+    with pytest.raises(TypeError, match=r"`x2` must be .* x2 is a numpy.ndarray"):
+        torchntk.empirical_kernel_fn(_mlp())(x1, np.zeros((3, 4)))
+    f = lambda p, x: x["a"] @ p  # noqa: E731
+    with pytest.raises(TypeError, match=r"x1\['a'\] is a numpy.ndarray of shape \(2, 4\)"):
+        torchntk.empirical_ntk_fn(f)({"a": np.zeros((2, 4))}, None, torch.randn(4, 3))
+
+
+# -- complex parameters and outputs ---------------------------------------------------------------
+
+
+@ALL_IMPLEMENTATIONS
+@pytest.mark.parametrize("vmap_axes", [None, 0])
+def test_complex_parameters_are_rejected_by_every_implementation(implementation, vmap_axes):
+    model = nn.Linear(4, 3, dtype=torch.complex128)
+    x = torch.randn(5, 4, dtype=torch.complex128)
+    with pytest.raises(TypeError, match=r"parameter 'weight' is complex \(torch.complex128\).* torch.view_as_real"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=implementation)(x)
+
+
+@ALL_IMPLEMENTATIONS
+@pytest.mark.parametrize("vmap_axes", [None, 0])
+def test_complex_outputs_are_rejected_by_every_implementation(implementation, vmap_axes):
+    def f(params, x):
+        return (torch.tanh(x @ params["w"]) * (1 + 2j), x @ params["v"])
+
+    params = {"w": torch.randn(4, 3, dtype=F64), "v": torch.randn(4, 2, dtype=F64)}
+    x1, x2 = torch.randn(5, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    with pytest.raises(TypeError, match=r"output leaf 0 of 2 for x1 is complex .* torch.view_as_real"):
+        torchntk.empirical_ntk_fn(f, vmap_axes=vmap_axes, implementation=implementation)(x1, x2, params)
+    with pytest.raises(TypeError, match="is complex"):
+        torchntk.empirical_kernel_fn(f, vmap_axes=vmap_axes, implementation=implementation)(x1, x2, "ntk", params)
+
+
+def test_the_nngp_keeps_complex_outputs():
+    def f(params, x):
+        return torch.tanh(x @ params) * (1 + 2j)
+
+    params = torch.randn(4, 3, dtype=F64)
+    x1, x2 = torch.randn(5, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    out1, out2 = f(params, x1), f(params, x2)
+    expected = out1 @ out2.T / 3
+    assert_kernels_close(torchntk.empirical_nngp_fn(f)(x1, x2, params), expected)
+    assert_kernels_close(torchntk.empirical_kernel_fn(f)(x1, x2, "nngp", params), expected)
+
+
+def test_view_as_real_suggestion_gives_the_right_kernel():
+    """What the message says to do: real parameters rebuilt with view_as_complex, real outputs."""
+    def f(params, x):
+        weight = torch.view_as_complex(params)
+        return torch.view_as_real(x.to(weight.dtype) @ weight).flatten(-2)
+
+    params = torch.randn(4, 3, 2, dtype=F64)
+    x1, x2 = torch.randn(5, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    for implementation in (1, 2, 3):
+        kernel = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=implementation)(x1, x2, params)
+        assert_kernels_close(kernel, reference_ntk(f, x1, x2, params))
+
+
+# -- data-dependent operations under vmap ----------------------------------------------------------
+
+
+# Each is per-example independent (vmap_axes=0 is a true promise) but uses values for shapes or
+# control flow, which vmap cannot batch.
+def _boolean_mask(params, x):
+    hidden = (x @ params).clone()
+    hidden[x[:, :3] > 1.0] = 0.0
+    return hidden
+
+
+def _nonzero(params, x):
+    return (x @ params) * (1 + torch.nonzero(x.abs() > 1e9).shape[0])
+
+
+def _item(params, x):
+    return (x @ params) * (1 + (x.abs().max() > 1e9).item())
+
+
+DATA_DEPENDENT = {"boolean-mask": _boolean_mask, "nonzero": _nonzero, "item": _item}
+
+
+@IMPLEMENTATIONS
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("name", DATA_DEPENDENT)
+def test_data_dependent_operations_under_vmap_are_a_clear_error(implementation, check, name):
+    f = DATA_DEPENDENT[name]
+    params = torch.randn(4, 3, dtype=F64)
+    x1 = torch.randn(5, 4, dtype=F64)
+    ntk_fn = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=implementation, check_vmap_axes=check)
+    with pytest.raises(ValueError, match="data-dependent control flow or shapes.* Pass vmap_axes=None") as caught:
+        ntk_fn(x1, None, params)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    without = torchntk.empirical_ntk_fn(f, implementation=implementation)(x1, None, params)
+    assert_kernels_close(without, reference_ntk(f, x1, None, params))
+
+
+# -- torchntk.predict ----------------------------------------------------------------------------------
+
+
+def _problem():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(4, 6, generator=generator, dtype=F64)
+    k = features @ features.T / 6 + 0.1 * torch.eye(4, dtype=F64)
+    y = torch.randn(4, 1, generator=generator, dtype=F64)
+    k_test = torch.randn(2, 4, generator=generator, dtype=F64)
+    return k, y, k_test
+
+
+def _with_nan(tensor: torch.Tensor, value: float = float("nan")) -> torch.Tensor:
+    changed = tensor.clone()
+    changed.view(-1)[0] = value
+    return changed
+
+
+MSE = lambda f, y: ((f - y) ** 2).sum() / (2 * y.numel())  # noqa: E731
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_predict_rejects_non_finite_kernels_and_targets(value):
+    k, y, k_test = _problem()
+    bad_k, bad_y, bad_test = _with_nan(k, value), _with_nan(y, value), _with_nan(k_test, value)
+    with pytest.raises(ValueError, match="`k_train_train` holds 1 NaN or infinite entry"):
+        predict.gradient_descent_mse(bad_k, y)(1.0)
+    with pytest.raises(ValueError, match="`y_train` holds 1 NaN or infinite entry"):
+        predict.gradient_descent_mse(k, bad_y)
+    with pytest.raises(ValueError, match="`k_test_train` holds"):
+        predict.gradient_descent_mse(k, y)(1.0, 0.0, torch.zeros(2, 1, dtype=F64), bad_test)
+    with pytest.raises(ValueError, match="`fx_train_0` holds"):
+        predict.gradient_descent_mse(k, y)(1.0, _with_nan(torch.zeros(4, 1, dtype=F64), value))
+    with pytest.raises(ValueError, match="`k_train_train \\(nngp\\)`|`k_train_train` holds"):
+        predict.gp_inference(bad_k, y)("nngp", k_test)
+    with pytest.raises(ValueError, match="`k_test_train` holds"):
+        predict.gp_inference(k, y)("nngp", bad_test)
+    with pytest.raises(ValueError, match="`y_train` holds"):
+        predict.gp_inference(k, bad_y)
+    with pytest.raises(ValueError, match="`k_train_train` holds"):
+        predict.gradient_descent(MSE, bad_k, y)
+    with pytest.raises(ValueError, match="`ntk_train_train` holds"):
+        predict.max_learning_rate(bad_k)
+
+
+def test_predict_ensemble_rejects_a_nan_kernel_from_the_kernel_function():
+    model = _mlp()
+    x_train, y_train = torch.randn(4, 4, dtype=F64), torch.randn(4, 3, dtype=F64)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    predict_fn = predict.gradient_descent_mse_ensemble(torchntk.empirical_kernel_fn(model), x_train, y_train)
+    with pytest.raises(ValueError, match=r"`kernel_fn\(x_train, None\)` holds .* NaN"):
+        predict_fn(1.0, get="ntk")
+
+
+@pytest.mark.parametrize("bad", ["0.1", None, [0.1], 1j, True], ids=["str", "None", "list", "complex", "bool"])
+def test_predict_learning_rate_must_be_a_number(bad):
+    k, y, _ = _problem()
+    with pytest.raises(TypeError, match="`learning_rate` must be a real number"):
+        predict.gradient_descent_mse(k, y, learning_rate=bad)
+    with pytest.raises(TypeError, match="`learning_rate` must be a real number"):
+        predict.gradient_descent(MSE, k, y, learning_rate=bad)
+    with pytest.raises(TypeError, match="`learning_rate` must be a real number"):
+        predict.gradient_descent_mse_ensemble(torchntk.empirical_kernel_fn(_mlp()), torch.randn(4, 4), y, learning_rate=bad)
+    with pytest.raises(TypeError, match="`diag_reg` must be a real number"):
+        predict.gp_inference(k, y, diag_reg=bad)
+
+
+def test_predict_learning_rate_must_be_finite_and_may_be_a_tensor():
+    k, y, _ = _problem()
+    with pytest.raises(ValueError, match="`learning_rate` must be a finite number"):
+        predict.gradient_descent_mse(k, y, learning_rate=float("nan"))
+    as_float = predict.gradient_descent_mse(k, y, learning_rate=0.5)(2.0)
+    as_tensor = predict.gradient_descent_mse(k, y, learning_rate=torch.tensor(0.5))(2.0)
+    torch.testing.assert_close(as_tensor, as_float)

@@ -1,0 +1,303 @@
+"""NOTE: [Checking vmap_axes]: the check covers derivatives, and its errors name the real cause.
+
+Every case is a model for which ``vmap_axes=0`` used to give a silently wrong kernel or an error
+naming the wrong cause. Each test computes the kernel with every implementation and requires
+either the float64 brute-force kernel (``reference_ntk``) or a ValueError whose message names
+the cause; where the message promises that another setting gives the right kernel, the test
+computes that kernel and compares it with the reference too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchntk
+from torchntk.testing import assert_kernels_close, reference_ntk
+
+F64 = torch.float64
+IMPLEMENTATIONS = pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
+X2_GIVEN = pytest.mark.parametrize("x2_given", [True, False], ids=["x2", "x2-None"])
+TRACE = pytest.mark.parametrize("trace_axes", [(-1,), ()], ids=["traced", "full"])
+
+
+def _inputs(n1: int, n2: int, *shape: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n1, *shape, generator=generator, dtype=F64), torch.randn(n2, *shape, generator=generator, dtype=F64)
+
+
+def _seeded(build) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return build().double().eval()
+
+
+def _kernel_or_error(kernel_fn, reference, *args, **kwargs) -> ValueError | None:
+    """The kernel must equal ``reference``, or the call raise a ValueError (returned)."""
+    try:
+        kernel = kernel_fn(*args, **kwargs)
+    except ValueError as error:
+        return error
+    assert_kernels_close(kernel, reference)
+    return None
+
+
+# -- a PyTorch vmap bug in a derivative: nn.PReLU --------------------------------------------------
+
+
+def _prelu_model() -> nn.Module:
+    return _seeded(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(), nn.Linear(6, 3)))
+
+
+@IMPLEMENTATIONS
+@X2_GIVEN
+@TRACE
+@pytest.mark.parametrize("sizes", [(5, 3), (1, 3), (3, 2)], ids=["5-3", "1-3", "3-2"])
+def test_prelu_kernel_is_right_or_the_error_names_the_vmap_bug(implementation, x2_given, trace_axes, sizes):
+    """The forward pass of PReLU under vmap is right, its derivative is not (PyTorch 2.x): the
+    per-example Jacobians mix examples up; with N2 = O = 3 that was a silently wrong kernel."""
+    model = _prelu_model()
+    x1, x2 = _inputs(*sizes, 4)
+    x2 = x2 if x2_given else None
+    reference = reference_ntk(model, x1, x2, trace_axes=trace_axes)
+    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=implementation)
+    if sizes[0] == 1 and not x2_given:
+        # A batch of one cannot mix examples up, and the probe (the example twice) sees nothing
+        # wrong: implementations 1 and 2 are right; implementation 3 meets the bug as a vmap
+        # error in its own per-example pass, which must say so.
+        try:
+            assert_kernels_close(ntk_fn(x1, x2), reference)
+        except RuntimeError as error:
+            assert implementation == 3
+            assert "under torch.func.vmap" in str(error) and "pass vmap_axes=None" in str(error)
+    else:
+        error = _kernel_or_error(ntk_fn, reference, x1, x2)
+        assert error is not None, "the vmap bug of PReLU should be reported for batches of more than one"
+        message = str(error)
+        assert "bug of PyTorch's torch.func.vmap" in message and "Pass vmap_axes=None" in message
+        assert "check_vmap_axes=False" not in message and "couples" not in message
+    # The message's promise: without vmap_axes the kernel is right.
+    without = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, implementation=implementation)(x1, x2)
+    assert_kernels_close(without, reference)
+
+
+# -- per-example keyword arguments left unmapped ----------------------------------------------------
+
+
+class _MaskRows(nn.Module):
+    """Multiplies each example by its row of the mask (``mask[: len(x)]`` keeps the shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, attention_mask):
+        return torch.tanh(self.linear(x * attention_mask[: x.shape[0]]))
+
+
+class _MaskedMeanPool(nn.Module):
+    """A masked mean over tokens ``(N, T, 4) -> (N, 3)``; the mask ``(N, T)`` broadcasts."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, attention_mask):
+        hidden = torch.tanh(self.linear(x))
+        weights = attention_mask.unsqueeze(-1)
+        return (hidden * weights).sum(-2) / weights.sum(-2)
+
+
+def _masked_reference(module: nn.Module, inputs1, inputs2, trace_axes):
+    """``reference_ntk`` with the mask travelling with its examples (a per-side keyword)."""
+    params = {name: p.detach() for name, p in module.named_parameters()}
+
+    def f(p, inputs):
+        x, mask = inputs
+        return torch.func.functional_call(module, p, (x,), {"attention_mask": mask})
+
+    return reference_ntk(f, inputs1, inputs2, params, trace_axes=trace_axes)
+
+
+MASK_MODELS = {
+    "rows": (_MaskRows, (4,), lambda n, g: (torch.rand(n, 4, generator=g) > 0.3).to(F64)),
+    "mean-pool": (_MaskedMeanPool, (6, 4), lambda n, g: (torch.rand(n, 6, generator=g) > 0.3).to(F64) + 1e-3),
+}
+
+
+@IMPLEMENTATIONS
+@X2_GIVEN
+@TRACE
+@pytest.mark.parametrize("model_id", MASK_MODELS)
+def test_unmapped_attention_mask_is_named_with_the_vmap_axes_to_pass(implementation, x2_given, trace_axes, model_id):
+    build, shape, make_mask = MASK_MODELS[model_id]
+    module = _seeded(build)
+    x1, x2 = _inputs(5, 3, *shape)
+    generator = torch.Generator().manual_seed(1)
+    mask1, mask2 = make_mask(5, generator), make_mask(3, generator)
+    if not x2_given:
+        x2, mask2 = None, mask1
+    reference = _masked_reference(module, (x1, mask1), None if x2 is None else (x2, mask2), trace_axes)
+    mask = mask1 if x2 is None else (mask1, mask2)
+
+    ntk_fn = torchntk.empirical_ntk_fn(module, trace_axes=trace_axes, vmap_axes=0, implementation=implementation)
+    error = _kernel_or_error(ntk_fn, reference, x1, x2, attention_mask=mask)
+    assert error is not None
+    message = str(error)
+    assert "keyword argument 'attention_mask' (shape (5," in message
+    assert "Pass vmap_axes=(0, 0, {'attention_mask': 0})" in message
+    assert "check_vmap_axes=False" not in message and "couples" not in message
+
+    suggested = torchntk.empirical_ntk_fn(
+        module, trace_axes=trace_axes, vmap_axes=(0, 0, {"attention_mask": 0}), implementation=implementation
+    )
+    assert_kernels_close(suggested(x1, x2, attention_mask=mask), reference)
+
+
+def test_suggestion_keeps_the_keyword_axes_already_given():
+    module = _seeded(_MaskRows)
+    x, _ = _inputs(5, 1, 4)
+    f = lambda p, x, attention_mask, scale: torch.func.functional_call(module, p, (x * scale,), {"attention_mask": attention_mask})  # noqa: E731
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    mask = torch.ones(5, 4, dtype=F64)
+    scale = torch.rand(5, 1, dtype=F64)
+    mask[2] = 0
+    with pytest.raises(ValueError, match=r"Pass vmap_axes=\(0, 0, \{'scale': 0, 'attention_mask': 0\}\)"):
+        torchntk.empirical_ntk_fn(f, vmap_axes=(0, 0, {"scale": 0}))(x, None, params, attention_mask=mask, scale=scale)
+
+
+# -- NaN / Inf ----------------------------------------------------------------------------------------
+
+
+def _tanh_mlp() -> nn.Module:
+    return _seeded(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)))
+
+
+@IMPLEMENTATIONS
+@pytest.mark.parametrize("side", ["x1", "x2"])
+def test_nan_in_an_input_is_named(implementation, side):
+    x1, x2 = _inputs(5, 3, 4)
+    (x1 if side == "x1" else x2)[1, 2] = float("nan")
+    ntk_fn = torchntk.empirical_ntk_fn(_tanh_mlp(), vmap_axes=0, implementation=implementation)
+    with pytest.raises(ValueError, match=rf"output leaf 0 for {side} holds 3 NaN .* input {side} \(1 entry\)") as caught:
+        ntk_fn(x1, x2)
+    assert "couples" not in str(caught.value) and "check_vmap_axes=False" not in str(caught.value)
+
+
+@IMPLEMENTATIONS
+def test_nan_in_a_parameter_is_named(implementation):
+    model = _tanh_mlp()
+    with torch.no_grad():
+        model[2].weight[1, 0] = float("inf")
+    x1, x2 = _inputs(5, 3, 4)
+    with pytest.raises(ValueError, match=r"NaN or infinite .* parameter '2.weight' \(1 entry\)"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)(x1, x2)
+
+
+def test_nan_in_a_keyword_argument_is_named():
+    f = lambda p, x, shift: torch.tanh(x @ p + shift)  # noqa: E731
+    shift = torch.zeros(5, 3, dtype=F64)
+    shift[4, 1] = float("nan")
+    x1, _ = _inputs(5, 1, 4)
+    with pytest.raises(ValueError, match=r"NaN/Inf in keyword argument 'shift' \(1 entry\)"):
+        torchntk.empirical_ntk_fn(f, vmap_axes=(0, 0, {"shift": 0}))(x1, None, torch.randn(4, 3, dtype=F64), shift=shift)
+
+
+def test_nan_made_by_the_model_says_so():
+    f = lambda p, x: torch.log(x @ p)  # noqa: E731  negative arguments
+    x1, _ = _inputs(5, 1, 4)
+    with pytest.raises(ValueError, match="the model creates them"):
+        torchntk.empirical_ntk_fn(f, vmap_axes=0)(x1, None, torch.randn(4, 3, dtype=F64))
+
+
+# -- genuine coupling ---------------------------------------------------------------------------------
+
+
+class _CoupledDerivatives(nn.Module):
+    """Outputs independent of the batch, derivatives not: ``h + (m - m.detach())`` with ``m`` the
+    batch mean adds nothing forward but couples every example's derivatives."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.linear(x))
+        mean = hidden.mean(0, keepdim=True)
+        return hidden + (mean - mean.detach())
+
+
+@IMPLEMENTATIONS
+@X2_GIVEN
+def test_coupling_only_in_derivatives_is_caught(implementation, x2_given):
+    model = _seeded(_CoupledDerivatives)
+    x1, x2 = _inputs(5, 3, 4)
+    x2 = x2 if x2_given else None
+    reference = reference_ntk(model, x1, x2)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
+    error = _kernel_or_error(ntk_fn, reference, x1, x2)
+    assert error is not None
+    message = str(error)
+    assert "couples examples through its derivatives" in message and "also without vmap" in message
+    assert "check_vmap_axes=False" not in message
+    assert_kernels_close(torchntk.empirical_ntk_fn(model, implementation=implementation)(x1, x2), reference)
+
+
+class _CentreOverBatch(nn.Module):
+    def __init__(self, weight: float):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.weight = weight
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        return hidden - self.weight * hidden.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
+def test_coupled_outputs_do_not_offer_to_skip_the_check(implementation):
+    x1, x2 = _inputs(5, 3, 4)
+    with pytest.raises(ValueError, match="differs between the whole batch and a per-example evaluation") as caught:
+        torchntk.empirical_ntk_fn(_seeded(lambda: _CentreOverBatch(1.0)), vmap_axes=0, implementation=implementation)(x1, x2)
+    assert "check_vmap_axes=False" not in str(caught.value)
+
+
+def test_differences_near_the_rounding_tolerance_offer_to_skip_the_check():
+    """float32 outputs are compared to 1e-4 relative; a 3e-4 coupling may be rounding."""
+    model = _seeded(lambda: _CentreOverBatch(3e-4)).float()
+    x1, x2 = (x.float() for x in _inputs(5, 3, 4))
+    with pytest.raises(ValueError, match="if it is the expected rounding of this model, pass check_vmap_axes=False"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2)
+
+
+# -- the check passes on models that keep the promise --------------------------------------------------
+
+
+@IMPLEMENTATIONS
+@X2_GIVEN
+def test_independent_float32_models_pass_both_checks(implementation, x2_given):
+    """No false alarm from rounding: float32, a conv net and an MLP, against the float64 reference."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 25, 3)).eval()
+    x1, x2 = torch.randn(6, 2, 5, 5), torch.randn(4, 2, 5, 5)
+    x2 = x2 if x2_given else None
+    kernel = torchntk.empirical_ntk_fn(conv, vmap_axes=0, implementation=implementation)(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(conv, x1, x2))
+
+
+def test_the_check_leaves_the_global_random_stream_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    x1, _ = _inputs(5, 1, 4)
+    torchntk.empirical_ntk_fn(_tanh_mlp(), vmap_axes=0)(x1)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_batched_kernels_run_the_derivative_check_too():
+    """``batch`` prepares the whole call once (by runs): the probe check runs there as well."""
+    model = _prelu_model()
+    x1, x2 = _inputs(6, 4, 4)
+    with pytest.raises(ValueError, match="bug of PyTorch's torch.func.vmap"):
+        torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2)(x1, x2)

@@ -1,0 +1,408 @@
+"""The check behind ``vmap_axes``: per-example outputs and derivatives against the whole batch.
+
+See NOTE: [Checking vmap_axes] (in :func:`compare_per_example`) for what is compared and how a
+failure is explained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.func import vjp
+
+from ._checks import leaves_with_names, non_finite_count
+from ._model import FunctionalModel
+from ._per_example import OutputAxisError, Side, VmapRuntimeError, runs
+from ._vmap_axes import ParsedVmapAxes, suggested_vmap_axes, unmapped_batch_sized_kwargs
+
+_PER_EXAMPLE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.complex128: 1e-9, torch.complex64: 1e-4}
+_DERIVATIVE_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
+_LOW_PRECISION_RTOL = 1e-2
+_ROUNDING_MULTIPLE = 10
+"""A failed check whose difference is within this multiple of the tolerance may be rounding; only
+then does the message offer ``check_vmap_axes=False``."""
+
+PROBE_EXAMPLES = 2
+_PROBE_COTANGENTS = 2
+_COTANGENT_SEED = 0
+
+
+@dataclass(frozen=True)
+class _Difference:
+    """The largest difference between two tensors, and the largest magnitude it is relative to."""
+
+    error: float
+    scale: float
+    tolerance: float
+
+    @classmethod
+    def of(cls, want: torch.Tensor, have: torch.Tensor, rtol: float, scale_floor: float = 0.0) -> "_Difference":
+        error, scale = _measure(want, have)
+        return cls(error, scale, rtol * max(scale, scale_floor))
+
+    @property
+    def fails(self) -> bool:
+        return not self.error <= self.tolerance  # NaN fails
+
+    @property
+    def may_be_rounding(self) -> bool:
+        return self.error <= _ROUNDING_MULTIPLE * self.tolerance
+
+    def describe(self) -> str:
+        return f"max abs difference {self.error:.3g}, max abs value {self.scale:.3g}"
+
+    def rounding_note(self) -> str:
+        if not self.may_be_rounding:
+            return ""
+        return (
+            " The difference is within a small multiple of the rounding tolerance: if it is the expected "
+            "rounding of this model, pass check_vmap_axes=False."
+        )
+
+
+def _measure(want: torch.Tensor, have: torch.Tensor) -> tuple[float, float]:
+    """``(largest |want - have|, largest finite |want| or |have|)``, with one synchronisation."""
+    if want.numel() == 0:
+        return 0.0, 0.0
+    # Derivatives are parameter-sized: one temporary, and min/max reductions instead of abs(),
+    # whose fresh memory cost more than the arithmetic (measured on the benchmark MLP).
+    def largest(tensor: torch.Tensor) -> torch.Tensor:
+        low, high = torch.aminmax(tensor)
+        return torch.maximum(-low, high)
+
+    gap = want - have
+    magnitudes = torch.maximum(largest(want), largest(have))
+    error = largest(gap)
+    if not bool(torch.isfinite(error) & torch.isfinite(magnitudes)):
+        # Entries that are the same NaN or infinity on both sides agree (e.g. a derivative that is
+        # NaN however it is computed): the kernel is then NaN, which no user mistakes for a number.
+        same = (want == have) | (torch.isnan(want) & torch.isnan(have))
+        gap = torch.where(same, torch.zeros((), dtype=gap.dtype, device=gap.device), gap.abs())
+        error = gap.max()  # NaN where only one side is NaN: a failure
+        finite = lambda t: torch.nan_to_num(t.abs(), nan=0.0, posinf=0.0).max()  # noqa: E731
+        magnitudes = torch.maximum(finite(want), finite(have))
+    error, scale = torch.stack([error.to(magnitudes.dtype), magnitudes]).tolist()
+    return error, scale
+
+
+def _agrees(want: torch.Tensor, have: torch.Tensor) -> bool:
+    return want.shape == have.shape and not _output_difference(want, have).fails
+
+
+def _output_rtol(dtype: torch.dtype) -> float:
+    return _PER_EXAMPLE_RTOL.get(dtype, _LOW_PRECISION_RTOL)
+
+
+def _output_difference(want: torch.Tensor, have: torch.Tensor) -> _Difference:
+    return _Difference.of(want, have, _output_rtol(want.dtype))
+
+
+def compare_per_example(expected: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...], name: str, where: str) -> None:
+    """Compares per-example (vmapped) outputs with the whole-batch outputs.
+
+    NOTE: [Checking vmap_axes]
+    ``vmap_axes`` is a promise that examples do not interact. Breaking it (batch statistics,
+    attention across the batch, a wrong axis, a per-example keyword argument left unmapped) makes
+    every implementation return silently wrong kernels; so does a bug of ``torch.func.vmap`` in
+    the derivative of an operation (``nn.PReLU`` in PyTorch 2.x: the forward pass is right, the
+    per-example Jacobians are not). Two checks guard it:
+
+    * outputs: the model is evaluated once more per example (under vmap) and compared with the
+      whole-batch outputs; one forward pass, small next to the ``O`` backward passes of a kernel
+      (structured derivatives compare the per-example pass they make anyway);
+    * derivatives: on a probe of the first two examples of x1 (of x2 too if x1 has one example),
+      ``R = 2`` random vector-Jacobian products are computed per example under vmap, the ``R``
+      products batched by an inner vmap exactly as ``jacrev`` batches its basis, and their sum
+      over the examples is compared with the same products of the whole probe batch. That is a
+      few backward passes of two examples, whatever the batch size.
+
+    A failure is explained by its cause, in this order: NaN/Inf in the outputs (which input or
+    parameter holds them; checked before comparing anything); keyword arguments left unmapped
+    although an axis has the batch size (with the ``vmap_axes`` to pass); a vmap bug, when the
+    same example differentiated (or evaluated) without vmap agrees with the whole batch (then
+    ``vmap_axes=None`` gives the right kernel); otherwise a genuine coupling of the examples.
+    ``check_vmap_axes=False`` is offered only when the difference may be rounding.
+    """
+    for index, (want, have) in enumerate(zip(expected, got)):
+        if want.shape != have.shape:
+            raise ValueError(
+                f"{where}: with `vmap_axes`, output leaf {index} for {name} has shape {tuple(have.shape)} "
+                f"when evaluated per example but {tuple(want.shape)} for the whole batch. Check `vmap_axes`."
+            )
+        if want.numel() == 0:
+            continue
+        difference = _output_difference(want, have)
+        if difference.fails:
+            raise ValueError(_coupled_outputs_message(where, index, name, difference))
+
+
+def _coupled_outputs_message(where: str, index: int, name: str, difference: _Difference, without_vmap: bool = False) -> str:
+    also = ", also when the example is evaluated without vmap" if without_vmap else ""
+    return (
+        f"{where}: `vmap_axes` says examples are independent, but output leaf {index} for "
+        f"{name} differs between the whole batch and a per-example evaluation ({difference.describe()})"
+        f"{also}. The model couples examples (batch statistics, "
+        f"attention across the batch, ...) or `vmap_axes` names the wrong axes. Pass vmap_axes=None "
+        f"(exact for any model) or fix the axes.{difference.rounding_note()}"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    """``Type: first line`` of an error, PyTorch's own for a :class:`VmapRuntimeError`."""
+    if isinstance(error, VmapRuntimeError):
+        error = error.original
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+@dataclass(frozen=True)
+class VmapAxesCheck:
+    """NOTE: [Checking vmap_axes] for one call: the checks and the diagnosis of their failures."""
+
+    model: FunctionalModel
+    vmap_axes: ParsedVmapAxes
+    where: str
+
+    # -- (a) NaN/Inf ----------------------------------------------------------------------------
+
+    def finite_outputs(self, side: Side, leaves: tuple[torch.Tensor, ...]) -> None:
+        """Raises ValueError naming where NaN/Inf come from when an output leaf holds some."""
+        for index, leaf in enumerate(leaves):
+            count = non_finite_count(leaf)
+            if count:
+                raise ValueError(
+                    f"{self.where}: output leaf {index} for {side.name} holds {count} NaN or infinite "
+                    f"entr{'y' if count == 1 else 'ies'}, so its kernel would not be finite and `vmap_axes` "
+                    f"cannot be checked. {self._non_finite_sources(side)}"
+                )
+
+    def _non_finite_sources(self, side: Side) -> str:
+        sources = []
+        named = [(f"input {name}", leaf) for name, leaf in leaves_with_names(side.x.rebuild(side.x.leaves), side.name)]
+        for key, flat in side.kwargs.items():
+            named += leaves_with_names(flat.rebuild(flat.leaves), f"keyword argument {key!r}")
+        for name, leaf in named:
+            count = non_finite_count(leaf) if isinstance(leaf, torch.Tensor) else 0
+            if count:
+                sources.append(f"{name} ({count} entr{'y' if count == 1 else 'ies'})")
+        for name, param in zip(self.model.names, self.model.params):
+            count = non_finite_count(param)
+            if count:
+                sources.append(f"parameter {name!r} ({count} entr{'y' if count == 1 else 'ies'})")
+        if sources:
+            return f"They come from NaN/Inf in {', '.join(sources)}: remove them."
+        return (
+            "No input, keyword argument or differentiated parameter holds NaN/Inf: the model creates them "
+            "(log or sqrt of a negative number, division by zero, overflow, ...) or a frozen parameter or "
+            "buffer holds them."
+        )
+
+    # -- outputs of every example -----------------------------------------------------------------
+
+    def outputs(self, side: Side, leaves: tuple[torch.Tensor, ...], run_length: Optional[int]) -> None:
+        """Per-example outputs (under vmap) against the whole-batch ``leaves``, run by run."""
+        for start, length in runs(side.batch_size(), run_length):
+            run = side.narrow(start, length)
+            # An output without the batch size on its batch axis is left whole: the shape
+            # comparison then reports it.
+            expected = tuple(
+                leaf.narrow(axis, start, length) if leaf.ndim > axis and leaf.shape[axis] == side.batch_size() else leaf
+                for leaf, axis in zip(leaves, side.out_axes)
+            )
+            try:
+                with torch.no_grad():
+                    got = run.forward()
+            except (RuntimeError, OutputAxisError) as error:
+                self._raise_for_failure(side, run, expected, error)
+                raise
+            self._compare_outputs(side, run, expected, got)
+
+    def _compare_outputs(self, side: Side, run: Side, expected: tuple, got: tuple) -> None:
+        for index, (want, have) in enumerate(zip(expected, got)):
+            if want.shape != have.shape:
+                symptom = (
+                    f"output leaf {index} for {side.name} has shape {tuple(have.shape)} when evaluated per "
+                    f"example but {tuple(want.shape)} for the whole batch"
+                )
+                self._raise_unmapped_kwargs(side, symptom)
+                raise ValueError(f"{self.where}: with `vmap_axes`, {symptom}. Check `vmap_axes`.")
+            if want.numel() == 0:
+                continue
+            difference = _output_difference(want, have)
+            if not difference.fails:
+                continue
+            symptom = (
+                f"output leaf {index} for {side.name} differs between the whole batch and a per-example "
+                f"evaluation ({difference.describe()})"
+            )
+            self._raise_unmapped_kwargs(side, symptom)
+            axis = run.out_axes[index]
+            gaps = (want - have).abs().nan_to_num(nan=float("inf")).movedim(axis, 0).reshape(want.shape[axis], -1)
+            worst = int(gaps.max(dim=1).values.argmax())
+            plain = self._plain_outputs(run, worst)
+            if plain is not None and _agrees(want.narrow(axis, worst, 1), plain[index]):
+                raise ValueError(
+                    f"{self.where}: `vmap_axes` gives wrong outputs for this model, from a bug of PyTorch's "
+                    f"torch.func.vmap in one of its operations: {symptom}, but the same example evaluated "
+                    f"without vmap agrees with the whole batch. Pass vmap_axes=None, which gives the right kernel."
+                )
+            raise ValueError(_coupled_outputs_message(self.where, index, side.name, difference, plain is not None))
+
+    def _plain_outputs(self, run: Side, index: int) -> Optional[tuple]:
+        """The outputs of example ``index`` of ``run`` as a batch of one, without vmap (None if that fails)."""
+        try:
+            with torch.no_grad():
+                return run.narrow(index, 1).whole_batch()(self.model.params)
+        except Exception:  # noqa: BLE001 - a model failing on one example is diagnosed as coupling
+            return None
+
+    # -- derivatives on the probe -----------------------------------------------------------------
+
+    def derivatives(self, side: Side) -> None:
+        """Summed per-example VJPs (under vmap) against whole-batch VJPs on the probe of ``side``."""
+        if side.batch_size() == 0:
+            return
+        probe = side.probe(PROBE_EXAMPLES)
+        params = self.model.params
+        try:
+            expected, pullback = vjp(probe.whole_batch(), params)
+        except (RuntimeError, ValueError) as error:
+            symptom = f"the model fails on a batch of the first {PROBE_EXAMPLES} examples of {side.name} ({_first_line(error)})"
+            self._raise_unmapped_kwargs(side, symptom, error)
+            raise
+        if not all(leaf.is_floating_point() for leaf in expected):
+            return  # no derivative to check; the implementations reject such outputs themselves
+        cotangents = _random_cotangents(expected)
+        whole = _stack_products([pullback(tuple(c[r] for c in cotangents))[0] for r in range(_PROBE_COTANGENTS)])
+        try:
+            got, summed = probe.summed_vjps(cotangents)
+        except (RuntimeError, OutputAxisError) as error:
+            self._raise_for_failure(side, probe, expected, error, cotangents, whole)
+            raise
+        self._compare_outputs(side, probe, expected, got)
+        self._compare_derivatives(side, probe, cotangents, whole, summed)
+
+    def _compare_derivatives(self, side: Side, probe: Side, cotangents: tuple, whole: tuple, summed: tuple) -> None:
+        difference = self._worst_parameter(whole, summed)
+        if difference is None:
+            return
+        name, gap = difference
+        symptom = (
+            f"on the first {PROBE_EXAMPLES} examples of {side.name}, the derivatives with respect to parameter "
+            f"{name!r} differ between the whole batch and a per-example evaluation ({gap.describe()})"
+        )
+        self._raise_unmapped_kwargs(side, symptom)
+        plain = self._plain_products(probe, cotangents)
+        if plain is not None and self._worst_parameter(whole, plain) is None:
+            raise ValueError(
+                f"{self.where}: `vmap_axes` gives wrong derivatives for this model, from a bug of PyTorch's "
+                f"torch.func.vmap in the derivative of one of its operations (nn.PReLU is one): {symptom} when "
+                f"computed under vmap, while the outputs agree and the same per-example derivatives computed "
+                f"without vmap agree with the whole batch. The examples are independent, but a kernel computed "
+                f"with vmap_axes would be wrong. Pass vmap_axes=None, which gives the right kernel."
+            )
+        raise ValueError(
+            f"{self.where}: `vmap_axes` says examples are independent, but {symptom}, also without vmap. The "
+            f"model couples examples through its derivatives, or `vmap_axes` names the wrong axes. Pass "
+            f"vmap_axes=None (exact for any model) or fix the axes.{gap.rounding_note()}"
+        )
+
+    def _worst_parameter(self, want: tuple, have: tuple) -> Optional[tuple[str, _Difference]]:
+        """The parameter whose products differ most relative to the tolerance, or None if all agree.
+
+        Each parameter is compared at its own scale, floored at a hundredth of the largest, so that
+        rounding in a parameter with tiny derivatives does not count as a difference.
+        """
+        measured = [_measure(a, b) for a, b in zip(want, have)]
+        floor = 0.01 * max((scale for _, scale in measured), default=0.0)
+        worst, worst_ratio = None, 0.0
+        for name, a, (error, scale) in zip(self.model.names, want, measured):
+            gap = _Difference(error, scale, _DERIVATIVE_RTOL.get(a.dtype, _LOW_PRECISION_RTOL) * max(scale, floor))
+            ratio = error / gap.tolerance if gap.tolerance > 0 else float("inf")
+            if gap.fails and (worst is None or not ratio <= worst_ratio):
+                worst, worst_ratio = (name, gap), ratio
+        return worst
+
+    def _plain_products(self, probe: Side, cotangents: tuple) -> Optional[tuple]:
+        """The summed VJPs of the probe, one example at a time without vmap (None if that fails)."""
+        try:
+            total = None
+            for example in range(probe.batch_size()):
+                single = probe.narrow(example, 1)
+                _, pullback = vjp(single.whole_batch(), self.model.params)
+                rows = []
+                for r in range(_PROBE_COTANGENTS):
+                    row = tuple(c[r].narrow(axis, example, 1) for c, axis in zip(cotangents, probe.out_axes))
+                    rows.append(pullback(row)[0])
+                products = _stack_products(rows)
+                total = products if total is None else tuple(a + b for a, b in zip(total, products))
+            return total
+        except Exception:  # noqa: BLE001 - a model failing on one example is diagnosed as coupling
+            return None
+
+    # -- failures -----------------------------------------------------------------------------------
+
+    def _raise_for_failure(
+        self, side: Side, run: Side, expected: tuple, error: BaseException,
+        cotangents: Optional[tuple] = None, whole: Optional[tuple] = None,
+    ) -> None:
+        """Explains an error raised by the per-example (vmapped) evaluation of ``run``, if it can."""
+        if isinstance(error, OutputAxisError):
+            self._raise_unmapped_kwargs(side, error.symptom, error)
+            return
+        symptom = f"evaluating the model per example under vmap raised {_first_line(error)}"
+        self._raise_unmapped_kwargs(side, symptom, error)
+        plain_agrees = all(
+            (plain := self._plain_outputs(run, example)) is not None
+            and all(
+                _agrees(want.narrow(axis, example, 1), have) for want, have, axis in zip(expected, plain, run.out_axes)
+            )
+            for example in range(min(run.batch_size(), PROBE_EXAMPLES))
+        )
+        if plain_agrees and cotangents is not None:
+            plain = self._plain_products(run, cotangents)
+            plain_agrees = plain is not None and self._worst_parameter(whole, plain) is None
+        if plain_agrees:
+            raise ValueError(
+                f"{self.where}: `vmap_axes` cannot be used with this model: {symptom}, while without vmap "
+                f"the same examples agree with the whole batch. The examples are independent, but vmap cannot "
+                f"evaluate one of the model's operations per example (a limitation or a bug of PyTorch's "
+                f"torch.func.vmap: in-place writes into tensors shared by all examples, nn.PReLU's "
+                f"derivative, ...). Pass vmap_axes=None, which gives the right kernel."
+            ) from error
+
+    def _raise_unmapped_kwargs(self, side: Side, symptom: str, error: Optional[BaseException] = None) -> None:
+        """Raises ValueError when keyword arguments left unmapped probably hold one entry per example."""
+        batch_size = side.batch_size()
+        found = unmapped_batch_sized_kwargs(side.kwargs, side.kwarg_axes, batch_size)
+        if not found:
+            return
+        listing = ", ".join(
+            f"{item.name!r} (shape{'s' if len(item.shapes) > 1 else ''} {', '.join(map(str, item.shapes))})"
+            for item in found
+        )
+        plural = len(found) > 1
+        raise ValueError(
+            f"{self.where}: with `vmap_axes`, {symptom}. The likely cause: keyword argument{'s' if plural else ''} "
+            f"{listing} {'are' if plural else 'is'} not mapped by `vmap_axes`, so every per-example call receives "
+            f"all of {'them' if plural else 'it'}, although {'they have' if plural else 'it has'} an axis of the "
+            f"batch size {batch_size} (an int `vmap_axes` maps no keyword argument). Pass "
+            f"{suggested_vmap_axes(self.vmap_axes, found)} to map {'them' if plural else 'it'} with the examples."
+        ) from error
+
+
+def _random_cotangents(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``(R, *output.shape)`` standard normal cotangents per output leaf, from a fixed seed (the
+    user's random stream is left alone)."""
+    generator = torch.Generator().manual_seed(_COTANGENT_SEED)
+    return tuple(
+        torch.randn((_PROBE_COTANGENTS, *leaf.shape), generator=generator).to(dtype=leaf.dtype, device=leaf.device)
+        for leaf in outputs
+    )
+
+
+def _stack_products(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Per-cotangent products (one tuple per cotangent) -> one ``(R, *param.shape)`` tensor per parameter."""
+    return tuple(torch.stack(column) for column in zip(*rows))
