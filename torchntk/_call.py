@@ -22,12 +22,7 @@ from ._model import (
 )
 from ._per_example import Side, runs
 from ._tree import Flat, describe, is_all_none
-from ._vmap_axes import (
-    ParsedVmapAxes,
-    resolve_inputs,
-    resolve_outputs,
-    split_kwargs,
-)
+from ._vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
 from ._vmap_check import PROBE_EXAMPLES, VmapAxesCheck
 
 

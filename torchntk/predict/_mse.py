@@ -10,13 +10,7 @@ import torch
 from .._checks import finite_tensor_argument, real_number_argument, show
 from .._layout import paired_matrix
 from ._layout import TargetLayout, as_tensor, broadcast
-from ._linalg import (
-    Cholesky,
-    Eigenbasis,
-    expm1_decay,
-    expm1_decay_over_value,
-    regularised,
-)
+from ._linalg import Cholesky, Eigenbasis, expm1_decay, expm1_decay_over_value, regularised
 
 Prediction = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
