@@ -150,7 +150,7 @@ def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]
         tensors.update(zip(names, param_leaves))
         return evaluate(tensors, args, dict(kwargs))
 
-    coupled, random = _training_mode_layers(module)
+    coupled, random = training_mode_layers(module)
     return FunctionalModel(call, leaves, names, coupled, random)
 
 
@@ -180,7 +180,9 @@ def _private_evaluation(module: nn.Module) -> Callable[[dict, tuple, dict], Any]
     return evaluate
 
 
-def _training_mode_layers(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def training_mode_layers(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(coupled, random)``: labels of the submodules using batch statistics, and of those drawing
+    random numbers in training mode."""
     coupled, random = [], []
     for path, sub in module.named_modules():
         label = f"{type(sub).__name__} at {path!r}" if path else type(sub).__name__

@@ -82,7 +82,7 @@ from torch.utils import _pytree as pytree
 
 from . import _checks
 from ._checks import show
-from ._model import float_parameter, functional_model
+from ._model import float_parameter, training_mode_layers
 from ._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type, results_type
 from ._tree import Flat
 from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
@@ -367,9 +367,9 @@ def _to_device(tree: Any, device: torch.device) -> Any:
 
 
 def _reject_random_or_coupled(module: nn.Module, where: str) -> None:
-    model = functional_model(module, None, where)
-    layers = [f"{layer} (uses batch statistics)" for layer in model.batch_coupled]
-    layers += [f"{layer} (random in training mode)" for layer in model.random]
+    coupled, random = training_mode_layers(module)
+    layers = [f"{layer} (uses batch statistics)" for layer in coupled]
+    layers += [f"{layer} (random in training mode)" for layer in random]
     if layers:
         raise ValueError(
             f"{where}: {', '.join(layers)}: a forward pass that is random or depends on the rest of the "
