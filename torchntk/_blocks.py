@@ -9,7 +9,8 @@ at the places the :class:`~torchntk._layout.KernelLayout` gives for the batch ax
 
 * batch axis kept: block ``(i, j)`` goes to rows ``i`` and columns ``j``;
 * batch axis diagonal: only pairs ``i == j`` exist, written along the single axis;
-* batch axis traced: only pairs ``i == j`` exist, and they are summed.
+* batch axis traced: only pairs ``i == j`` exist, and they are summed (in float64 for float32
+  kernels).
 
 When x2 is None the kernel is symmetric, so only pairs ``i <= j`` are computed and block
 ``(j, i)`` is block ``(i, j)`` with every x1/x2 axis pair swapped. Without ``vmap_axes`` there is
@@ -24,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ._call import KernelCall, runs
+from ._layout import accumulation_dtype
 
 Prepare = Callable[[Any], Any]
 Contract = Callable[[Any, Any, Sequence[bool]], list[Optional[torch.Tensor]]]
@@ -81,9 +83,15 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
 
     mirrored = call.reuses_x1 and split1  # pairs (i, j) and (j, i) are transposes of each other
 
+    # A traced batch axis sums one block per run; float64 keeps that sum exact enough however
+    # many runs there are (NOTE: [Accurate contraction] in _layout.py).
     kernels = [
-        torch.zeros(shape, dtype=dtype, device=output.device)
-        for shape, dtype, output in zip(call.kernel_shapes(), call.dtypes, call.outputs1)
+        torch.zeros(
+            shape,
+            dtype=accumulation_dtype(dtype, output.device) if kind == "trace" else dtype,
+            device=output.device,
+        )
+        for shape, dtype, output, kind in zip(call.kernel_shapes(), call.dtypes, call.outputs1, batch_kinds)
     ]
     for j, (start2, length2) in enumerate(runs2):
         prepared2 = prepare2(side2.narrow(start2, length2))
@@ -109,7 +117,7 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
                 if mirrored and i != j and kind == "kept":
                     swapped = block.permute(layout.swap_permutation())
                     kernel[index(positions, (start2, length2), (start1, length1))] = swapped
-    return kernels
+    return [kernel.to(dtype) for kernel, dtype in zip(kernels, call.dtypes)]
 
 
 def index(positions: tuple[int, ...], run1: tuple[int, int], run2: tuple[int, int]) -> tuple:

@@ -131,11 +131,23 @@ class KernelLayout:
                 result.extend((n_diagonal + index, n_diagonal + n_kept + index))
         return operand, tuple(result)
 
-    def contract(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    def contract(self, first: torch.Tensor, second: torch.Tensor, *, wide: bool = False) -> torch.Tensor:
         """Contracts ``first[out1..., p]`` with ``second[out2..., p]`` into the (unnormalised) kernel.
 
         Both operands carry the output axes followed by one axis of contracted "parameter"
-        entries (size 1 for NNGP). The result is not divided by :meth:`trace_size`.
+        entries (size 1 for NNGP). The result is not divided by :meth:`trace_size`. Long
+        contractions of float32 (or narrower) operands are summed in float64 (NOTE: [Accurate
+        contraction]); passing the same tensor twice gives an exactly symmetric product.
+
+        Args:
+            first: ``(*out1, p)``.
+            second: ``(*out2, p)``, the traced and diagonal axes of the same sizes as in ``first``.
+            wide: return the kernel in :func:`accumulation_dtype` (float64 for float32 operands)
+                instead of the operands' dtype, so that a caller summing several contractions
+                rounds once, at the end. Default False.
+
+        Returns:
+            The kernel in the layout's axis order (see NOTE: [Kernel layout]).
         """
         symmetric = first is second
         if first.dtype != second.dtype:
@@ -151,19 +163,107 @@ class KernelLayout:
         batch = math.prod(diagonal_shape)
         contracted = math.prod(first.shape[n_diagonal + n_kept :])
         left = first.reshape(batch, math.prod(rows), contracted)
-        right = second.reshape(batch, math.prod(columns), contracted)
-        if symmetric:
-            product = _gram(left)
-        elif batch == 1:
-            product = (left[0] @ right[0].T).unsqueeze(0)
+        right = left if symmetric else second.reshape(batch, math.prod(columns), contracted)
+        summing = accumulation_dtype(left.dtype, left.device)
+        if left.dtype in (torch.float64, torch.complex128) or contracted <= _CONTRACTION_BLOCK:
+            product = _product(left, right)
+            if wide:
+                product = product.to(summing)
         else:
-            product = torch.bmm(left, right.transpose(1, 2))
+            product = _blocked_product(left, right, summing)
+            if not wide:
+                product = product.to(left.dtype)
         return product.reshape((*diagonal_shape, *rows, *columns)).permute(result)
 
     def from_full(self, full: torch.Tensor) -> torch.Tensor:
         """Extracts the layout from an unzipped kernel of shape ``shape1 + shape2`` (unnormalised)."""
         one, two, result = self._letters
         return torch.einsum(f"{one}{two}->{result}", full)
+
+
+# NOTE: [Accurate contraction]
+# A float32 matrix product accumulates every entry in float32 along its inner dimension, whose
+# length here is the traced coordinates times a parameter tensor's size: 24M for a 3x3x512x512
+# convolution with 10 traced logits, where the single product was off by 2e-3 relative to the
+# largest entry (a ResNet-18's traced kernel: 7e-5), while implementations 2 and 3 reach 1e-7.
+# So a longer inner dimension is cut into blocks of _CONTRACTION_BLOCK terms; the BLAS forms each
+# block's product in the operands' dtype, and the partial products are summed in float64
+# (accumulation_dtype) one group at a time, so memory stays one float64 kernel plus one group
+# of partials. Where rows x columns is small, one batched product forms several blocks'
+# partials at once (up to _PARTIALS_PER_CALL entries): one call per block would cost more in
+# call overhead than the multiply-adds. Float64 operands keep the single product.
+# Block length, measured on a 2-core CPU (benchmarks/bench_accuracy.py): the error of the
+# wide convolution's traced kernel was 9e-8 for blocks of 512 to 8192, 4e-7 for 32768 and
+# 2.5e-6 for 131072 (float32 rounding of the result alone: 6e-8); single-threaded, 2048, 8192
+# and no blocks ran equally fast (within 3%), but with two threads on a loaded machine every
+# call waits for a descheduled thread, and 2048 took twice as long as no blocks where 8192
+# took 1.3 times as long. Hence 8192.
+_CONTRACTION_BLOCK = 8192
+_PARTIALS_PER_CALL = 2**18
+
+
+def accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype long sums of ``dtype`` values are carried in: float64 (complex128 for complex
+    dtypes) where the device has it; MPS has no float64, so there ``dtype`` itself (the blocks
+    then still shorten each float32 sum)."""
+    if device.type == "mps":
+        return dtype
+    return torch.complex128 if dtype.is_complex else torch.float64
+
+
+def _product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ right^T`` per batch entry, in one product; symmetric when ``right is left``."""
+    if right is left:
+        return _gram(left)
+    if left.shape[0] == 1:
+        return (left[0] @ right[0].T).unsqueeze(0)
+    return torch.bmm(left, right.transpose(1, 2))
+
+
+def _blocked_product(left: torch.Tensor, right: torch.Tensor, summing: torch.dtype) -> torch.Tensor:
+    """``left @ right^T`` (``(batch, rows, p) x (batch, columns, p)``) summed over blocks of the
+    inner dimension in ``summing`` (NOTE: [Accurate contraction]); exactly symmetric when
+    ``right is left``."""
+    batch, rows, length = left.shape
+    columns = right.shape[1]
+    total = torch.zeros(batch, rows, columns, dtype=summing, device=left.device)
+    # Grouping blocks into one call needs the blocks of a batch entry as a batch of their own.
+    per_call = max(1, _PARTIALS_PER_CALL // (rows * columns)) if batch == 1 else 1
+    for start, count, width in _block_groups(length, per_call):
+        left_blocks = _blocks(left, start, count, width)
+        right_blocks = left_blocks if right is left else _blocks(right, start, count, width)
+        partials = _product(left_blocks, right_blocks)
+        if count == 1:
+            total += partials
+        else:
+            total += partials.sum(0, keepdim=True, dtype=summing)
+    if right is left:
+        # Each partial is symmetric up to the BLAS's rounding; the float64 mean of the two
+        # triangles is symmetric exactly, as the kernel of x with itself must be.
+        total = (total + total.transpose(1, 2)) * 0.5
+    return total
+
+
+def _block_groups(length: int, per_call: int):
+    """``(start, count, width)``: ``count`` adjacent blocks of ``width`` entries from ``start``,
+    covering ``0..length``; only the last block may be shorter than _CONTRACTION_BLOCK."""
+    whole, tail = divmod(length, _CONTRACTION_BLOCK)
+    start = 0
+    while whole:
+        count = min(per_call, whole)
+        yield start, count, _CONTRACTION_BLOCK
+        start += count * _CONTRACTION_BLOCK
+        whole -= count
+    if tail:
+        yield start, 1, tail
+
+
+def _blocks(matrix: torch.Tensor, start: int, count: int, width: int) -> torch.Tensor:
+    """``count`` blocks of ``width`` inner entries from ``start``: ``(batch, rows, width)`` for one
+    block, else ``(count, rows, width)`` of the single batch entry (a view, never a copy)."""
+    if count == 1:
+        return matrix[:, :, start : start + width]
+    return matrix[0, :, start : start + count * width].unflatten(-1, (count, width)).transpose(0, 1)
 
 
 _GRAM_BLOCK_ROWS = 128

@@ -9,7 +9,9 @@ from .._call import KernelCall
 
 def nngp(call: KernelCall) -> list[torch.Tensor]:
     """``K[r1, r2, d] = sum_t f(x1)[t, d, r1] f(x2)[t, d, r2]`` per output leaf (unnormalised)."""
-    return [
-        layout.contract(one.unsqueeze(-1), two.unsqueeze(-1))
-        for layout, one, two in zip(call.layouts, call.outputs1, call.outputs2)
-    ]
+    kernels = []
+    for layout, one, two in zip(call.layouts, call.outputs1, call.outputs2):
+        first = one.unsqueeze(-1)
+        # x2 None: the same operand twice gives the layout's exactly symmetric product.
+        kernels.append(layout.contract(first, first if two is one else two.unsqueeze(-1)))
+    return kernels
