@@ -59,17 +59,21 @@ def _wide_problem():
     return model, x1, x2, full
 
 
+@pytest.mark.parametrize("implementation", [1, 3], ids=["JC", "SD"])
 @pytest.mark.parametrize("vmap_axes", [None, 0], ids=["no-vmap", "vmap0"])
 @pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
 @pytest.mark.parametrize("trace_axes", [(), (-1,)], ids=["full", "traced"])
-def test_float32_jacobian_contraction_of_a_wide_convolution_is_accurate(trace_axes, same, vmap_axes):
+def test_float32_kernel_of_a_wide_convolution_is_accurate(trace_axes, same, vmap_axes, implementation):
     model, x1, x2, full = _wide_problem()
     columns = slice(0, 2) if same else slice(2, 3)
     expected = full[:2, columns]
     if trace_axes:
         expected = torch.einsum("ijaa->ij", expected) / _CLASSES  # the trace is a mean over logits
-    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=vmap_axes, implementation=1)
-    _assert_accurate(ntk_fn(x1, None if same else x2), expected)
+    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=vmap_axes, implementation=implementation)
+    # Implementation 3 keeps its Gram contractions of convolution weights in float32 (see
+    # structured/_contract.py: float64 there costs the MLP benchmark 30-40%): 2e-6 on this model.
+    tolerance = _TOLERANCE if implementation == 1 else 3e-6
+    _assert_accurate(ntk_fn(x1, None if same else x2), expected, tolerance)
 
 
 class _Scale(nn.Module):

@@ -301,3 +301,13 @@ def test_batched_kernels_run_the_derivative_check_too():
     x1, x2 = _inputs(6, 4, 4)
     with pytest.raises(ValueError, match="bug of PyTorch's torch.func.vmap"):
         torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2)(x1, x2)
+
+
+def test_running_out_of_memory_is_not_blamed_on_vmap():
+    from torchntk._per_example import vmap_errors
+
+    error = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 77309411328 bytes.")
+    with pytest.raises(RuntimeError) as raised:
+        with vmap_errors("ntk_fn"):
+            raise error
+    assert raised.value is error

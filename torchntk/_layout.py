@@ -165,7 +165,7 @@ class KernelLayout:
         left = first.reshape(batch, math.prod(rows), contracted)
         right = left if symmetric else second.reshape(batch, math.prod(columns), contracted)
         summing = accumulation_dtype(left.dtype, left.device)
-        if left.dtype in (torch.float64, torch.complex128) or contracted <= _CONTRACTION_BLOCK:
+        if left.dtype in (torch.float64, torch.complex128) or contracted <= CONTRACTION_BLOCK:
             product = _product(left, right)
             if wide:
                 product = product.to(summing)
@@ -186,7 +186,7 @@ class KernelLayout:
 # length here is the traced coordinates times a parameter tensor's size: 24M for a 3x3x512x512
 # convolution with 10 traced logits, where the single product was off by 2e-3 relative to the
 # largest entry (a ResNet-18's traced kernel: 7e-5), while implementations 2 and 3 reach 1e-7.
-# So a longer inner dimension is cut into blocks of _CONTRACTION_BLOCK terms; the BLAS forms each
+# So a longer inner dimension is cut into blocks of CONTRACTION_BLOCK terms; the BLAS forms each
 # block's product in the operands' dtype, and the partial products are summed in float64
 # (accumulation_dtype) one group at a time, so memory stays one float64 kernel plus one group
 # of partials. Where rows x columns is small, one batched product forms several blocks'
@@ -198,7 +198,7 @@ class KernelLayout:
 # and no blocks ran equally fast (within 3%), but with two threads on a loaded machine every
 # call waits for a descheduled thread, and 2048 took twice as long as no blocks where 8192
 # took 1.3 times as long. Hence 8192.
-_CONTRACTION_BLOCK = 8192
+CONTRACTION_BLOCK = 8192
 _PARTIALS_PER_CALL = 2**18
 
 
@@ -246,13 +246,13 @@ def _blocked_product(left: torch.Tensor, right: torch.Tensor, summing: torch.dty
 
 def _block_groups(length: int, per_call: int):
     """``(start, count, width)``: ``count`` adjacent blocks of ``width`` entries from ``start``,
-    covering ``0..length``; only the last block may be shorter than _CONTRACTION_BLOCK."""
-    whole, tail = divmod(length, _CONTRACTION_BLOCK)
+    covering ``0..length``; only the last block may be shorter than CONTRACTION_BLOCK."""
+    whole, tail = divmod(length, CONTRACTION_BLOCK)
     start = 0
     while whole:
         count = min(per_call, whole)
-        yield start, count, _CONTRACTION_BLOCK
-        start += count * _CONTRACTION_BLOCK
+        yield start, count, CONTRACTION_BLOCK
+        start += count * CONTRACTION_BLOCK
         whole -= count
     if tail:
         yield start, 1, tail

@@ -274,7 +274,8 @@ def vmap_errors(where: str) -> Iterator[None]:
 
     vmap's errors on data-dependent operations become a ValueError that says what to do; other
     plain RuntimeErrors get a hint (a :class:`VmapRuntimeError`, still a RuntimeError, as the
-    cause cannot be told here). Subclasses such as ``torch.OutOfMemoryError`` pass unchanged.
+    cause cannot be told here). Running out of memory (``torch.OutOfMemoryError``, or the plain
+    RuntimeError of the CPU allocator) passes unchanged.
 
     Raises:
         ValueError, VmapRuntimeError: chained to the original RuntimeError.
@@ -290,6 +291,12 @@ def vmap_errors(where: str) -> Iterator[None]:
                 f"vmap_axes=None (the model then sees whole batches), or write the operation with fixed "
                 f"shapes (e.g. torch.where). PyTorch said: {_first_line(error)}"
             ) from error
-        if type(error) is RuntimeError:
+        if type(error) is RuntimeError and not _is_out_of_memory(error):
             raise VmapRuntimeError(where, error) from error
         raise
+
+
+def _is_out_of_memory(error: RuntimeError) -> bool:
+    """CPU allocation failures are plain RuntimeErrors; blaming vmap for them would mislead."""
+    text = str(error)
+    return "can't allocate memory" in text or "out of memory" in text
