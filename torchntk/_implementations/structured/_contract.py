@@ -29,7 +29,7 @@ import torch
 from opt_einsum.parser import convert_to_valid_einsum_chars
 
 from ..._blocks import index as block_index
-from ..._layout import CONTRACTION_BLOCK, KernelLayout, accumulation_dtype
+from ..._layout import KernelLayout
 from ._roles import Role
 from ._side import SideFactors, Use
 
@@ -91,35 +91,25 @@ def _mirrored_halves(layout, out_axes, leaf, factors: SideFactors, dtype, param_
 def _contract_leaf(
     layout, out_axis, side1: SideFactors, side2: SideFactors, leaf, dtype, param_sizes, jacobians: dict
 ) -> torch.Tensor:
-    """``jacobians`` caches the ``J`` of uses contracted through their Jacobians (by ``id``).
-
-    The pairs' terms are summed in the accumulation dtype (float64 for float32 kernels) and
-    rounded to ``dtype`` once, as implementation 1 does (NOTE: [Accurate contraction] in
-    ``_layout.py``): a layer's kernel is a sum of many pair terms of similar size.
-    """
+    """``jacobians`` caches the ``J`` of uses contracted through their Jacobians (by ``id``)."""
     symmetric = side1 is side2
     total: Optional[torch.Tensor] = None
-
-    def add(term: torch.Tensor) -> None:
-        nonlocal total
-        term = term.to(accumulation_dtype(dtype, term.device))
-        total = term if total is None else total.add_(term)
-
     for first, second, mirror in _pairs(side1.uses, side2.uses, symmetric):
         term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes, jacobians)
         if term is None:
             continue
         if mirror:
             term = term + term.permute(layout.swap_permutation())
-        add(term)
+        total = term if total is None else total.add_(term)
     if side1.fallback is not None:
         for one, two in zip(side1.fallback[leaf], side2.fallback[leaf]):
             first = one.reshape(*one.shape[: layout.ndim], -1).to(dtype)
             second = first if symmetric else two.reshape(*two.shape[: layout.ndim], -1).to(dtype)
-            add(layout.contract(first, second, wide=True))
+            term = layout.contract(first, second)
+            total = term if total is None else total.add_(term)
     if total is None:  # no parameter reaches this output leaf
-        return torch.zeros(layout.kernel_shape(side1.outputs[leaf].shape, side2.outputs[leaf].shape), dtype=dtype)
-    return total.to(dtype)
+        total = torch.zeros(layout.kernel_shape(side1.outputs[leaf].shape, side2.outputs[leaf].shape), dtype=dtype)
+    return total
 
 
 def _pairs(uses1: list[Use], uses2: list[Use], symmetric: bool):
@@ -145,15 +135,7 @@ def _pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes, j
         equation, tensors = pair_equation(layout, out_axis, first, second, leaf)
         shapes = tuple(tuple(t.shape) for t in tensors)
         if not _starts_within_a_side(equation, shapes, 1 + len(first.role.operands)):
-            # A step summing more than a block of float32 products runs in float64 (NOTE:
-            # [Accurate contraction] in _layout.py): a convolution bias's Gram step sums positions
-            # squared. Running every long contraction in float64 would also bring a 3x3x512x512
-            # convolution's weight from 2e-6 to 4e-8 relative error (its short steps' terms
-            # cancel), but cost the MLP benchmark 30-40%, so it is left to float32 there.
-            work = dtype
-            if _longest_sum(equation, shapes) > CONTRACTION_BLOCK and dtype.itemsize < 8 and not dtype.is_complex:
-                work = accumulation_dtype(dtype, tensors[0].device)
-            tensors = [tensor.to(work) for tensor in tensors]
+            tensors = [tensor.to(dtype) for tensor in tensors]
             term = _expression(equation, shapes)(*tensors, backend="torch")
             scale = first.role.scale * second.role.scale
             return term if scale == 1.0 else term * scale
@@ -162,20 +144,13 @@ def _pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes, j
         _cached(jacobians, use, lambda use=use: dense_jacobian(use, leaf, out_symbols, out_axis, param_sizes, scatter).to(dtype))
         for use in (first, second)
     )
-    return layout.contract(one, two, wide=True)
+    return layout.contract(one, two)
 
 
 def _cached(cache: dict, use: Use, make) -> torch.Tensor:
     if id(use) not in cache:
         cache[id(use)] = (use, make())  # the use is kept so that its id is not reused
     return cache[id(use)][1]
-
-
-@functools.lru_cache(maxsize=1024)
-def _longest_sum(equation: str, shapes: tuple) -> int:
-    """The most products one step of opt_einsum's planned order sums into an entry of its result."""
-    _, info = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="optimal", memory_limit=_MAX_INTERMEDIATE)
-    return max((math.prod(info.size_dict[index] for index in step[1]) for step in info.contraction_list), default=1)
 
 
 @functools.lru_cache(maxsize=1024)
