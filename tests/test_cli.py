@@ -5,8 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
+import torch
+from torch import nn
 
 from torchntk.cli import main
 
@@ -75,6 +78,17 @@ def test_without_matplotlib_the_figure_is_skipped(tmp_path, capsys, monkeypatch)
         (["--device", "gpu"], "argument --device: expected a device such as cpu, cuda or cuda:1, got 'gpu'"),
         (["--device", "cuda:7"], "this machine has"),
         (["--implementation", "4"], "argument --implementation: invalid choice: '4'"),
+        (["--input-dtype", "double"], "argument --input-dtype: invalid choice: 'double'"),
+        (["--model", "torch:nn.Linear", "--input-shape", "3", "--input-dtype", "long"],
+         "--input-dtype long: give the range of the integers with --vocab-size"),
+        (["--vocab-size", "10"], "--vocab-size: only for integer inputs"),
+        (["--vocab-size", "0"], "argument --vocab-size: expected a positive integer, got '0'"),
+        (["--model", "mlp", "--input-dtype", "int", "--vocab-size", "5"], "the built-in mlp takes float inputs"),
+        (["--model", "mlp", "--keyword-inputs", "x"], "--keyword-inputs: the built-in mlp takes one input"),
+        (["--keyword-inputs", "input_ids,,mask"], "expected NAME or NAME=ones|zeros"),
+        (["--keyword-inputs", "input_ids,mask=twos"], "'mask=twos': a keyword input is random, or NAME=ones"),
+        (["--keyword-inputs", "a,a=ones"], "names 'a' twice"),
+        (["--model", "mlp", "--vmap-axes", "2"], "--vmap-axes 2: out of range for inputs of shape (16, 64)"),
         (["bench", "--models", "resnet"], "--models 'resnet': expected a comma list of mlp, cnn"),
         (["bench", "--implementations", "1,5"], "--implementations: expected a comma list of 1, 2, 3, got [5]"),
         (["bench", "--sizes", "0"], "argument --sizes: expected a positive integer, got '0'"),
@@ -123,3 +137,170 @@ def test_the_console_script_is_declared():
 
     scripts = {entry.name: entry.value for entry in entry_points(group="console_scripts")}
     assert scripts.get("torchntk") == "torchntk.cli:main"
+
+
+# Models as users bring them. They live in this file and are imported by the command line as
+# `cli_test_models:<factory>`, a module registered in sys.modules by the `user_models` fixture.
+
+
+class EmbeddingModel(nn.Module):
+    """Token ids (N, T) -> embedding -> mean over positions -> 3 logits."""
+
+    def __init__(self, vocab_size: int = 11):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(input_ids)).mean(1))
+
+
+class KeywordModel(EmbeddingModel):
+    """Keyword-only inputs, as a Hugging Face model's ``model(input_ids=..., attention_mask=...)``."""
+
+    def forward(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).to(self.head.weight.dtype)
+        pooled = (torch.tanh(self.embed(input_ids)) * mask).sum(1) / mask.sum(1)
+        return self.head(pooled)
+
+
+class RaisingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        raise RuntimeError("broken forward\n(a second line)")
+
+
+class NoVmapModel(nn.Module):
+    """Runs on a batch but not under vmap (``.item()``), as some stock models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.linear(x) * float(x.abs().max())
+
+
+@pytest.fixture
+def user_models(monkeypatch):
+    module = types.ModuleType("cli_test_models")
+    module.embedding = EmbeddingModel
+    module.keywords = KeywordModel
+    module.raising = RaisingModel
+    module.no_vmap = NoVmapModel
+    module.small = lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    monkeypatch.setitem(sys.modules, "cli_test_models", module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", ["long", "int32"])
+def test_token_ids_run_and_every_implementation_agrees(dtype, user_models, tmp_path, capsys):
+    arguments = ["--model", "cli_test_models:embedding", "--input-shape", "5", "--input-dtype", dtype,
+                 "--vocab-size", "11", "--n", "3", "--trace-axes", "none", "--float64"]
+    assert _run(arguments + ["--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" yes") == 3 and "3x3x3x3" in out
+    assert f"3 examples of shape (5,), {'int64' if dtype == 'long' else 'int32'} in [0, 11)" in out
+
+
+def test_token_ids_are_in_range_and_fixed():
+    from torchntk.cli._inputs import InputSpec
+
+    spec = InputSpec((7,), torch.int64, 5)
+    ids = spec.make(50, torch.float32, torch.device("cpu"))
+    assert ids.dtype == torch.int64 and ids.shape == (50, 7)
+    assert int(ids.min()) == 0 and int(ids.max()) == 4
+    assert torch.equal(ids, spec.make(50, torch.float32, torch.device("cpu")))
+
+
+def test_keyword_inputs(user_models, tmp_path, capsys):
+    arguments = ["--model", "cli_test_models:keywords", "--input-shape", "4", "--input-dtype", "long",
+                 "--vocab-size", "11", "--keyword-inputs", "input_ids,attention_mask=ones", "--n", "3"]
+    assert _run(arguments + ["--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" yes") == 3
+    assert "as keyword inputs input_ids, attention_mask=ones" in out
+    assert (tmp_path / "ntk_cli_test_models_keywords.png").exists()
+
+
+def test_a_failing_model_is_reported_in_one_line_and_the_others_still_run(user_models, tmp_path, capsys):
+    arguments = ["--model", "cli_test_models:raising", "--model", "cli_test_models:small", "--input-shape", "4", "--n", "3"]
+    assert _run(arguments + ["--output", str(tmp_path)]) == 3
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "torchntk: model 'cli_test_models:raising', forward pass (before any implementation) failed: "
+        "RuntimeError: broken forward (a second line)"
+    ]
+    results = (tmp_path / "results.md").read_text()
+    assert "| cli_test_models:raising | forward pass (before any implementation) | — | — | — | FAILED |" in results
+    assert "RuntimeError: broken forward (a second line)" in results
+    assert results.count("| cli_test_models:small |") == 3 and "NO" not in results
+    assert (tmp_path / "ntk_cli_test_models_small.png").exists()
+
+
+def test_a_model_failing_under_vmap_names_the_implementation(user_models, tmp_path, capsys):
+    arguments = ["--model", "cli_test_models:no_vmap", "--input-shape", "4", "--n", "3", "--implementation", "2"]
+    assert _run(arguments + ["--output", str(tmp_path)]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("torchntk: model 'cli_test_models:no_vmap', implementation 2 (NTK-vector products) failed: ")
+    assert "vmap" in err[0]
+    assert "| cli_test_models:no_vmap | 2 (NTK-vector products) | — | — | — | FAILED |" in (tmp_path / "results.md").read_text()
+    # The same model without the vmap promise works.
+    assert _run(arguments + ["--vmap-axes", "none", "--output", str(tmp_path)]) == 0
+
+
+def test_exit_statuses_are_distinct(user_models, tmp_path, monkeypatch, capsys):
+    from torchntk.cli import _arguments, _runs
+
+    statuses = (_arguments.OK, _arguments.DISAGREE, _arguments.USAGE, _arguments.MODEL_FAILED)
+    assert statuses == (0, 1, 2, 3)
+    small = ["--model", "cli_test_models:small", "--input-shape", "4", "--n", "2", "--output", str(tmp_path)]
+    assert _run(small) == 0
+    assert _run(small + ["--n", "0"]) == 2
+    assert _run(["--model", "cli_test_models:raising"] + small) == 3
+    monkeypatch.setattr(_runs, "_relative_difference", lambda kernel, reference: 1.0)
+    assert _run(small) == 1
+    assert _run(["--model", "cli_test_models:raising"] + small) == 3  # a failure outranks a disagreement
+    capsys.readouterr()
+    assert _run(["--help"]) == 0
+    help_text = capsys.readouterr().out
+    for line in ("1  two implementations disagree", "2  a bad argument", "3  a model failed"):
+        assert line in help_text
+
+
+def test_figure_titles_say_which_kernel(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from torchntk.cli import _figures
+
+    drawn = []
+    draw = _figures.draw_kernel
+
+    def spy(plt, matrix, description):
+        figure = draw(plt, matrix, description)
+        drawn.append((figure._suptitle.get_text(), figure.axes[0].get_xlabel(), figure.axes[0].get_ylabel()))
+        return figure
+
+    monkeypatch.setattr(_figures, "draw_kernel", spy)
+    assert _run(["--model", "mlp", "--n", "2", "--implementation", "3", "--trace-axes", "none", "--output", str(tmp_path)]) == 0
+    assert _run(["--model", "mlp", "--n", "2", "--output", str(tmp_path)]) == 0
+    (full_title, full_x, full_y), (traced_title, traced_x, traced_y) = drawn
+    assert full_title == ("empirical NTK of mlp, implementation 3 (structured derivatives)\n"
+                          "full kernel (no axis traced); rows and columns are (example, logit) pairs")
+    assert (full_x, full_y) == ("x2 (example, logit): example*10 + logit", "x1 (example, logit): example*10 + logit")
+    assert traced_title == ("empirical NTK of mlp, implementation 1 (Jacobian contraction)\n"
+                            "traced (averaged) over output axis 1 (size 10)")
+    assert (traced_x, traced_y) == ("x2 example", "x1 example")
+
+
+def test_kernel_descriptions_of_other_outputs():
+    from torchntk.cli._figures import KernelDescription
+
+    sequence = KernelDescription("lm", "1 (Jacobian contraction)", (4, 5, 7), (2,))
+    assert sequence.title().endswith("over output axis 2 (size 7); rows and columns are (example, output axis 1) pairs")
+    assert sequence.axis_label("x1") == "x1 (example, output axis 1): example*5 + output axis 1"
+    full = KernelDescription("lm", "1 (Jacobian contraction)", (4, 5, 7), ())
+    assert full.axis_label("x2") == "x2 (example, output axis 1, output axis 2): example*35 + output axis 1*7 + output axis 2"

@@ -4,7 +4,9 @@
 * ``torchntk bench [options]``: the benchmarks (``bench.py``), side by side with
   neural-tangents when ``jax`` and ``neural_tangents`` are installed.
 
-Bad arguments give one line on standard error and exit status 2.
+Exit statuses: 0 success; 1 two implementations disagree (the demo); 2 a bad argument, with one
+line on standard error; 3 a model failed in the demo (one line on standard error per failure, the
+other models and implementations still run, ``results.md`` records it). See ``demo.py``.
 """
 
 from __future__ import annotations

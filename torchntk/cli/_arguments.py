@@ -8,13 +8,18 @@ from typing import NoReturn, Optional
 
 import torch
 
+OK, DISAGREE, USAGE, MODEL_FAILED = 0, 1, 2, 3
+"""Exit statuses: all ran and agree; two implementations disagree; a bad argument (one line on
+standard error); a model failed (raised while building, in its forward pass, or computing a kernel
+with some implementation). A failure outranks a disagreement."""
+
 
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (``torchntk: error: ...``), exit status 2."""
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        raise SystemExit(2)
+        raise SystemExit(USAGE)
 
 
 def positive_int(text: str) -> int:

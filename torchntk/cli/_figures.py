@@ -6,8 +6,10 @@ sentence saying the figure was skipped, and the commands go on.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -27,44 +29,117 @@ def _pyplot():
     return plt
 
 
+MAX_MATRIX = 4096
+"""Largest side of a heatmap: beyond it the eigenvalues alone take minutes and the pixels blur."""
+
+
+@dataclass(frozen=True)
+class KernelDescription:
+    """What a kernel figure shows, for its title and axis labels.
+
+    Attributes:
+        model: the model's name on the command line.
+        implementation: e.g. ``"3 (structured derivatives)"``.
+        output_shape: the shape of the model's output on the examples, examples on axis 0.
+        trace_axes: the traced output axes, non-negative (as canonicalised by ``make_layout``).
+    """
+
+    model: str
+    implementation: str
+    output_shape: tuple[int, ...]
+    trace_axes: tuple[int, ...]
+
+    @property
+    def kept_axes(self) -> tuple[int, ...]:
+        """The output axes the kernel keeps, in the order of its (x1, x2) axis pairs."""
+        return tuple(axis for axis in range(len(self.output_shape)) if axis not in self.trace_axes)
+
+    def axis_name(self, axis: int) -> str:
+        if axis == 0:
+            return "example"
+        # A classifier's (N, O) output: its last axis holds the logits. Other axes are named by
+        # number: "logit" would be wrong for e.g. a sequence position or an image row.
+        if len(self.output_shape) == 2:
+            return "logit"
+        return f"output axis {axis}"
+
+    def title(self) -> str:
+        """Two lines: the model and implementation, then what the kernel's entries are."""
+        first = f"empirical NTK of {self.model}, implementation {self.implementation}"
+        if self.trace_axes:
+            traced = ", ".join(f"{axis} (size {self.output_shape[axis]})" for axis in self.trace_axes)
+            second = f"traced (averaged) over output axis {traced}"
+        else:
+            second = "full kernel (no axis traced)"
+        kept = self.kept_axes
+        if len(kept) > 1:
+            second += f"; rows and columns are ({', '.join(map(self.axis_name, kept))}) pairs"
+        return f"{first}\n{second}"
+
+    def axis_label(self, side: str) -> str:
+        """E.g. ``"x1 example"`` or ``"x1 (example, logit): example*10 + logit"`` (row-major)."""
+        kept = self.kept_axes
+        names = [self.axis_name(axis) for axis in kept]
+        if len(kept) == 1:
+            return f"{side} {names[0]}"
+        index = names[-1]
+        for axis, name in zip(kept[-2::-1], names[-2::-1]):
+            index = f"{name}*{_size_after(self.output_shape, kept, axis)} + {index}"
+        return f"{side} ({', '.join(names)}): {index}"
+
+
+def _size_after(shape: tuple[int, ...], kept: tuple[int, ...], axis: int) -> int:
+    return math.prod(shape[later] for later in kept if later > axis)
+
+
 def kernel_matrix(kernel: torch.Tensor) -> Optional[torch.Tensor]:
-    """The kernel as a square matrix: ``(N, N)`` as is, ``(N, N, O, O)`` as ``(N O, N O)``; else None."""
-    if kernel.ndim == 2 and kernel.shape[0] == kernel.shape[1]:
-        return kernel
-    if kernel.ndim == 4 and kernel.shape[0] == kernel.shape[1] and kernel.shape[2] == kernel.shape[3]:
-        return paired_matrix(kernel)
-    return None
+    """The kernel of x1 against itself as a square matrix: ``(N, N)`` as is, ``(N, N, O, O)`` as
+    ``(N O, N O)`` and so on for every (x1, x2) axis pair; None for other shapes."""
+    if kernel.ndim < 2 or kernel.ndim % 2 or kernel.shape[0::2] != kernel.shape[1::2]:
+        return None
+    return paired_matrix(kernel)
 
 
-def kernel_figure(kernel: torch.Tensor, path: Path, title: str) -> str:
+def kernel_figure(kernel: Any, path: Path, description: KernelDescription) -> str:
     """Writes the heatmap and the eigenvalue spectrum of ``kernel`` to ``path``; returns what it did."""
+    if not isinstance(kernel, torch.Tensor):
+        return "figure skipped: the model has several outputs, hence several kernels"
     matrix = kernel_matrix(kernel)
     if matrix is None:
-        return f"figure skipped: a kernel of shape {tuple(kernel.shape)} is not a square matrix (use x2=None layouts)"
+        return f"figure skipped: a kernel of shape {tuple(kernel.shape)} is not a square matrix"
+    if matrix.shape[0] > MAX_MATRIX:
+        return f"figure skipped: the kernel is a {matrix.shape[0]}x{matrix.shape[0]} matrix, over {MAX_MATRIX}"
     plt = _pyplot()
     if plt is None:
         return _SKIPPED
+    figure = draw_kernel(plt, matrix, description)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return f"figure: {path}"
+
+
+def draw_kernel(plt, matrix: torch.Tensor, description: KernelDescription):
+    """The matplotlib figure of :func:`kernel_figure`: heatmap left, spectrum right."""
     from matplotlib.ticker import MaxNLocator
 
     matrix = matrix.detach().to("cpu", torch.float64)
     eigenvalues = torch.linalg.eigvalsh((matrix + matrix.T) / 2).flip(0)
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
     image = left.imshow(matrix.numpy(), cmap="viridis")
     figure.colorbar(image, ax=left, fraction=0.046)
-    left.set_title(f"empirical NTK: {title}")
+    figure.suptitle(description.title(), fontsize=10)
+    left.set_title("kernel")
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.yaxis.set_major_locator(MaxNLocator(integer=True))
-    left.set_xlabel("x2 example" if kernel.ndim == 2 else "x2 (example, output)")
-    left.set_ylabel("x1 example" if kernel.ndim == 2 else "x1 (example, output)")
+    left.set_xlabel(description.axis_label("x2"), fontsize=8)
+    left.set_ylabel(description.axis_label("x1"), fontsize=8)
     positive = eigenvalues.clamp(min=eigenvalues.max().item() * 1e-16)
     right.semilogy(range(1, len(positive) + 1), positive.numpy(), marker=".")
     right.set_title("eigenvalues (descending)")
     right.set_xlabel("index")
     right.grid(True, which="both", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return f"figure: {path}"
+    return figure
 
 
 def scaling_figure(times: dict[tuple[str, int], dict[int, float]], path: Path, title: str) -> str:

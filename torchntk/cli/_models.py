@@ -15,8 +15,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._inputs import InputSpec
+
 MODEL_SEED = 0
-INPUT_SEED = 1
 
 
 class UsageError(Exception):
@@ -119,8 +120,7 @@ def user_model(path: str, input_shape: tuple[int, ...] | None) -> ModelChoice:
 
 def inputs(shape: tuple[int, ...], n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``n`` standard-normal examples of ``shape``, the same for every run."""
-    generator = torch.Generator().manual_seed(INPUT_SEED)
-    return torch.randn((n, *shape), generator=generator, dtype=dtype).to(device)
+    return InputSpec(shape).make(n, dtype, device)
 
 
 def jax_twin(model: nn.Module) -> tuple[Callable[[Any, Any], Any], dict]:

@@ -4,43 +4,48 @@ With no arguments it runs a small MLP and a small CNN on synthetic data (nothing
 computes each one's NTK with implementations 1, 2 and 3, checks that they agree, asks AUTO which
 it would pick, prints a table and writes, per model, a PNG with the kernel as a heatmap and its
 eigenvalue spectrum (when matplotlib is installed: ``pip install 'torchntk[plot]'``), plus the
-table as ``results.md``, into the output folder. The exit status is 1 when two implementations
-disagree (beyond 1e-4 relative in float32, 1e-9 in float64).
+table as ``results.md``, into the output folder.
+
+Models of your own come from ``--model module:factory``. Those taking token ids get integers
+(``--input-dtype long --vocab-size N``); those taking keyword inputs are called as
+``model(**inputs)`` (``--keyword-inputs input_ids,attention_mask=ones``). Only parameters are
+differentiated, so integer inputs need nothing more.
+
+Exit status: 0 when every implementation ran and they agree; 1 when two implementations disagree
+(beyond 1e-4 relative in float32, 1e-9 in float64); 2 for a bad argument (one line on standard
+error, nothing computed); 3 when a model failed: its factory, its forward pass or one
+implementation raised. That prints one line on standard error naming the model, the step and the
+error, and the demo goes on with the other implementations and models and still writes
+``results.md``, with the failure in the table. 3 outranks 1.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 
-import torchntk
-
 from . import _arguments
-from ._arguments import markdown_table, text_table
+from ._arguments import DISAGREE, MODEL_FAILED, OK, markdown_table, text_table
 from ._figures import kernel_figure
-from ._models import DEMO_MODELS, ModelChoice, UsageError, inputs, user_model
-from ._timing import timed_calls
+from ._inputs import INPUT_DTYPES, InputSpec, keyword_inputs
+from ._models import DEMO_MODELS, ModelChoice, UsageError, user_model
+from ._runs import ModelRun, Row, Settings, describe_error, run_model
 
-IMPLEMENTATION_NAMES = {
-    1: "Jacobian contraction",
-    2: "NTK-vector products",
-    3: "structured derivatives",
-}
+_EPILOG = """exit status:
+  0  every implementation ran and they agree
+  1  two implementations disagree
+  2  a bad argument (one line on standard error)
+  3  a model failed (its factory, forward pass or an implementation raised): one line on
+     standard error per failure; the other implementations and models still run and
+     results.md records the failure. 3 outranks 1.
 
-
-@dataclass
-class Row:
-    model: str
-    implementation: int
-    shape: tuple[int, ...]
-    seconds: float
-    difference: float
-    agrees: bool
+a language model taking token ids and an attention mask, from my_lm.py's make_model():
+  torchntk --model my_lm:make_model --input-shape 16 --input-dtype long --vocab-size 1000 \\
+           --keyword-inputs input_ids,attention_mask=ones
+"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,17 +53,27 @@ def parser() -> argparse.ArgumentParser:
         prog="torchntk",
         description=(
             "Compute the empirical NTK of a model with every implementation, check that they agree, "
-            "time them, and plot the kernel and its spectrum. Exit status: 0, or 1 when implementations "
-            "disagree, 2 for bad arguments. `torchntk bench --help` describes the benchmarks."
+            "time them, and plot the kernel and its spectrum. `torchntk bench --help` describes the benchmarks."
         ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", action="append", metavar="NAME",
                         help="'mlp', 'cnn' or 'module:callable' (a function returning an nn.Module, "
                              "imported from the current directory or sys.path); repeatable. "
                              "Default: mlp and cnn")
     parser.add_argument("--input-shape", type=_arguments.shape, metavar="D,...",
-                        help="shape of one input example, e.g. 3,32,32 (default: the built-in model's; "
-                             "required for module:callable)")
+                        help="shape of one input example, e.g. 3,32,32, or 16 for 16 token ids (default: the "
+                             "built-in model's; required for module:callable)")
+    parser.add_argument("--input-dtype", choices=list(INPUT_DTYPES), default="float",
+                        help="float: standard normal inputs in the model's dtype (default); long/int64 or int/int32: "
+                             "random integers in [0, --vocab-size), e.g. token ids for an embedding")
+    parser.add_argument("--vocab-size", type=_arguments.positive_int, metavar="V",
+                        help="integer inputs are drawn from [0, V); required with an integer --input-dtype")
+    parser.add_argument("--keyword-inputs", type=keyword_inputs, metavar="NAME[=FILL],...",
+                        help="call the model as model(**inputs) with these keyword inputs, each of --input-shape "
+                             "with N examples on axis 0: NAME is random (as --input-dtype says), NAME=ones or "
+                             "NAME=zeros is constant, e.g. input_ids,attention_mask=ones. Default: model(x)")
     parser.add_argument("--n", type=_arguments.positive_int, default=16, help="number of examples (default 16)")
     parser.add_argument("--trace-axes", type=_arguments.axes, default=(-1,), metavar="AXES",
                         help="output axes to trace, comma-separated, or 'none' for the full kernel (default -1)")
@@ -79,69 +94,98 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    """Runs the demo with ``argv``; returns the exit status (see the module docstring).
+
+    Raises:
+        UsageError: a bad argument. Most are found before anything is computed; an output axis
+            out of range only once that model has run forward (earlier models' figures may
+            then exist, but no ``results.md``).
+    """
     arguments = parser().parse_args(argv)
-    choices = _models(arguments.model or ["mlp", "cnn"], arguments.input_shape)
-    implementations = [1, 2, 3] if arguments.implementation == "all" else [int(arguments.implementation)]
+    choices = _models(arguments.model or ["mlp", "cnn"], arguments)
+    implementations = (1, 2, 3) if arguments.implementation == "all" else (int(arguments.implementation),)
     dtype = torch.float64 if arguments.float64 else torch.float32
+    settings = Settings(arguments.n, arguments.trace_axes, arguments.vmap_axes, implementations, dtype,
+                        arguments.device, arguments.repeats)
     arguments.output.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
-    notes: list[str] = []
     progress = {"auto": None, "on": False, "off": True}[arguments.progress]
     steps = tqdm(total=len(choices) * (len(implementations) + 1), disable=progress, desc="torchntk", leave=False)
-    for choice in choices:
-        model = choice.build().to(device=arguments.device, dtype=dtype)
-        x = inputs(choice.input_shape, arguments.n, dtype, arguments.device)
-        kernels = {}
-        for implementation in implementations:
-            steps.set_postfix_str(f"{choice.name}, implementation {implementation}")
-            ntk_fn = torchntk.empirical_ntk_fn(
-                model, trace_axes=arguments.trace_axes, vmap_axes=arguments.vmap_axes, implementation=implementation
-            )
-            kernels[implementation], times = timed_calls(lambda: ntk_fn(x), arguments.repeats, x.device)
-            seconds = min(times)
-            rows.append(Row(choice.name, implementation, tuple(kernels[implementation].shape), seconds, 0.0, True))
-            steps.update(1)
-        reference = kernels[implementations[0]]
-        tolerance = 1e-9 if dtype == torch.float64 else 1e-4
-        for row in rows[-len(implementations):]:
-            row.difference = _relative_difference(kernels[row.implementation], reference)
-            row.agrees = row.difference <= tolerance
-        auto = torchntk.empirical_ntk_fn(model, trace_axes=arguments.trace_axes, vmap_axes=arguments.vmap_axes, implementation=0)
-        chosen = int(auto.auto_choice(x).implementation)
-        notes.append(f"{choice.name}: {choice.description}, {arguments.n} examples of shape "
-                     f"{tuple(choice.input_shape)}; AUTO picks {chosen} ({IMPLEMENTATION_NAMES[chosen]}).")
+
+    def advance(step: str) -> None:
+        steps.set_postfix_str(step)
         steps.update(1)
-        figure = kernel_figure(reference, arguments.output / f"ntk_{_file_name(choice.name)}.png", choice.name)
-        notes.append(f"{choice.name}: {figure}")
+
+    runs: list[ModelRun] = []
+    for choice, spec in choices:
+        run = run_model(choice, spec, settings, advance)
+        if run.kernel is not None:
+            run.notes.append(f"{choice.name}: {_figure(run, arguments.output / f'ntk_{_file_name(choice.name)}.png')}")
+        runs.append(run)
     steps.close()
+    rows = [row for run in runs for row in run.rows]
+    notes = [note for run in runs for note in run.notes]
+    notes += [f"FAILED: model {failure.model!r}, {failure.step}: {failure.error}" for run in runs for failure in run.failures]
     headers, body = _cells(rows, implementations[0])
     print(text_table(headers, body))
     print()
     print("\n".join(notes))
     (arguments.output / "results.md").write_text(_markdown(headers, body, notes, arguments, dtype))
     print(f"\nresults: {arguments.output / 'results.md'}")
-    return 0 if all(row.agrees for row in rows) else 1
+    if any(run.failures for run in runs):
+        return MODEL_FAILED
+    return OK if all(row.agrees for row in rows) else DISAGREE
 
 
-def _models(names: list[str], input_shape: Optional[tuple[int, ...]]) -> list[ModelChoice]:
+def _figure(run: ModelRun, path: Path) -> str:
+    """The figure of ``run``'s kernel, or why there is none; a plotting error does not stop the demo."""
+    try:
+        return kernel_figure(run.kernel, path, run.description) if run.description else "figure skipped: several outputs"
+    except Exception as error:
+        return f"figure failed: {describe_error(error)}"
+
+
+def _models(names: list[str], arguments: argparse.Namespace) -> list[tuple[ModelChoice, InputSpec]]:
+    """The models and their inputs.
+
+    Raises:
+        UsageError: inputs the arguments describe badly, or that a built-in model cannot take.
+    """
+    dtype = INPUT_DTYPES[arguments.input_dtype]
+    if dtype is not None and arguments.vocab_size is None:
+        raise UsageError(f"--input-dtype {arguments.input_dtype}: give the range of the integers with --vocab-size "
+                         "(e.g. --vocab-size 1000 for token ids in [0, 1000))")
+    if dtype is None and arguments.vocab_size is not None:
+        raise UsageError("--vocab-size: only for integer inputs (add e.g. --input-dtype long)")
+    keywords = arguments.keyword_inputs or ()
     choices = []
     for name in names:
         if name in DEMO_MODELS:
             choice = DEMO_MODELS[name]
-            if input_shape is not None and input_shape != choice.input_shape:
-                raise UsageError(
-                    f"--input-shape {','.join(map(str, input_shape))}: the built-in {name} takes inputs of shape "
-                    f"{','.join(map(str, choice.input_shape))}; use --model module:callable for other shapes"
-                )
-            choices.append(choice)
+            _check_built_in(choice, arguments)
         else:
-            choices.append(user_model(name, input_shape))
+            choice = user_model(name, arguments.input_shape)
+        spec = InputSpec(choice.input_shape, dtype, arguments.vocab_size, keywords)
+        ndim = len(spec.shape) + 1
+        if arguments.vmap_axes is not None and not -ndim <= arguments.vmap_axes < ndim:
+            raise UsageError(f"--vmap-axes {arguments.vmap_axes}: out of range for inputs of shape "
+                             f"{(arguments.n, *spec.shape)} (N examples on axis 0)")
+        choices.append((choice, spec))
     return choices
 
 
-def _relative_difference(kernel: torch.Tensor, reference: torch.Tensor) -> float:
-    scale = reference.abs().max().item()
-    return (kernel - reference).abs().max().item() / (scale or 1.0)
+def _check_built_in(choice: ModelChoice, arguments: argparse.Namespace) -> None:
+    name, shape = choice.name, arguments.input_shape
+    if shape is not None and shape != choice.input_shape:
+        raise UsageError(
+            f"--input-shape {','.join(map(str, shape))}: the built-in {name} takes inputs of shape "
+            f"{','.join(map(str, choice.input_shape))}; use --model module:callable for other shapes"
+        )
+    if INPUT_DTYPES[arguments.input_dtype] is not None:
+        raise UsageError(f"--input-dtype {arguments.input_dtype}: the built-in {name} takes float inputs; "
+                         "use --model module:callable for a model taking integers")
+    if arguments.keyword_inputs:
+        raise UsageError(f"--keyword-inputs: the built-in {name} takes one input, model(x); "
+                         "use --model module:callable for a model taking keyword inputs")
 
 
 def _file_name(name: str) -> str:
@@ -149,12 +193,17 @@ def _file_name(name: str) -> str:
 
 
 def _cells(rows: list[Row], reference: int) -> tuple[list[str], list[list[str]]]:
+    """The table; a failed step reads FAILED, its error is in the notes (too long for a cell)."""
     headers = ["model", "implementation", "kernel shape", "time [s]", f"max rel diff vs {reference}", "agrees"]
-    body = [
-        [row.model, f"{row.implementation} ({IMPLEMENTATION_NAMES[row.implementation]})", "x".join(map(str, row.shape)),
-         f"{row.seconds:.4f}", f"{row.difference:.1e}", "yes" if row.agrees else "NO"]
-        for row in rows
-    ]
+    body = []
+    for row in rows:
+        if row.error is not None:
+            body.append([row.model, row.step, "—", "—", "—", "FAILED"])
+            continue
+        # When the first implementation failed, the others are compared with the first that ran.
+        versus = "" if row.reference == reference else f" (vs {row.reference})"
+        body.append([row.model, row.step, row.shape, f"{row.seconds:.4f}", f"{row.difference:.1e}{versus}",
+                     "yes" if row.agrees else "NO"])
     return headers, body
 
 
