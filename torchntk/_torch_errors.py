@@ -15,7 +15,9 @@ from typing import Iterator
 
 _IN_PLACE_UNDER_GRAD = re.compile(r"attempted to call in-place operation \((?P<op>[\w:.]+)\) that would mutate a captured")
 _IN_PLACE_UNDER_VMAP = re.compile(r"vmap: (?P<op>[\w:.]+)\(self, \*extra_args\) is not possible")
-_NO_FORWARD_MODE = re.compile(r"Trying to use forward AD with (?P<op>[\w:.]+) that does not support it")
+_NO_FORWARD_MODE = re.compile(
+    r"Trying to use forward AD with (?P<op>[\w:.]+) that does not support it|(?P<function>You must implement the jvp function)"
+)
 
 
 def _explanation(error: BaseException, where: str) -> str | None:
@@ -39,10 +41,11 @@ def _explanation(error: BaseException, where: str) -> str | None:
         )
     found = _NO_FORWARD_MODE.search(text)
     if found:
+        culprit = found["op"] or "a custom torch.autograd.Function without a jvp staticmethod"
         return (
-            f"{where}: implementation 2 (NTK-vector products) needs forward-mode derivatives, and "
-            f"PyTorch has none for {found['op']} (used by this model). Use implementation=1 "
-            f"(Jacobian contraction) or 3 (structured derivatives)."
+            f"{where}: this needs forward-mode derivatives (torch.func.jvp), and PyTorch has none for "
+            f"{culprit} (used by this model). The kernel functions do not need them: their "
+            f"implementations 1 and 3 use reverse mode only, and 2 falls back to it."
         )
     return None
 

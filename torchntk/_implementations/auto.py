@@ -10,18 +10,29 @@ at least two FLOPs per parameter and example) and the shapes:
   without (3, whose sweeps stop at the ops' outputs);
 * Jacobian contraction (1): ``2 |K| |T| P`` for a kernel of ``|K|`` entries, ``|T|`` traced
   coordinates and ``P`` parameters; memory: both sides' Jacobians;
-* NTK-vector products (2): one forward-mode pass over x1 (about ``3 F1``) per x2 output entry;
+* NTK-vector products (2): one forward-mode pass over x1 (about ``3 F1``) per x2 output entry.
+  Without forward-mode derivatives (NOTE: [NTK-vector products without forward mode]) it is one
+  recorded reverse pass over x1 (``3 F1``) plus one backward of that backward pass per x2 output
+  entry, priced ``4 F1``: measured as fast as forward mode on the benchmark MLP, whose ReLU's
+  second backward is a mask; smooth activations and MATH attention cost more there;
 * structured derivatives (3): opt_einsum's planned cost of every pair contraction, plus the
   Jacobian-contraction cost of parameters the rules do not cover (the plan implementation 3 would
   use, checked against autograd, so demoted parameters are priced as fallback); memory: ``G``, the
   operands and the largest planned intermediate.
 
-Implementation 2 is not a candidate when the model applies a custom ``torch.autograd.Function``
-without a ``jvp`` (forward-mode AD fails on it). Candidates whose memory estimate exceeds the
-budget (half the machine's RAM, or the free memory of the CUDA device) are dropped unless none
-fits; among the rest the smallest cost wins, ties going to the earlier of 1, 2, 3. FLOP counts
-ignore GEMM efficiency and memory traffic, so the choice can be wrong when two estimates are
-close; ``auto_choice`` reports the estimates behind it.
+NOTE: [AUTO's feasibility filter]
+A candidate that cannot run on the model is never chosen, and ``AutoChoice.excluded`` says why:
+implementation 2 is probed on x1's first example (one forward-mode column, and one double-VJP
+column if PyTorch reports an operation without forward-mode derivative; excluded when neither
+can differentiate the model), implementation 3 when its plan cannot be made. Any error while
+pricing a candidate excludes that candidate with the error as the reason instead of reaching
+the caller: the cost model never fails a kernel call. If every candidate is excluded, Jacobian
+contraction (1) runs and raises the model's own error, explained.
+
+Candidates whose memory estimate exceeds the budget (half the machine's RAM, or the free memory
+of the CUDA device) are dropped unless none fits; among the rest the smallest cost wins, ties
+going to the earlier of 1, 2, 3. FLOP counts ignore GEMM efficiency and memory traffic, so the
+choice can be wrong when two estimates are close; ``auto_choice`` reports the estimates behind it.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .._call import KernelCall
 from .._types import NtkImplementation
+from .ntk_vector_products import vector_products_method
 from .structured import StructuredDerivatives
 from .structured._cost import structured_cost
 from .structured._plan import Plan
@@ -43,10 +55,19 @@ from .structured._plan import Plan
 
 @dataclass(frozen=True)
 class Estimate:
-    """The cost model's view of one implementation: FLOPs and peak extra memory in bytes."""
+    """The cost model's view of one implementation: FLOPs and peak extra memory in bytes.
+
+    Attributes:
+        flops: estimated multiply-add FLOPs.
+        memory_bytes: estimated peak extra memory in bytes.
+        note: how the implementation would run when not in its usual way, else ``""``; e.g.
+            ``"double VJP: no forward-mode derivative for aten::_weight_norm_interface"`` for
+            implementation 2 on a model PyTorch cannot run forward mode through.
+    """
 
     flops: float
     memory_bytes: float
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,18 +85,28 @@ class AutoChoice:
             consumes it, it is written in place, or its rules disagreed with autograd when the
             plan was checked (see ``docs/structured.md``). Filled when implementation 3 is used or
             priced; empty otherwise.
+        excluded: ``{NtkImplementation: reason}`` for every candidate AUTO found it cannot run on
+            this model or could not price (NOTE: [AUTO's feasibility filter]); such a candidate is
+            never chosen and has no entry in ``estimates``. Empty when ``implementation`` was
+            fixed by the caller.
     """
 
     implementation: NtkImplementation
     estimates: dict = field(default_factory=dict)
     memory_budget_bytes: float = math.inf
     fallback_parameters: dict = field(default_factory=dict)
+    excluded: dict = field(default_factory=dict)
 
 
-def choose(call: KernelCall, plan: Plan) -> AutoChoice:
-    """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that fits in memory.
+def choose(call: KernelCall, plan: Plan | BaseException) -> AutoChoice:
+    """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that can run and fits.
 
-    ``plan``: implementation 3's plan for ``call`` (from ``StructuredDerivatives.plan``).
+    Never raises for the model's sake: see NOTE: [AUTO's feasibility filter].
+
+    Args:
+        call: the validated kernel call.
+        plan: implementation 3's plan for ``call`` (from ``StructuredDerivatives.plan``), or the
+            error making it raised (which excludes implementation 3).
     """
     sides = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
     element = max(call.model.params[0].element_size(), max(o.element_size() for o in call.outputs1))
@@ -95,34 +126,63 @@ def choose(call: KernelCall, plan: Plan) -> AutoChoice:
         sweep_sides = 2
     kernel = sum(math.prod(shape) * layout.trace_size(o.shape) for shape, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1))
     sweeps = sum(2.0 * b * f for b, f in list(zip(basis, forward))[:sweep_sides])
-    jacobian_contraction = Estimate(sweeps + 2.0 * kernel * params, element * params * sum(entries[:sweep_sides]))
-    ntk_vector_products = Estimate(2.0 * basis[1] * forward[1] + 3.0 * entries[1] * forward[0], element * params * 8)
-    structured = structured_cost(call, plan)
-    structured_derivatives = Estimate(
-        sweeps / 2 + 2.0 * sum(forward[:sweep_sides]) + structured.contraction_flops,
-        element * structured.memory_elements,
-    )
-    estimates = {
-        NtkImplementation.JACOBIAN_CONTRACTION: jacobian_contraction,
-        NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products,
-        NtkImplementation.STRUCTURED_DERIVATIVES: structured_derivatives,
-    }
-    if structured.without_jvp:  # forward-mode AD would raise on them
-        del estimates[NtkImplementation.NTK_VECTOR_PRODUCTS]
+
+    def jacobian_contraction() -> Estimate:
+        return Estimate(sweeps + 2.0 * kernel * params, element * params * sum(entries[:sweep_sides]))
+
+    def ntk_vector_products() -> Estimate:
+        method, missing = vector_products_method(call.side1)
+        x2_vectors = 2.0 * basis[1] * forward[1]
+        if missing is None:
+            return Estimate(x2_vectors + 3.0 * entries[1] * forward[0], element * params * 8)
+        flops = x2_vectors + 3.0 * forward[0] + 4.0 * entries[1] * forward[0]
+        return Estimate(flops, element * params * 8, f"{method}: no forward-mode derivative for {missing}")
+
+    def structured_derivatives() -> Estimate:
+        if isinstance(plan, BaseException):
+            raise plan
+        structured = structured_cost(call, plan)
+        return Estimate(
+            sweeps / 2 + 2.0 * sum(forward[:sweep_sides]) + structured.contraction_flops,
+            element * structured.memory_elements,
+        )
+
+    estimates: dict[NtkImplementation, Estimate] = {}
+    excluded: dict[NtkImplementation, str] = {}
+    for implementation, estimate in (
+        (NtkImplementation.JACOBIAN_CONTRACTION, jacobian_contraction),
+        (NtkImplementation.NTK_VECTOR_PRODUCTS, ntk_vector_products),
+        (NtkImplementation.STRUCTURED_DERIVATIVES, structured_derivatives),
+    ):
+        try:
+            estimates[implementation] = estimate()
+        except Exception as error:  # noqa: BLE001 - a failure excludes the candidate, never the call
+            excluded[implementation] = f"{type(error).__name__}: {error}"
     budget = _memory_budget(call.outputs1[0].device)
+    fallback = {} if isinstance(plan, BaseException) else {
+        call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback
+    }
+    if not estimates:  # 1 then raises the model's own error, explained
+        return AutoChoice(NtkImplementation.JACOBIAN_CONTRACTION, {}, budget, fallback, excluded)
     fitting = {key: value for key, value in estimates.items() if value.memory_bytes <= budget}
     if not fitting:
         smallest = min(estimates, key=lambda key: estimates[key].memory_bytes)
         fitting = {smallest: estimates[smallest]}
     best = min(fitting, key=lambda key: (fitting[key].flops, int(key)))
-    fallback = {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
-    return AutoChoice(best, estimates, budget, fallback)
+    return AutoChoice(best, estimates, budget, fallback, excluded)
 
 
 def _forward_flops(side) -> float:
+    """The forward FLOPs of ``side`` (multiply-adds), or 0 if the counter cannot run the model.
+
+    0 leaves the caller's lower bound of two FLOPs per parameter and example.
+    """
     counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        side.forward()
+    try:
+        with torch.no_grad(), counter:
+            side.forward()
+    except Exception:  # noqa: BLE001 - a pricing aid only; the implementations report the error
+        return 0.0
     return float(counter.get_total_flops()) / 2  # the counter counts a multiply-add as two
 
 
@@ -149,7 +209,11 @@ class AutoSelector:
     def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
         cache_key = (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
         if cache_key not in self._choices:
-            self._choices[cache_key] = choose(call, self._structured.plan(call, key))
+            try:
+                plan: Plan | BaseException = self._structured.plan(call, key)
+            except Exception as error:  # noqa: BLE001 - excludes implementation 3, see choose()
+                plan = error
+            self._choices[cache_key] = choose(call, plan)
         return self._choices[cache_key]
 
     def compute(self, call: KernelCall, key: tuple) -> Any:

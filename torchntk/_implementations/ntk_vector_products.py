@@ -13,19 +13,41 @@ The PyTorch tutorial vmaps the product over pairs of examples ``(x1[n], x2[m])``
 ``O``-sized basis each, holding ``N1 N2 O`` parameter-sized vectors at once. Here each x2
 output entry gives one tangent, used once for the whole x1 batch: ``N2 O`` tangents in all,
 bounded further by ``chunk_size``.
+
+NOTE: [NTK-vector products without forward mode]
+Some operations have no forward-mode derivative in PyTorch (``aten::_weight_norm_interface`` of
+the old ``weight_norm``, the fused ``_native_multi_head_attention`` of ``nn.MultiheadAttention``
+in eval mode, the ``mkldnn_rnn_layer`` of float32 ``nn.LSTM`` on CPU, custom
+``torch.autograd.Function`` classes without ``jvp``). For them the column ``J1 t`` comes from two
+reverse passes instead: ``u -> J1^T u`` is linear, so its VJP with cotangent ``t`` is ``J1 t``
+whatever ``u`` it is taken at (zero here). One reverse pass over x1 records ``J1^T u`` with its
+graph, and every tangent then costs one backward of that backward pass.
+
+The switch happens at most once per kernel call: the first forward-mode pass that raises
+PyTorch's "no forward AD" error turns the rest of the call over to the double-VJP path. That
+try costs nothing where forward mode works, and under 1 ms where it fails (the error comes at
+the offending op); an up-front probe (one column of one example, what AUTO runs) cost 1-9 ms
+per call on the benchmark MLP. Forward mode is kept wherever it works: it holds no recorded
+graph of x1, and on the benchmark MLP the double-VJP path was no faster (timings in
+``tests/test_forward_mode_free.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional, Sequence
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
-from torch.func import jacrev, jvp, vmap
+from torch.func import jacrev, jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._blocks import BlockPlan, assemble
 from .._call import KernelCall
 from .._per_example import Side
+from .._threads import FORWARD_MODE_LOCK
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -34,8 +56,18 @@ def ntk_vector_products_ntk(call: KernelCall) -> list[torch.Tensor]:
     return assemble(call, ntk_vector_products_blocks(call))
 
 
-def ntk_vector_products_blocks(call: KernelCall) -> BlockPlan:
+def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = None) -> BlockPlan:
+    """The block plan of implementation 2.
+
+    Args:
+        call: the validated kernel call.
+        forward_mode: ``None`` (default) uses forward mode until PyTorch reports an operation
+            without a forward-mode derivative, then double VJPs for the rest of the call (NOTE:
+            [NTK-vector products without forward mode]); ``True`` / ``False`` force one path
+            (``False`` is how the tests and benchmarks price the double-VJP path on any model).
+    """
     vector_chunk = None if call.side1.mapped else call.chunk_size
+    columns = _Columns(forward_mode)
 
     def prepare_x2(side: Side) -> Jacobians:
         if side.mapped and side.batch_size() <= _MIN_RUN:
@@ -44,7 +76,6 @@ def ntk_vector_products_blocks(call: KernelCall) -> BlockPlan:
         return side.jacobians(chunk_size=vector_chunk)
 
     def contract(side1: Side, jacobians2: Jacobians, needed: Sequence[bool]) -> list[Optional[torch.Tensor]]:
-        forward = side1.whole_batch()
         params = side1.model.params
         blocks: list[Optional[torch.Tensor]] = []
         for leaf, (layout, per_param2, is_needed) in enumerate(zip(call.layouts, jacobians2, needed)):
@@ -55,14 +86,11 @@ def ntk_vector_products_blocks(call: KernelCall) -> BlockPlan:
             tangents = tuple(
                 jacobian.reshape(-1, *param.shape) for jacobian, param in zip(per_param2, params)
             )
-
-            def column(tangent: tuple, leaf: int = leaf) -> torch.Tensor:
-                return jvp(forward, (params,), (tangent,))[1][leaf]
-
-            columns = vmap(column, chunk_size=vector_chunk or _even_chunks(tangents[0].shape[0]))(tangents)
-            # columns: (*output2, *output1) -> unzipped kernel (*output1, *output2)
-            columns = columns.reshape(*output2_shape, *columns.shape[1:])
-            full = columns.permute(*range(layout.ndim, 2 * layout.ndim), *range(layout.ndim))
+            chunk = vector_chunk or _even_chunks(tangents[0].shape[0])
+            products = columns(side1, leaf, tangents, chunk)
+            # products: (*output2, *output1) -> unzipped kernel (*output1, *output2)
+            products = products.reshape(*output2_shape, *products.shape[1:])
+            full = products.permute(*range(layout.ndim, 2 * layout.ndim), *range(layout.ndim))
             blocks.append(layout.from_full(full))
         return blocks
 
@@ -102,3 +130,191 @@ def _default_run_length(call: KernelCall) -> Optional[int]:
     params = call.model.params
     vector_bytes = sum(p.numel() for p in params) * params[0].element_size()
     return max(_MIN_RUN, int(_RUN_BYTES // max(1.0, outputs_per_example * vector_bytes)))
+
+
+# -- the columns J1 t: forward mode, or two reverse passes --------------------------------------
+
+_NO_FORWARD_AD = re.compile(
+    r"Trying to use forward AD with (?P<op>[\w:.]+) that does not support it"
+    r"|(?P<custom>You must implement the jvp function for custom autograd\.Function)"
+)
+_NOT_TWICE_DIFFERENTIABLE = re.compile(
+    r"derivative for '?(?P<op>[\w:.]+)'? is not implemented"
+    r"|(?P<once>once_differentiable)"
+)
+
+
+def missing_forward_mode(error: BaseException) -> Optional[str]:
+    """What lacks a forward-mode derivative according to PyTorch's ``error``, or None.
+
+    Returns:
+        The operation's name (e.g. ``"aten::_weight_norm_interface"``), or ``"a custom
+        torch.autograd.Function without jvp"``; None when ``error`` says something else.
+    """
+    if not isinstance(error, (RuntimeError, NotImplementedError)):
+        return None
+    found = _NO_FORWARD_AD.search(str(error))
+    if found is None:
+        return None
+    return found["op"] or "a custom torch.autograd.Function without jvp"
+
+
+@dataclass
+class _Columns:
+    """``(side1, leaf, tangents, chunk) -> J1[leaf] t`` for a batch of parameter-space ``t``.
+
+    One per block plan, i.e. per kernel call, so that the switch to double VJPs happens once per
+    call (NOTE: [NTK-vector products without forward mode]). ``forward_mode``: None until the first
+    forward-mode pass succeeds or fails, unless forced. ``_transposed`` keeps the last x1 run's
+    reverse pass (``u -> J1^T u`` per leaf, recorded with its graph): x1 usually stays whole across
+    the runs of x2, so it is recorded once per call rather than once per run of x2.
+    """
+
+    forward_mode: Optional[bool] = None
+    missing: Optional[str] = None
+    _transposed: dict = field(default_factory=dict)
+
+    def __call__(self, side1: Side, leaf: int, tangents: tuple, chunk: int) -> torch.Tensor:
+        if self.forward_mode is not False:
+            try:
+                products = _forward_mode_columns(side1, leaf, tangents, chunk)
+            except (RuntimeError, NotImplementedError) as error:
+                missing = missing_forward_mode(error)
+                if missing is None or self.forward_mode is True:
+                    raise
+                self.forward_mode, self.missing = False, missing
+            else:
+                self.forward_mode = True
+                return products
+        return self._double_vjp_columns(side1, leaf, tangents, chunk)
+
+    def _double_vjp_columns(self, side1: Side, leaf: int, tangents: tuple, chunk: int) -> torch.Tensor:
+        with _twice_differentiable(side1.where, self.missing):
+            # Runs of x1 are fresh Side objects each time; within one call, offset and length
+            # name the same examples.
+            examples = (side1.offset, side1.batch_size() if side1.mapped else None)
+            if self._transposed.get("examples") != examples:
+                self._transposed = {"examples": examples, "leaves": _transposed_maps(side1)}
+            pullback = self._transposed["leaves"](leaf)
+            return vmap(lambda tangent: pullback(tangent)[0], chunk_size=chunk)(tangents)
+
+
+def _forward_mode_columns(side1: Side, leaf: int, tangents: tuple, chunk: int) -> torch.Tensor:
+    forward, params = side1.whole_batch(), side1.model.params
+
+    def column(tangent: tuple) -> torch.Tensor:
+        return jvp(forward, (params,), (tangent,))[1][leaf]
+
+    with FORWARD_MODE_LOCK:  # NOTE: [Threads]
+        return vmap(column, chunk_size=chunk)(tangents)
+
+
+def _transposed_maps(side1: Side) -> Callable[[int], Callable]:
+    """``leaf -> VJP of (u -> J1[leaf]^T u)``, sharing one recorded reverse pass over x1.
+
+    The VJP is taken at ``u = 0``: the map is linear in ``u``, so the point does not matter.
+    """
+    outputs, pullback = vjp(side1.whole_batch(), side1.model.params)
+    zeros = tuple(torch.zeros_like(output) for output in outputs)
+    maps: dict[int, Callable] = {}
+
+    def for_leaf(leaf: int) -> Callable:
+        if leaf not in maps:
+            def transposed(u: torch.Tensor) -> tuple:
+                return pullback(zeros[:leaf] + (u,) + zeros[leaf + 1:])[0]
+
+            maps[leaf] = vjp(transposed, zeros[leaf])[1]
+            _check_adjoint(side1.where, transposed, maps[leaf], zeros[leaf], side1.model.params)
+        return maps[leaf]
+
+    return for_leaf
+
+
+_ADJOINT_RTOL = {torch.float64: 1e-9}
+_ADJOINT_DEFAULT_RTOL = 1e-3
+
+
+def _check_adjoint(where: str, transposed: Callable, columns: Callable, output: torch.Tensor, params: tuple) -> None:
+    """``<J t, u> = <t, J^T u>`` for one random ``t`` and ``u``, or a ValueError.
+
+    The double-VJP path differentiates the model's backward pass. A backward that PyTorch can
+    run but not differentiate correctly (a custom ``autograd.Function`` whose backward detaches,
+    or computes outside autograd) would give zero or wrong columns without any error; its first
+    derivative, which implementations 1 and 3 use, is still right. One extra column per call
+    tells the two apart.
+    """
+    generator = torch.Generator().manual_seed(0)
+    u = torch.randn(output.shape, generator=generator, dtype=torch.float64).to(output)
+    t = tuple(torch.randn(p.shape, generator=generator, dtype=torch.float64).to(p) for p in params)
+    column = columns(t)[0]
+    gradient = transposed(u)
+    left = (column.double() * u.double()).sum()
+    right = sum((a.double() * b.double()).sum() for a, b in zip(t, gradient))
+    scale = (column.double().abs() * u.double().abs()).sum() + sum(
+        (a.double().abs() * b.double().abs()).sum() for a, b in zip(t, gradient)
+    )
+    rtol = _ADJOINT_RTOL.get(output.dtype, _ADJOINT_DEFAULT_RTOL)
+    if not abs(left - right).item() <= rtol * scale.item():
+        raise ValueError(
+            f"{where}: implementation 2 (NTK-vector products) computed this model's kernel columns by "
+            f"differentiating its backward pass (no forward-mode derivative exists for one of its "
+            f"operations), but that derivative is wrong: <J t, u> = {left.item():.6g} while <t, J^T u> = "
+            f"{right.item():.6g}. A custom torch.autograd.Function whose backward is not itself "
+            f"differentiable does this. Use implementation=1 (Jacobian contraction) or 3 (structured "
+            f"derivatives), or give the Function a jvp."
+        )
+
+
+@contextlib.contextmanager
+def _twice_differentiable(where: str, missing: Optional[str]):
+    """Runs the double-VJP path so that its backward passes are differentiable, or says why not.
+
+    PyTorch's fused CPU/CUDA attention kernels have backward passes without derivatives, so
+    ``scaled_dot_product_attention`` is restricted to its composite MATH kernel here. That setting
+    is process-wide in PyTorch: another thread's attention meanwhile also uses MATH, which changes
+    its rounding, not its result.
+
+    Raises:
+        ValueError: an operation's backward pass has no derivative either (chained).
+    """
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    except (RuntimeError, NotImplementedError) as error:
+        found = _NOT_TWICE_DIFFERENTIABLE.search(str(error))
+        if found is None:
+            raise
+        culprit = found["op"] or "a custom torch.autograd.Function marked @once_differentiable"
+        no_forward = f"PyTorch has no forward-mode derivative for {missing}, and " if missing else ""
+        raise ValueError(
+            f"{where}: implementation 2 (NTK-vector products) needs forward-mode derivatives or "
+            f"twice-differentiable backward passes; {no_forward}the backward pass of {culprit} "
+            f"(used by this model) has no derivative. Use implementation=1 (Jacobian contraction) "
+            f"or 3 (structured derivatives)."
+        ) from error
+
+
+def vector_products_method(side: Side) -> tuple[str, Optional[str]]:
+    """How implementation 2 would compute ``side``'s columns, from a pass over its first example.
+
+    For AUTO: one forward-mode column of one example (the whole batch without ``vmap_axes``),
+    then, if PyTorch reports an operation without forward-mode derivative, one double-VJP column.
+
+    Returns:
+        ``("forward mode", None)`` or ``("double VJP", what lacks a forward-mode derivative)``.
+
+    Raises:
+        ValueError: neither path can differentiate the model (see :func:`_twice_differentiable`).
+        Exception: whatever the model raises on that example.
+    """
+    example = side.narrow(0, 1) if side.mapped and side.batch_size() > 1 else side
+    tangent = tuple(torch.ones_like(param)[None] for param in side.model.params)
+    try:
+        _forward_mode_columns(example, 0, tangent, 1)
+        return "forward mode", None
+    except (RuntimeError, NotImplementedError) as error:
+        missing = missing_forward_mode(error)
+        if missing is None:
+            raise
+    _Columns(forward_mode=False, missing=missing)(example, 0, tangent, 1)
+    return "double VJP", missing

@@ -22,13 +22,9 @@ from ._side import Use, probe
 
 @dataclasses.dataclass(frozen=True)
 class StructuredCost:
-    """``without_jvp``: custom ``torch.autograd.Function`` classes the model applies that have no
-    ``jvp`` (forward-mode AD, and so implementation 2, fails on them)."""
-
     contraction_flops: float
     memory_elements: float
     fallback_params: int
-    without_jvp: tuple[str, ...] = ()
 
 
 def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
@@ -36,8 +32,6 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     sides = [call.side1] if call.side2 is None else [call.side1, call.side2]
     recorder = probe(call.side1)
     calls = recorder.calls if plan.ruled else []
-    missing_jvp = [function for function in recorder.custom_functions if function.jvp is torch.autograd.Function.jvp]
-    without_jvp = tuple(sorted(function.__name__ for function in missing_jvp))
     outputs = (call.outputs1, call.outputs2 if call.side2 is not None else call.outputs1)
     uses = [
         [_meta_use(role, side, output_leaves) for c in calls for role in plan.roles(c)]
@@ -74,7 +68,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     kernel = sum(math.prod(s) * layout.trace_size(o.shape) for s, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1))
     flops += 2.0 * kernel * fallback
     memory += fallback * sum(o.numel() for o in call.outputs1 + call.outputs2)
-    return StructuredCost(flops, memory, fallback, without_jvp)
+    return StructuredCost(flops, memory, fallback)
 
 
 def _jacobian_cost(use: Use, leaf: int, layout, out_axis) -> float:

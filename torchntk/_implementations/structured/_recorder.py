@@ -63,7 +63,6 @@ class Recorder(TorchFunctionMode):
         calls: the rule calls, in order.
         unruled: parameter indices consumed by an op without an applicable rule.
         reasons: why each unruled parameter is (the first reason met).
-        custom_functions: the custom ``torch.autograd.Function`` classes the model applied.
     """
 
     def __init__(self, params: tuple[torch.Tensor, ...], deltas: Optional[dict[int, torch.Tensor]] = None):
@@ -78,7 +77,6 @@ class Recorder(TorchFunctionMode):
         self.calls: list[RuleCall] = []
         self.unruled: set[int] = set()
         self.reasons: dict[int, str] = {}
-        self.custom_functions: set[type] = set()
 
     def ref_of(self, value: Any) -> Optional[ParamRef]:
         if not isinstance(value, torch.Tensor):
@@ -94,8 +92,6 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types_: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is _CUSTOM_FUNCTION_CALL and args:
-            self.custom_functions.add(args[0])
         found = [(leaf, ref) for leaf in pytree.tree_leaves((args, kwargs)) if (ref := self.ref_of(leaf)) is not None]
         if not found:
             return func(*args, **kwargs)
@@ -233,11 +229,6 @@ def _storage_version(tensor: torch.Tensor) -> int:
     except RuntimeError:  # an inference tensor: it has no counter, and cannot be written outside inference mode
         return -1
 
-
-try:
-    from torch._functorch.autograd_function import custom_function_call as _CUSTOM_FUNCTION_CALL
-except ImportError:  # pragma: no cover - older or newer torch: custom Functions are then only unruled
-    _CUSTOM_FUNCTION_CALL = None
 
 _is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda tensor: False)
 _unwrapped = getattr(torch._C._functorch, "get_unwrapped", None)
