@@ -12,8 +12,9 @@ threads compute kernels of one module at once (NOTE: [Threads] in ``_threads.py`
 * ``torch.func.functional_call`` swaps these clones into a private shell of the module
   (``_shell.py``), one per thread, never into the module itself.
 
-The price is one copy of the module's tensors per call, measured at a few milliseconds for
-resnet18; a TorchScript module, which has no shell, is evaluated under a per-module lock.
+The price is one copy of the module's tensors per call (0.1-0.2 ms on the benchmark MLP and CNN,
+docs/guarantees.md); a TorchScript module, which has no shell, is evaluated under a per-module
+lock.
 """
 
 from __future__ import annotations
