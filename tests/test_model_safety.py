@@ -275,3 +275,9 @@ def test_structured_kernel_function_reports_its_fallback_parameters():
     choice = ntk_fn.auto_choice(x1)
     assert set(choice.fallback_parameters) == {"linear.weight"}
     assert torchntk.empirical_ntk_fn(model, implementation=1).auto_choice(x1).fallback_parameters == {}
+
+
+def test_torchscript_modules_are_refused_clearly():
+    model = torch.jit.script(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    with pytest.raises(TypeError, match="TorchScript"):
+        torchntk.empirical_ntk_fn(model)(torch.randn(5, 3))

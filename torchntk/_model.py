@@ -13,13 +13,11 @@ threads compute kernels of one module at once (NOTE: [Threads] in ``_threads.py`
   (``_shell.py``), one per thread, never into the module itself.
 
 The price is one copy of the module's tensors per call (0.1-0.2 ms on the benchmark MLP and CNN,
-docs/guarantees.md); a TorchScript module, which has no shell, is evaluated under a per-module
-lock.
+docs/guarantees.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -31,7 +29,7 @@ import torch
 from torch import nn
 
 from ._checks import show
-from ._shell import module_lock, private_shell
+from ._shell import private_shell
 from ._tree import Flat
 
 Call = Callable[[tuple, tuple, Mapping[str, Any]], Any]
@@ -104,6 +102,13 @@ def functional_model(f: Any, params: Any, where: str) -> FunctionalModel:
 
 
 def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str) -> FunctionalModel:
+    scripted = [path or type(sub).__name__ for path, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)]
+    if scripted:
+        raise TypeError(
+            f"{where}: the module holds TorchScript modules ({', '.join(map(repr, scripted[:3]))}), which "
+            f"cannot be evaluated with other parameter tensors (torch.func.functional_call refuses them). "
+            f"Pass the eager nn.Module, or a function f(params, x) that calls it."
+        )
     all_params = dict(module.named_parameters(remove_duplicate=False))
     if params is None:
         chosen = {name: p for name, p in module.named_parameters() if p.requires_grad}
@@ -169,14 +174,12 @@ def _private_evaluation(module: nn.Module) -> Callable[[dict, tuple, dict], Any]
     own, on this thread's shell of the module (NOTE: [Modules are never mutated])."""
     local = threading.local()
     local.shell = private_shell(module)
-    scripted = local.shell is None
 
     def evaluate(tensors: dict, args: tuple, kwargs: dict) -> Any:
-        target = module if scripted else getattr(local, "shell", None)
-        if target is None:  # another thread than the one that built the model
-            target = local.shell = private_shell(module)
-        with module_lock(module) if scripted else contextlib.nullcontext():
-            return torch.func.functional_call(target, tensors, args, kwargs, tie_weights=True, strict=False)
+        shell = getattr(local, "shell", None)
+        if shell is None:  # another thread than the one that built the model
+            shell = local.shell = private_shell(module)
+        return torch.func.functional_call(shell, tensors, args, kwargs, tie_weights=True, strict=False)
 
     return evaluate
 

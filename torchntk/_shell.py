@@ -11,18 +11,14 @@ torchntk's tensors into it. A shell is a copy of the module tree made of new mod
 the shell), sharing the tensors, the submodule classes and every other attribute value.
 Submodules shared in the original (tied modules) are shared in the shell.
 
-TorchScript modules cannot be copied this way; :func:`private_shell` returns None for them and
-the caller serialises calls on the original instead.
+TorchScript modules cannot be shelled (nor evaluated by ``functional_call`` at all);
+``_model.py`` refuses them before a shell is asked for.
 """
 
 from __future__ import annotations
 
 import collections
-import threading
-import weakref
-from typing import Optional
 
-import torch
 from torch import nn
 
 _CONTAINER_TYPES = (dict, collections.OrderedDict, list, set)
@@ -30,8 +26,8 @@ _CONTAINER_TYPES = (dict, collections.OrderedDict, list, set)
 containers a forward pass might append to."""
 
 
-def private_shell(module: nn.Module) -> Optional[nn.Module]:
-    """A shell of ``module`` (see the module docstring), or None when it cannot be made.
+def private_shell(module: nn.Module) -> nn.Module:
+    """A shell of ``module`` (see the module docstring); ``module`` holds no TorchScript module.
 
     Example:
         >>> import torch
@@ -40,8 +36,6 @@ def private_shell(module: nn.Module) -> Optional[nn.Module]:
         >>> shell is model, shell[0].weight is model[0].weight
         (False, True)
     """
-    if any(isinstance(sub, torch.jit.ScriptModule) for sub in module.modules()):
-        return None
     copies: dict[int, nn.Module] = {}
 
     def copy(original: nn.Module) -> nn.Module:
@@ -59,16 +53,3 @@ def private_shell(module: nn.Module) -> Optional[nn.Module]:
         return shell
 
     return copy(module)
-
-
-_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def module_lock(module: nn.Module) -> threading.RLock:
-    """The lock that serialises evaluations of a module that has no shell (TorchScript)."""
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(module)
-        if lock is None:
-            lock = _LOCKS[module] = threading.RLock()
-        return lock
