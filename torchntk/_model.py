@@ -18,6 +18,7 @@ docs/guarantees.md).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
 import threading
@@ -117,11 +118,14 @@ def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]
                 f"{where}: the module has no parameter with requires_grad=True to differentiate "
                 f"({len(all_params)} parameters in all). Unfreeze some, or pass `params`."
             )
+    elif _is_selection(params):
+        chosen = _selected(module, params, where)
     else:
         if not isinstance(params, Mapping):
             raise TypeError(
-                f"{where}: for an nn.Module, `params` must be None or a mapping from parameter "
-                f"name to tensor (e.g. dict(model.named_parameters())), got {show(params)}."
+                f"{where}: for an nn.Module, `params` must be None, a mapping from parameter name to "
+                f"tensor (e.g. dict(model.named_parameters())), a name pattern or list of patterns "
+                f"(e.g. '*.lora_*'), or a predicate (name, parameter) -> bool; got {show(params)}."
             )
         if not params:
             raise ValueError(f"{where}: `params` is an empty mapping; there is no parameter to differentiate.")
@@ -158,6 +162,46 @@ def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]
 
     coupled, random = training_mode_layers(module)
     return FunctionalModel(call, leaves, names, coupled, random)
+
+
+def _is_selection(params: Any) -> bool:
+    """Whether ``params`` selects module parameters by name (patterns) or by a predicate."""
+    if isinstance(params, str) or (callable(params) and not isinstance(params, (Mapping, torch.Tensor, nn.Module))):
+        return True
+    return isinstance(params, (list, tuple)) and bool(params) and all(isinstance(item, str) for item in params)
+
+
+def _selected(module: nn.Module, selection: Any, where: str) -> dict[str, torch.Tensor]:
+    """The module's parameters (each tied tensor once, frozen ones included) that ``selection``
+    picks: names matching a glob pattern (``fnmatch``: ``*`` also crosses dots), or for which a
+    predicate ``(name, parameter) -> bool`` is true. Their current values are differentiated.
+
+    Raises:
+        ValueError: nothing is selected.
+        TypeError: a predicate that returns something other than a bool.
+    """
+    named = list(module.named_parameters())
+    if callable(selection) and not isinstance(selection, str):
+        chosen = {}
+        for name, param in named:
+            verdict = selection(name, param)
+            if not isinstance(verdict, bool):
+                raise TypeError(
+                    f"{where}: the `params` predicate must return a bool for (name, parameter), got "
+                    f"{show(verdict)} for {name!r}."
+                )
+            if verdict:
+                chosen[name] = param
+        what = "the `params` predicate"
+    else:
+        patterns = [selection] if isinstance(selection, str) else list(selection)
+        chosen = {name: param for name, param in named if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+        what = f"`params` pattern{'s' if len(patterns) > 1 else ''} {patterns if len(patterns) > 1 else patterns[0]!r}"
+    if not chosen:
+        names = [name for name, _ in named]
+        listing = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise ValueError(f"{where}: {what} selects no parameter of the module; its parameters are {listing}.")
+    return chosen
 
 
 def _private_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -323,9 +323,12 @@ def empirical_ntk_fn(
         ``ntk_fn.auto_choice(x1, x2=None, params=None, **kwargs)`` returning the
         :class:`~torchntk.AutoChoice` (implementation, cost estimates, parameters sent to the
         Jacobian fallback) for those inputs. ``x1``/``x2`` are inputs (tensors or pytrees of
-        tensors; numpy arrays raise a TypeError); ``x2=None`` means x1. ``params``: for a module, an optional mapping
+        tensors; numpy arrays raise a TypeError); ``x2=None`` means x1. ``params``: for a module, optional: a mapping
         ``name -> tensor`` choosing which parameters are differentiated (at these values; the
-        others keep the module's values); for a function, the required parameter pytree.
+        others keep the module's values), or a selection of the module's own parameters at
+        their current values, frozen ones included: a glob pattern or list of patterns over
+        their names (``"*.lora_*"``, ``["head.*", "*.bias"]``) or a predicate
+        ``(name, parameter) -> bool``; for a function, the required parameter pytree.
         ``kwargs`` go to ``f``; a 2-tuple value is split between x1 and x2. The result is a tensor
         (one per output leaf for pytree outputs) on the outputs' device, in the dtype promoted
         from the output and the parameters.
