@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchntk
+from tests.test_structured_safety import _CustomFunction as _LinearScaleHead
+from tests.test_structured_safety import _ScaleWithoutJvp
 from torchntk import NtkImplementation
 from torchntk._implementations import auto as auto_module
 from torchntk._implementations import ntk_vector_products as nvp
@@ -32,31 +34,8 @@ from torchntk.testing import assert_kernels_close, reference_ntk
 VECTOR_PRODUCTS = NtkImplementation.NTK_VECTOR_PRODUCTS
 
 
-class _ScaleWithoutJvp(torch.autograd.Function):
-    """``h * s`` with a backward and no jvp."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(h: Tensor, s: Tensor) -> Tensor:
-        return h * s
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        h, s = ctx.saved_tensors
-        return grad * s, (grad * h).sum_to_size(s.shape)
-
-
-class _CustomFunction(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 5)
-        self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 5))
-        self.head = nn.Linear(5, 3)
+class _CustomFunction(_LinearScaleHead):
+    """The scale goes through a custom Function with a backward and no jvp."""
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(_ScaleWithoutJvp.apply(torch.tanh(self.linear(x)), self.scale))
@@ -417,13 +396,7 @@ class _DetachedBackward(torch.autograd.Function):
         return (grad * s.detach()), (grad * h.detach()).sum_to_size(s.shape)
 
 
-class _DetachedModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 5)
-        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 5))
-        self.head = torch.nn.Linear(5, 3)
-
+class _DetachedModel(_LinearScaleHead):
     def forward(self, x):
         return self.head(_DetachedBackward.apply(torch.tanh(self.linear(x)), self.scale))
 
