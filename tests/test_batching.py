@@ -10,7 +10,7 @@ import torch
 
 import torchntk
 from tests.cases import CASES, make_x1_x2
-from torchntk.testing import assert_kernels_close, reference_ntk
+from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 SIZES = [(1, 5), (5, 8), (8, 1), (13, 13)]
 BATCH_SIZES = [1, 2, 3, 4, 16]
@@ -50,7 +50,9 @@ def _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_d
     batched = torchntk.batch(
         kernel_fn, batch_size, devices=devices, store_on_device=store_on_device, cache_bytes=_CACHE_BYTES[mode]
     )
+    snapshot = ModuleSnapshot.of(_model())
     actual = batched(x1, x2, ("ntk", "nngp"))
+    snapshot.assert_unchanged()
     assert type(actual) is type(expected)
     for got, want in zip(actual, expected):
         assert got.device.type == "cpu"

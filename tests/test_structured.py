@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 import torchntk
 from tests.structured_cases import N1, N2, STRUCTURED_CASES, make_x1_x2
 from torchntk import NtkImplementation
-from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk
+from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_nngp, reference_ntk
 
 STRUCTURED = 3
 REFERENCE = 1
@@ -94,7 +94,10 @@ def _structured(case_id: str, trace_axes=None, diagonal_axes=(), vmap_axes=0, sa
         case.module, trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes,
         implementation=STRUCTURED, **knobs,
     )
-    return ntk_fn(x1, x2)
+    snapshot = ModuleSnapshot.of(case.module)  # the models include BatchNorm in training mode
+    kernel = ntk_fn(x1, x2)
+    snapshot.assert_unchanged()
+    return kernel
 
 
 def _assert_close(actual, expected, tolerance: float) -> None:
