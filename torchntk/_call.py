@@ -38,8 +38,9 @@ class KernelCall:
         dtypes: the NTK's dtype per output leaf: the promotion of the output and parameter dtypes
             (the NNGP keeps :attr:`output_dtypes`).
         chunk_size: the memory knob (examples per block when mapped, else vectors at once).
-        vmap_check_pending: the implementation must compare its per-example outputs with
-            :meth:`expected_outputs` (:func:`compare_per_example`).
+        vmap_check: the output check the implementation must still run on its per-example
+            outputs against :meth:`expected_outputs` (``VmapAxesCheck.per_example_outputs``),
+            or None.
     """
 
     where: str
@@ -52,7 +53,7 @@ class KernelCall:
     layouts: tuple[KernelLayout, ...]
     dtypes: tuple[torch.dtype, ...]
     chunk_size: Optional[int]
-    vmap_check_pending: bool = False
+    vmap_check: Optional[VmapAxesCheck] = None
 
     @property
     def reuses_x1(self) -> bool:
@@ -119,7 +120,7 @@ def prepare_call(
     ``x1`` and ``x2`` are pytrees of tensors; numpy arrays are rejected, not converted (see
     :func:`~torchntk._checks.input_argument`). ``defer_vmap_check`` leaves the per-example
     output check of NOTE: [Checking vmap_axes] to an implementation that evaluates the model per
-    example anyway (``KernelCall.vmap_check_pending``); the derivative check on the probe always
+    example anyway (``KernelCall.vmap_check``); the derivative check on the probe always
     runs here. ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the model
     (and the per-example check) on runs of at most this many examples, so that memory never
     scales with the whole batch (``batch`` sets it to its block size). ``for_ntk``: whether the
@@ -174,16 +175,17 @@ def prepare_call(
         reject_vmap_with_coupling(model, where)
     side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1")
     side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2")
-    pending = side1.mapped and check_vmap_axes
-    if pending:
+    pending = None
+    if side1.mapped and check_vmap_axes:
         check = VmapAxesCheck(model, vmap_axes, where)
         sides = [(side, leaves) for side, leaves in ((side1, leaves1), (side2, leaves2)) if side is not None]
         for side, leaves in sides:
             check.finite_outputs(side, leaves)
-        if not defer_vmap_check:
+        if defer_vmap_check:
+            pending = check
+        else:
             for side, leaves in sides:
                 check.outputs(side, leaves, run_length)
-            pending = False
         if check_derivatives:
             check.derivatives(side1)
             if side2 is not None and side1.batch_size() < PROBE_EXAMPLES <= side2.batch_size():

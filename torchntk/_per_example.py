@@ -263,7 +263,8 @@ class VmapRuntimeError(RuntimeError):
         )
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none)."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
@@ -289,7 +290,7 @@ def vmap_errors(where: str) -> Iterator[None]:
                 f"such as x[x > 0], torch.nonzero, .item(), `if tensor:` ...), which torch.func.vmap "
                 f"cannot batch, and `vmap_axes` evaluates the model per example under vmap. Pass "
                 f"vmap_axes=None (the model then sees whole batches), or write the operation with fixed "
-                f"shapes (e.g. torch.where). PyTorch said: {_first_line(error)}"
+                f"shapes (e.g. torch.where). PyTorch said: {first_line(error)}"
             ) from error
         if type(error) is RuntimeError and not _is_out_of_memory(error):
             raise VmapRuntimeError(where, error) from error

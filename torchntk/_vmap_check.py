@@ -1,6 +1,6 @@
 """The check behind ``vmap_axes``: per-example outputs and derivatives against the whole batch.
 
-See NOTE: [Checking vmap_axes] (in :func:`compare_per_example`) for what is compared and how a
+See NOTE: [Checking vmap_axes] (in :class:`VmapAxesCheck`) for what is compared and how a
 failure is explained.
 """
 
@@ -14,7 +14,7 @@ from torch.func import vjp
 
 from ._checks import leaves_with_names, non_finite_count
 from ._model import FunctionalModel
-from ._per_example import OutputAxisError, Side, VmapRuntimeError, runs
+from ._per_example import OutputAxisError, Side, VmapRuntimeError, first_line, runs
 from ._vmap_axes import ParsedVmapAxes, suggested_vmap_axes, unmapped_batch_sized_kwargs
 
 _PER_EXAMPLE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.complex128: 1e-9, torch.complex64: 1e-4}
@@ -99,45 +99,6 @@ def _output_difference(want: torch.Tensor, have: torch.Tensor) -> _Difference:
     return _Difference.of(want, have, _output_rtol(want.dtype))
 
 
-def compare_per_example(expected: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...], name: str, where: str) -> None:
-    """Compares per-example (vmapped) outputs with the whole-batch outputs.
-
-    NOTE: [Checking vmap_axes]
-    ``vmap_axes`` is a promise that examples do not interact. Breaking it (batch statistics,
-    attention across the batch, a wrong axis, a per-example keyword argument left unmapped) makes
-    every implementation return silently wrong kernels; so does a bug of ``torch.func.vmap`` in
-    the derivative of an operation (``nn.PReLU`` in PyTorch 2.x: the forward pass is right, the
-    per-example Jacobians are not). Two checks guard it:
-
-    * outputs: the model is evaluated once more per example (under vmap) and compared with the
-      whole-batch outputs; one forward pass, small next to the ``O`` backward passes of a kernel
-      (structured derivatives compare the per-example pass they make anyway);
-    * derivatives: on a probe of the first two examples of x1 (of x2 too if x1 has one example),
-      ``R = 2`` random vector-Jacobian products are computed per example under vmap, the ``R``
-      products batched by an inner vmap exactly as ``jacrev`` batches its basis, and their sum
-      over the examples is compared with the same products of the whole probe batch. That is a
-      few backward passes of two examples, whatever the batch size.
-
-    A failure is explained by its cause, in this order: NaN/Inf in the outputs (which input or
-    parameter holds them; checked before comparing anything); keyword arguments left unmapped
-    although an axis has the batch size (with the ``vmap_axes`` to pass); a vmap bug, when the
-    same example differentiated (or evaluated) without vmap agrees with the whole batch (then
-    ``vmap_axes=None`` gives the right kernel); otherwise a genuine coupling of the examples.
-    ``check_vmap_axes=False`` is offered only when the difference may be rounding.
-    """
-    for index, (want, have) in enumerate(zip(expected, got)):
-        if want.shape != have.shape:
-            raise ValueError(
-                f"{where}: with `vmap_axes`, output leaf {index} for {name} has shape {tuple(have.shape)} "
-                f"when evaluated per example but {tuple(want.shape)} for the whole batch. Check `vmap_axes`."
-            )
-        if want.numel() == 0:
-            continue
-        difference = _output_difference(want, have)
-        if difference.fails:
-            raise ValueError(_coupled_outputs_message(where, index, name, difference))
-
-
 def _coupled_outputs_message(where: str, index: int, name: str, difference: _Difference, without_vmap: bool = False) -> str:
     also = ", also when the example is evaluated without vmap" if without_vmap else ""
     return (
@@ -153,13 +114,37 @@ def _first_line(error: BaseException) -> str:
     """``Type: first line`` of an error, PyTorch's own for a :class:`VmapRuntimeError`."""
     if isinstance(error, VmapRuntimeError):
         error = error.original
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    return f"{type(error).__name__}: {first_line(error)}"
 
 
 @dataclass(frozen=True)
 class VmapAxesCheck:
-    """NOTE: [Checking vmap_axes] for one call: the checks and the diagnosis of their failures."""
+    """The checks of ``vmap_axes`` for one call, and the diagnosis of their failures.
+
+    NOTE: [Checking vmap_axes]
+    ``vmap_axes`` is a promise that examples do not interact. Breaking it (batch statistics,
+    attention across the batch, a wrong axis, a per-example keyword argument left unmapped) makes
+    every implementation return silently wrong kernels; so does a bug of ``torch.func.vmap`` in
+    the derivative of an operation (``nn.PReLU`` in PyTorch 2.x: the forward pass is right, the
+    per-example Jacobians are not). Two checks guard it:
+
+    * outputs: the model is evaluated once more per example (under vmap) and compared with the
+      whole-batch outputs; one forward pass, small next to the ``O`` backward passes of a kernel
+      (structured derivatives compare the per-example pass they make anyway);
+    * derivatives: on a probe of the first two examples of x1 (of x2 too if x1 has one example),
+      ``R = 2`` random vector-Jacobian products are computed per example under vmap, the ``R``
+      products batched by an inner vmap exactly as ``jacrev`` batches its basis, and their sum
+      over the examples is compared with the same products of the whole probe batch. That is a
+      few backward passes of two examples, whatever the batch size; a kernel function runs it
+      once per input shapes and module structure.
+
+    A failure is explained by its cause, in this order: NaN/Inf in the outputs (which input or
+    parameter holds them; checked before comparing anything); keyword arguments left unmapped
+    although an axis has the batch size (with the ``vmap_axes`` to pass); a vmap bug, when the
+    same example differentiated (or evaluated) without vmap agrees with the whole batch (then
+    ``vmap_axes=None`` gives the right kernel); otherwise a genuine coupling of the examples.
+    ``check_vmap_axes=False`` is offered only when the difference may be rounding.
+    """
 
     model: FunctionalModel
     vmap_axes: ParsedVmapAxes
@@ -218,6 +203,11 @@ class VmapAxesCheck:
                 self._raise_for_failure(side, run, expected, error)
                 raise
             self._compare_outputs(side, run, expected, got)
+
+    def per_example_outputs(self, side: Side, expected: tuple, got: tuple) -> None:
+        """The output check for an implementation that evaluates ``side`` per example anyway
+        (structured derivatives): its outputs ``got`` against the whole-batch ``expected``."""
+        self._compare_outputs(side, side, expected, got)
 
     def _compare_outputs(self, side: Side, run: Side, expected: tuple, got: tuple) -> None:
         for index, (want, have) in enumerate(zip(expected, got)):

@@ -110,7 +110,7 @@ class _NtkSettings:
 
     def prepare(
         self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True,
-        computes_ntk: bool = True, forward_run_length: Optional[int] = None,
+        computes_ntk: bool = True, forward_run_length: Optional[int] = None, shape_key: Optional[tuple] = None,
     ) -> KernelCall:
         """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK
         (``for_ntk``), or for a batched NNGP (``computes_ntk=False``: the check cannot wait for
@@ -118,16 +118,20 @@ class _NtkSettings:
 
         The derivative part of NOTE: [Checking vmap_axes] runs once per input shapes and module
         structure: what it catches (a PyTorch vmap bug, coupling in the backward pass) does not
-        depend on the values, and it costs as much as a small kernel (about 6 ms on the benchmark
-        MLP). The output check runs on every call."""
-        key = (_shape_key(x1, x2, params, kwargs), _structure_key(self.f)) if for_ntk else None
+        depend on the values, and it costs as much as a small kernel (about 4 ms on the benchmark
+        MLP). The output check runs on every call. ``shape_key``: the caller's
+        :func:`_shape_key` of these arguments, if it has one."""
+        key = None
+        if for_ntk and self.check_vmap_axes and self.maps_examples:
+            shape_key = shape_key or _shape_key(x1, x2, params, kwargs)
+            key = (shape_key, _structure_key(self.f))
         call = prepare_call(
             self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
             diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
             check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
             defer_vmap_check=computes_ntk and self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
             forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
-            check_derivatives=key not in self.derivatives_checked,
+            check_derivatives=key is not None and key not in self.derivatives_checked,
         )
         if key is not None:
             self.derivatives_checked[key] = True
@@ -139,17 +143,19 @@ class _NtkSettings:
     ) -> Optional[BlockSource]:
         """The call as a :class:`BlockSource` for ``batch``, or None without ``vmap_axes`` (see
         NOTE: [Prepared spans]); the NNGP's forward passes are mapped by ``vmap_axes`` too."""
-        if is_all_none(self.vmap_axes.in_axes) and self.vmap_axes.kwargs_axes is None:
+        if not self.maps_examples:
             return None  # before any forward pass: without vmap_axes the model sees whole batches
         forward_runs = None if request.block_size is None else max(request.block_size, _FORWARD_RUN)
+        shape_key = _shape_key(x1, x2, params, kwargs)
         call = self.prepare(
-            x1, x2, params, kwargs, where, computes_ntk="ntk" in names, forward_run_length=forward_runs
+            x1, x2, params, kwargs, where, computes_ntk="ntk" in names, forward_run_length=forward_runs,
+            shape_key=shape_key,
         )
         if not call.side1.mapped:
             return None
         plan = None
         if "ntk" in names:
-            key = ("blocks", _shape_key(x1, x2, params, kwargs))
+            key = ("blocks", shape_key)
             chosen = self.implementation
             if self.auto is not None:
                 n1 = call.side1.batch_size()
@@ -162,6 +168,11 @@ class _NtkSettings:
             else:
                 plan = BLOCK_PLANS[chosen](call)
         return BlockSource(call, plan, names, bare, self.thread_safe)
+
+    @property
+    def maps_examples(self) -> bool:
+        """Whether ``vmap_axes`` can map anything (an axis for some input or keyword argument)."""
+        return not (is_all_none(self.vmap_axes.in_axes) and self.vmap_axes.kwargs_axes is None)
 
     @property
     def thread_safe(self) -> bool:
@@ -201,8 +212,8 @@ class _NtkSettings:
 
     def attach_auto_choice(self, kernel_fn: KernelFn, where: str) -> KernelFn:
         def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
-            call = self.prepare(x1, x2, params, kwargs, where)
-            return self.choice(call, _shape_key(x1, x2, params, kwargs))
+            key = _shape_key(x1, x2, params, kwargs)
+            return self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key), key)
 
         auto_choice.__doc__ = _AUTO_CHOICE_DOC
         kernel_fn.auto_choice = auto_choice  # type: ignore[attr-defined]
@@ -374,8 +385,8 @@ def empirical_ntk_fn(
     )
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
-        call = settings.prepare(x1, x2, params, kwargs, "ntk_fn")
-        return settings.ntk(call, _shape_key(x1, x2, params, kwargs))
+        key = _shape_key(x1, x2, params, kwargs)
+        return settings.ntk(settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key), key)
 
     def open_blocks(request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any) -> Optional[BlockSource]:
         return settings.open_blocks(request, x1, x2, params, kwargs, ("ntk",), True, "ntk_fn")
@@ -478,12 +489,13 @@ def empirical_kernel_fn(
         params: Any = None, **kwargs: Any,
     ) -> Any:
         names, bare = canonical_get(get, "kernel_fn")
-        call = settings.prepare(x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names)
+        key = _shape_key(x1, x2, params, kwargs)
+        call = settings.prepare(x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names, shape_key=key)
         kernels = {}
         if "nngp" in names:
             kernels["nngp"] = call.normalise(nngp(call), dtypes=call.output_dtypes)
         if "ntk" in names:
-            kernels["ntk"] = settings.ntk(call, _shape_key(x1, x2, params, kwargs))
+            kernels["ntk"] = settings.ntk(call, key)
         return combine(kernels, names, bare)
 
     def open_blocks(

@@ -26,7 +26,6 @@ import torch
 from ..._blocks import BlockPlan, Replan, assemble
 from ..._call import KernelCall
 from ..._per_example import Side
-from ..._vmap_check import compare_per_example
 from ._contract import contract_sides
 from ._plan import Plan, make_plan
 from ._side import PlanMismatch, SideFactors, probe, side_factors
@@ -169,8 +168,8 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
 
     def prepare(side: Side) -> SideFactors:
         factors = side_factors(side, plan, inner_chunk)
-        if call.vmap_check_pending:
-            compare_per_example(call.expected_outputs(side), factors.outputs, side.name, call.where)
+        if call.vmap_check is not None:
+            call.vmap_check.per_example_outputs(side, call.expected_outputs(side), factors.outputs)
         return factors
 
     def contract(first: SideFactors, second: SideFactors, needed) -> list[Optional[torch.Tensor]]:
