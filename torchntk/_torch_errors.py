@@ -11,13 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator
+from typing import Iterator, Optional
 
 _IN_PLACE_UNDER_GRAD = re.compile(r"attempted to call in-place operation \((?P<op>[\w:.]+)\) that would mutate a captured")
 _IN_PLACE_UNDER_VMAP = re.compile(r"vmap: (?P<op>[\w:.]+)\(self, \*extra_args\) is not possible")
 _NO_FORWARD_MODE = re.compile(
-    r"Trying to use forward AD with (?P<op>[\w:.]+) that does not support it|(?P<function>You must implement the jvp function)"
+    r"Trying to use forward AD with (?P<op>[\w:.]+) that does not support it"
+    r"|(?P<custom>You must implement the jvp function for custom autograd\.Function)"
 )
+
+
+def missing_forward_mode(error: BaseException) -> Optional[str]:
+    """What lacks a forward-mode derivative according to PyTorch's ``error``, or None.
+
+    Returns:
+        The operation's name (e.g. ``"aten::_weight_norm_interface"``), or ``"a custom
+        torch.autograd.Function without jvp"``; None when ``error`` says something else.
+    """
+    if not isinstance(error, (RuntimeError, NotImplementedError)):
+        return None
+    found = _NO_FORWARD_MODE.search(str(error))
+    if found is None:
+        return None
+    return found["op"] or "a custom torch.autograd.Function without jvp"
 
 
 def _explanation(error: BaseException, where: str) -> str | None:
@@ -39,12 +55,11 @@ def _explanation(error: BaseException, where: str) -> str | None:
             f"which the per-example evaluation of `vmap_axes` (torch.func.vmap) cannot do. Pass "
             f"vmap_axes=None, or make the write out of place."
         )
-    found = _NO_FORWARD_MODE.search(text)
-    if found:
-        culprit = found["op"] or "a custom torch.autograd.Function without a jvp staticmethod"
+    missing = missing_forward_mode(error)
+    if missing:
         return (
             f"{where}: this needs forward-mode derivatives (torch.func.jvp), and PyTorch has none for "
-            f"{culprit} (used by this model). The kernel functions do not need them: their "
+            f"{missing} (used by this model). The kernel functions do not need them: their "
             f"implementations 1 and 3 use reverse mode only, and 2 falls back to it."
         )
     return None

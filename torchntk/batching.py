@@ -170,16 +170,13 @@ class _Settings:
         per device, refreshed from the module at every call and rebuilt whenever anything but
         tensor values changed (``_fingerprint.py``)."""
         home = _model_device(self.spec)
-        functions = []
-        for device in devices:
-            if home is None or home == device:
-                functions.append(self.kernel_fn)
-                continue
-            functions.append(self._replica(device))
-        return functions
+        elsewhere = {device for device in devices if home is not None and home != device}
+        fingerprint = structure_fingerprint(self.spec.f) if elsewhere else None
+        replicas = {device: self._replica(device, fingerprint) for device in elsewhere}
+        return [replicas.get(device, self.kernel_fn) for device in devices]
 
-    def _replica(self, device: torch.device) -> Callable[..., PyTree]:
-        fingerprint = structure_fingerprint(self.spec.f)
+    def _replica(self, device: torch.device, fingerprint: tuple) -> Callable[..., PyTree]:
+        """The replica on ``device``, refreshed, or rebuilt when the module's structure changed."""
         replica, made_from = self.replicas.get(device, (None, None))
         if replica is None or made_from != fingerprint or not sync_replica(self.spec.f, spec_of(replica).f):
             replica = self.spec.replicate(device)

@@ -48,6 +48,7 @@ from .._blocks import BlockPlan, assemble
 from .._call import KernelCall
 from .._per_example import Side
 from .._threads import FORWARD_MODE_LOCK
+from .._torch_errors import missing_forward_mode
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -134,29 +135,10 @@ def _default_run_length(call: KernelCall) -> Optional[int]:
 
 # -- the columns J1 t: forward mode, or two reverse passes --------------------------------------
 
-_NO_FORWARD_AD = re.compile(
-    r"Trying to use forward AD with (?P<op>[\w:.]+) that does not support it"
-    r"|(?P<custom>You must implement the jvp function for custom autograd\.Function)"
-)
 _NOT_TWICE_DIFFERENTIABLE = re.compile(
     r"derivative for '?(?P<op>[\w:.]+)'? is not implemented"
     r"|(?P<once>once_differentiable)"
 )
-
-
-def missing_forward_mode(error: BaseException) -> Optional[str]:
-    """What lacks a forward-mode derivative according to PyTorch's ``error``, or None.
-
-    Returns:
-        The operation's name (e.g. ``"aten::_weight_norm_interface"``), or ``"a custom
-        torch.autograd.Function without jvp"``; None when ``error`` says something else.
-    """
-    if not isinstance(error, (RuntimeError, NotImplementedError)):
-        return None
-    found = _NO_FORWARD_AD.search(str(error))
-    if found is None:
-        return None
-    return found["op"] or "a custom torch.autograd.Function without jvp"
 
 
 @dataclass
