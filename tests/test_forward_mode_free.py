@@ -14,6 +14,7 @@ costs what its forward-mode pass does, and x1's reverse pass is recorded once pe
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 from unittest import mock
 
@@ -92,6 +93,37 @@ class _CtcLoss(nn.Module):
         return F.ctc_loss(log_probs, targets, [5] * n, [2] * n, reduction="none")[:, None]
 
 
+class _DirectWeightNorm(nn.Module):
+    """``torch._weight_norm`` called in ``forward``: no module that ``fused_layers`` recognises
+    holds it, so its fused kernel (``_weight_norm_interface``) stays in the forward-mode passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(6, 4))
+        self.g = nn.Parameter(torch.rand(6, 1) + 0.5)
+        self.bias = nn.Parameter(torch.zeros(6))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(F.linear(x, torch._weight_norm(self.v, self.g, 0), self.bias)))
+
+
+class _GridSample(nn.Module):
+    """``F.grid_sample`` (``grid_sampler_2d``): no forward-mode derivative, a differentiable backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 18)
+        self.head = nn.Linear(8, 2)
+        self.register_buffer("grid", torch.tensor([[[[-0.7, -0.2], [0.3, -0.6]], [[0.5, 0.4], [-0.1, 0.8]]]]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        image = torch.tanh(self.linear(x)).reshape(-1, 2, 3, 3)
+        grid = self.grid.to(image.dtype).expand(image.shape[0], -1, -1, -1)
+        sampled = F.grid_sample(image, grid, align_corners=False)
+        return self.head(sampled.reshape(*x.shape[:-1], 8))
+
+
 def _weight_normed() -> nn.Module:
     torch.manual_seed(0)
     with pytest.warns(FutureWarning):  # the old-style weight_norm is what users still bring
@@ -107,9 +139,17 @@ def _built(cls: type) -> Callable[[], nn.Module]:
 
 _NO_FORWARD_MODE = {
     # name: (build, example shape, what PyTorch reports without a forward-mode derivative)
-    "weight_norm": (_weight_normed, (4,), "_weight_norm_interface"),
+    "weight_norm": (_built(_DirectWeightNorm), (4,), "_weight_norm_interface"),
     "custom_function": (_built(_CustomFunction), (4,), "custom torch.autograd.Function without jvp"),
-    "attention_eval": (_built(_Attention), (3, 4), "_native_multi_head_attention"),
+    "grid_sample": (_built(_GridSample), (4,), "grid_sampler_2d"),
+}
+
+_UNFUSED = {
+    # name: (build, example shape): modules whose fused kernels lack forward-mode derivatives, which
+    # the forward-mode passes replace (NOTE: [Unfused kernels] in torchntk/_unfused.py)
+    "weight_norm": (_weight_normed, (4,)),
+    "attention_eval": (_built(_Attention), (3, 4)),
+    "lstm": (_built(_Recurrent), (3, 3)),
 }
 
 
@@ -171,6 +211,22 @@ def test_vector_products_without_forward_mode_match_the_reference(name, same, vm
     assert counts["double VJP"] == 1, "x1's reverse pass is recorded once per kernel call"
 
 
+@pytest.mark.parametrize(
+    "name, vmap_axes",
+    # nn.LSTM per example (vmap_axes): test_recurrent_model_in_float32_stays_in_forward_mode_and_accurate
+    [(name, vmap_axes) for name in _UNFUSED for vmap_axes in (0, None) if not (name == "lstm" and vmap_axes == 0)],
+)
+def test_fused_kernels_are_replaced_in_forward_mode(name, vmap_axes):
+    """Old-style weight norm, eval-mode attention and nn.LSTM used to take the double-VJP path."""
+    build, shape = _UNFUSED[name]
+    x1, x2 = _inputs(shape)
+    counts, patches = _counting_paths()
+    with patches[0], patches[1]:
+        actual = torchntk.empirical_ntk_fn(build(), trace_axes=(), vmap_axes=vmap_axes, implementation=2)(x1, x2)
+    assert_kernels_close(actual, _reference(build, x1, x2, trace_axes=()), rtol=1e-10)
+    assert counts["double VJP"] == 0 and counts["forward mode"] >= 1
+
+
 def test_forward_mode_stays_where_it_works():
     model = _built(_TwoLeaves)()
     x1, x2 = _inputs((4,))
@@ -182,23 +238,20 @@ def test_forward_mode_stays_where_it_works():
 
 
 @pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
-def test_recurrent_model_in_float32_switches_and_stays_accurate(vmap_axes):
-    """Float32 ``nn.LSTM`` on CPU runs ``mkldnn_rnn_layer`` (no forward-mode derivative); float64
-    does not, so this is the one case checked at float32 tolerance against the float64 oracle.
-    Per-example evaluation of an LSTM is refused before any kernel work (PyTorch lacks batching
-    rules for it), with a ValueError naming ``vmap_axes``."""
+def test_recurrent_model_in_float32_stays_in_forward_mode_and_accurate(vmap_axes):
+    """Float32 ``nn.LSTM`` on CPU runs ``mkldnn_rnn_layer`` (no forward-mode derivative), which the
+    forward-mode passes replace by its decomposition (NOTE: [Unfused kernels]); checked at float32
+    tolerance against the float64 oracle. Per example, vmap runs the decomposition too (``aten::lstm``
+    has no batching rule), so no example loop is needed."""
     torch.manual_seed(0)
     model = _Recurrent().eval()
     x1, x2 = _inputs((3, 3), dtype=torch.float32)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=2)
-    if vmap_axes == 0:
-        with pytest.raises(ValueError, match="`vmap_axes` cannot be used with this model"):
-            ntk_fn(x1, x2)
-        return
     counts, patches = _counting_paths()
-    with patches[0], patches[1]:
+    with patches[0], patches[1], warnings.catch_warnings():
+        warnings.simplefilter("error", torchntk.ExampleLoopWarning)
         actual = ntk_fn(x1, x2)
-    assert counts["double VJP"] == 1
+    assert counts["double VJP"] == 0
     assert_kernels_close(actual, reference_ntk(model, x1, x2))
 
 
@@ -254,7 +307,7 @@ def test_forced_forward_mode_keeps_the_explained_error():
     original = nvp.ntk_vector_products_blocks
     forced = mock.patch.object(nvp, "ntk_vector_products_blocks", lambda call: original(call, forward_mode=True))
     with forced, pytest.raises(ValueError, match="needs forward-mode derivatives.*_weight_norm_interface"):
-        torchntk.empirical_ntk_fn(_weight_normed(), implementation=2)(x1)
+        torchntk.empirical_ntk_fn(_built(_DirectWeightNorm)(), implementation=2)(x1)
 
 
 def test_missing_forward_mode_reads_only_pytorchs_forward_ad_errors():
@@ -289,10 +342,12 @@ def test_auto_on_float32_lstm():
     model = _Recurrent().eval()
     x1, x2 = _inputs((3, 3), dtype=torch.float32)
     auto = torchntk.empirical_ntk_fn(model, vmap_axes=None, implementation=0)
-    assert "mkldnn_rnn_layer" in auto.auto_choice(x1, x2).estimates[VECTOR_PRODUCTS].note
+    assert auto.auto_choice(x1, x2).estimates[VECTOR_PRODUCTS].note == ""  # mkldnn_rnn_layer is replaced
     assert_kernels_close(auto(x1, x2), reference_ntk(model, x1, x2))
-    with pytest.raises(ValueError, match="`vmap_axes` cannot be used with this model"):
-        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)(x1, x2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchntk.ExampleLoopWarning)
+        mapped = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)(x1, x2)
+    assert_kernels_close(mapped, reference_ntk(model, x1, x2))
 
 
 def test_auto_keeps_forward_mode_estimates_unmarked():

@@ -1,6 +1,7 @@
 """torchntk: empirical neural tangent and NNGP kernels of PyTorch models."""
 
 from . import predict as predict
+from ._example_loop import ExampleLoopWarning as ExampleLoopWarning
 from ._implementations.auto import AutoChoice as AutoChoice
 from ._implementations.auto import Estimate as Estimate
 from ._types import NtkImplementation as NtkImplementation
@@ -24,6 +25,7 @@ __all__ = [
     "NtkImplementation",
     "AutoChoice",
     "Estimate",
+    "ExampleLoopWarning",
     # batching and Monte Carlo
     "batch",
     "monte_carlo_kernel_fn",

@@ -16,6 +16,7 @@ from ._checks import input_argument, show
 from ._layout import KernelLayout, check_shapes, make_layout
 from ._model import (
     FunctionalModel,
+    OutputFn,
     functional_model,
     reject_vmap_with_coupling,
     warn_training_mode,
@@ -82,6 +83,12 @@ class KernelCall:
         side2 = (self.side2 or self.side1).narrow(*run2)
         return replace(self, side1=side1, side2=side2, outputs1=outputs1, outputs2=self.expected_outputs(side2))
 
+    def looped(self) -> "KernelCall":
+        """The same call with its examples mapped by a loop instead of vmap (NOTE: [Example loops])."""
+        return replace(
+            self, side1=self.side1.looped(), side2=None if self.side2 is None else self.side2.looped()
+        )
+
     def kernel_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(
             layout.kernel_shape(one.shape, two.shape)
@@ -114,6 +121,8 @@ def prepare_call(
     forward_run_length: Optional[int] = None,
     for_ntk: Optional[bool] = None,
     check_derivatives: bool = True,
+    example_loop: bool = False,
+    output_fn: Optional[OutputFn] = None,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side.
 
@@ -127,7 +136,9 @@ def prepare_call(
     NTK will be computed, which rejects complex parameters and outputs; ``None`` means "when
     ``vmap_axes`` is given" (the NTK front ends always pass one, the NNGP never does).
     ``check_derivatives=False`` skips the derivative check (the caller ran it on an earlier call
-    with the same shapes and module structure).
+    with the same shapes and module structure). ``example_loop``: map the examples with a loop
+    instead of vmap (NOTE: [Example loops]). ``output_fn``: what the kernel is taken of, from
+    :func:`~torchntk._outputs.output_fn_argument` (NOTE: [Selected outputs]).
 
     Raises:
         TypeError: outputs that are not tensors; bad ``params``; numpy inputs; for the NTK,
@@ -141,7 +152,7 @@ def prepare_call(
         raise ValueError(f"{where}: `x1` must contain at least one tensor, got {show(x1)}.")
     input_argument(x1, "x1", where)
     input_argument(x2, "x2", where)
-    model = functional_model(f, params, where)
+    model = functional_model(f, params, where, output_fn)
     warn_training_mode(model, where)
     computes_ntk = vmap_axes is not None if for_ntk is None else for_ntk
     if computes_ntk:
@@ -173,8 +184,8 @@ def prepare_call(
     if resolved1 is not None:
         out_axes = resolve_outputs(vmap_axes, output1.rebuild(leaves1), where)
         reject_vmap_with_coupling(model, where)
-    side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1")
-    side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2")
+    side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1", example_loop)
+    side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2", example_loop)
     pending = None
     if side1.mapped and check_vmap_axes:
         check = VmapAxesCheck(model, vmap_axes, where)

@@ -23,15 +23,17 @@ import os
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ._checks import show
 from ._shell import private_shell
 from ._tree import Flat
+from ._unfused import fused_layers
 
 Call = Callable[[tuple, tuple, Mapping[str, Any]], Any]
 
@@ -47,6 +49,8 @@ class FunctionalModel:
         batch_coupled: module paths whose output depends on other examples (BatchNorm using
             batch statistics); empty for functional models.
         random: module paths drawing random numbers in the forward pass (active dropout).
+        fused: module paths calling fused kernels that forward mode and vmap need replaced
+            (``_unfused.fused_layers``: recurrent layers, weight norm); empty for functional models.
     """
 
     call: Call
@@ -55,6 +59,8 @@ class FunctionalModel:
     batch_coupled: tuple[str, ...] = ()
     random: tuple[str, ...] = ()
     params_tree: Optional[Flat] = None
+    output_fn: Optional["OutputFn"] = None
+    fused: tuple[str, ...] = ()
 
     def leaves_like_params(self, values: Any, name: str, where: str) -> tuple[torch.Tensor, ...]:
         """The tensors of ``values``, which must be structured like the differentiated parameters."""
@@ -79,8 +85,13 @@ class FunctionalModel:
         return leaves
 
     def apply(self, param_leaves: tuple, x: Any, kwargs: Mapping[str, Any]) -> Any:
-        """The model on one input pytree ``x``: ``f(params, x, **kwargs)`` or ``module(x, **kwargs)``."""
-        return self.call(param_leaves, (x,), kwargs)
+        """The model on one input pytree ``x``: ``f(params, x, **kwargs)`` or ``module(x, **kwargs)``,
+        through ``output_fn`` if there is one, with its non-tensor leaves made None (NOTE:
+        [Selected outputs])."""
+        output = self.call(param_leaves, (x,), kwargs)
+        if self.output_fn is not None:
+            output = self.output_fn(output, x, kwargs)
+        return tensor_leaves_only(output)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -90,16 +101,34 @@ class FunctionalModel:
         return dtype
 
 
-def functional_model(f: Any, params: Any, where: str) -> FunctionalModel:
-    """Builds the :class:`FunctionalModel` of an ``nn.Module`` or of ``f(params, x, **kwargs)``.
+def functional_model(f: Any, params: Any, where: str, output_fn: Optional["OutputFn"] = None) -> FunctionalModel:
+    """Builds the :class:`FunctionalModel` of an ``nn.Module`` or of ``f(params, x, **kwargs)``;
+    ``output_fn`` comes from :func:`~torchntk._outputs.output_fn_argument`.
 
     Raises:
         TypeError: ``params`` of the wrong type, or parameters that are not floating tensors.
         ValueError: unknown parameter names, wrong shapes, or nothing to differentiate.
     """
-    if isinstance(f, nn.Module):
-        return _module_model(f, params, where)
-    return _callable_model(f, params, where)
+    model = _module_model(f, params, where) if isinstance(f, nn.Module) else _callable_model(f, params, where)
+    return model if output_fn is None else replace(model, output_fn=output_fn)
+
+
+OutputFn = Callable[[Any, Any, Mapping[str, Any]], Any]
+"""``(output, x, kwargs) -> selected output``: the normalised form of a user's ``output_fn``."""
+
+
+def tensor_leaves_only(output: Any) -> Any:
+    """``output`` with every leaf that is not a tensor replaced by None.
+
+    NOTE: [Selected outputs]
+    Kernels are computed for the tensor leaves of what the model returns. Other leaves (a Hugging
+    Face ``DynamicCache``, a Python number, a string) carry no derivative with respect to the
+    parameters and are dropped: their place in the kernel pytree holds None (NOTE: [None is an
+    empty subtree]). ``output_fn`` selects what to take the kernel of (the logits, the logits at
+    some positions, a log-probability) from the model's output and inputs; it runs inside the
+    transforms, per example under ``vmap_axes``.
+    """
+    return pytree.tree_map(lambda leaf: leaf if isinstance(leaf, torch.Tensor) else None, output)
 
 
 def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str) -> FunctionalModel:
@@ -161,7 +190,7 @@ def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]
         return evaluate(tensors, args, dict(kwargs))
 
     coupled, random = training_mode_layers(module)
-    return FunctionalModel(call, leaves, names, coupled, random)
+    return FunctionalModel(call, leaves, names, coupled, random, fused=fused_layers(module))
 
 
 def _is_selection(params: Any) -> bool:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, Sequence, Union
+import inspect
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ._checks import show
 from ._tree import Flat
@@ -22,6 +23,32 @@ def results_type(type_name: str, fields: tuple[str, ...]) -> type:
 def empirical_kernel_type(fields: tuple[str, ...]) -> type:
     """The ``EmpiricalKernel`` namedtuple class with these fields, in this order."""
     return results_type("EmpiricalKernel", fields)
+
+
+def output_fn_argument(output_fn: Any, where: str) -> Optional[Callable[[Any, Any, Mapping[str, Any]], Any]]:
+    """The user's ``output_fn`` as ``(output, x, kwargs) -> selected output`` (None stays None).
+
+    ``output_fn`` may take the output alone (``lambda out: out.logits``) or the output, the
+    inputs and the keyword arguments the model received (``def last(out, x, attention_mask)``);
+    it is called the second way when it accepts two positional arguments.
+
+    Raises:
+        TypeError: ``output_fn`` is neither None nor callable.
+    """
+    if output_fn is None:
+        return None
+    if not callable(output_fn):
+        raise TypeError(
+            f"{where}: `output_fn` must be None or a callable output_fn(output) or "
+            f"output_fn(output, x, **kwargs), got {show(output_fn)}."
+        )
+    try:
+        inspect.signature(output_fn).bind_partial(None, None)
+    except TypeError:
+        return lambda output, x, kwargs: output_fn(output)
+    except ValueError:  # no signature to read (some builtins): the documented one-argument form
+        return lambda output, x, kwargs: output_fn(output)
+    return lambda output, x, kwargs: output_fn(output, x, **kwargs)
 
 
 def canonical_get(get: Union[None, str, Sequence[str]], where: str) -> tuple[tuple[str, ...], bool]:

@@ -6,6 +6,14 @@ mapped input leaf gets its batch axis back as a size-1 axis (``unsqueeze``) befo
 it, and each output leaf loses it again (``squeeze``), so the model always runs on a batch of one
 example. Jacobians then cost ``O`` backward passes of one example each, instead of ``O`` backward
 passes over the whole batch. Without ``vmap_axes`` the model runs on the whole batch.
+
+NOTE: [Example loops]
+Some models cannot run under vmap although their examples are independent: operations without a
+batching rule, or data-dependent control flow such as Hugging Face's padding-mask code. A side can
+then map its examples with a Python loop instead (``Side.loop``): the same function of one example,
+called once per example, its results stacked as vmap would stack them. The kernel is the same; the
+price is one model call per example in every pass instead of one batched call. Kernel functions
+switch to the loop by themselves, with a warning (``_example_loop.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch.func import jacrev, vjp, vmap
+from torch.utils import _pytree as pytree
 
 from ._model import FunctionalModel
 from ._tree import Flat
+from ._unfused import Unfused
 
 
 class OutputAxisError(ValueError):
@@ -37,7 +47,8 @@ class Side:
     """The model and the inputs of one side, plus the axes to map (or None for whole batches).
 
     ``name`` is ``"x1"`` or ``"x2"``; ``offset`` is the position of the first example in that input
-    after :meth:`narrow`.
+    after :meth:`narrow`; ``loop`` maps examples with a Python loop instead of vmap (NOTE:
+    [Example loops]).
     """
 
     model: FunctionalModel
@@ -49,10 +60,12 @@ class Side:
     where: str
     name: str = "x1"
     offset: int = 0
+    loop: bool = False
 
     @classmethod
     def build(
-        cls, model: FunctionalModel, x: Any, kwargs: Mapping[str, Any], vmap_axes: Any, out_axes: Any, where: str, name: str
+        cls, model: FunctionalModel, x: Any, kwargs: Mapping[str, Any], vmap_axes: Any, out_axes: Any, where: str, name: str,
+        loop: bool = False,
     ) -> "Side":
         return cls(
             model,
@@ -63,11 +76,29 @@ class Side:
             None if vmap_axes is None else tuple(out_axes),
             where,
             name,
+            loop=loop,
         )
 
     @property
     def mapped(self) -> bool:
         return self.x_axes is not None
+
+    def looped(self) -> "Side":
+        """The same side with its examples mapped by a Python loop (NOTE: [Example loops])."""
+        return replace(self, loop=True)
+
+    def _map(self, function, in_dims, out_dims=0):
+        return map_examples(function, in_dims, out_dims, self.loop)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """vmap's errors explained, and the model's fused recurrent and weight-norm kernels, which
+        vmap cannot batch, computed as plain ops (NOTE: [Unfused kernels])."""
+        if self.loop:
+            yield
+            return
+        with vmap_errors(self.where), (Unfused() if self.model.fused else contextlib.nullcontext()):
+            yield
 
     def batch_size(self) -> int:
         for leaf, axis in self._mapped_leaves():
@@ -150,8 +181,8 @@ class Side:
         """The output leaves, per example under ``vmap`` when mapped."""
         if not self.mapped:
             return self.whole_batch()(self.model.params)
-        mapped = vmap(self._one_example, in_dims=self._in_dims(), out_dims=self.out_axes)
-        with vmap_errors(self.where):
+        mapped = self._map(self._one_example, self._in_dims(), self.out_axes)
+        with self._errors():
             return mapped(self.model.params, *self._data())
 
     def jacobians(
@@ -177,15 +208,15 @@ class Side:
 
         if not self.mapped:
             return jacrev(evaluate, chunk_size=chunk_size)(chosen, *self._data())
-        mapped = vmap(jacrev(evaluate, argnums=0), in_dims=self._in_dims(), out_dims=self.out_axes)
-        with vmap_errors(self.where):
+        mapped = self._map(jacrev(evaluate, argnums=0), self._in_dims(), self.out_axes)
+        with self._errors():
             return mapped(chosen, *self._data())
 
     def summed_vjps(self, cotangents: tuple[torch.Tensor, ...]) -> tuple[tuple, tuple]:
         """Per-example outputs and, for each row ``r`` of ``cotangents``, ``sum_n J_n^T v[r, n]``.
 
         ``cotangents`` has one tensor per output leaf, of shape ``(R, *output_leaf.shape)``. Each
-        example is differentiated under ``vmap`` (needs vmap_axes), its ``R`` products batched
+        example is differentiated under ``vmap`` (or the loop; needs vmap_axes), its ``R`` products batched
         by an inner ``vmap`` as ``jacrev`` batches its basis, so that a check made with them goes
         through the same nesting of transforms as the kernels. Returns ``(outputs, products)``:
         the output leaves, and one ``(R, *param.shape)`` tensor per parameter.
@@ -196,8 +227,8 @@ class Side:
             return outputs, products
 
         cotangent_dims = tuple(axis + 1 for axis in self.out_axes)
-        mapped = vmap(one_example, in_dims=self._in_dims() + (cotangent_dims,), out_dims=(self.out_axes, 0))
-        with vmap_errors(self.where):
+        mapped = self._map(one_example, self._in_dims() + (cotangent_dims,), (self.out_axes, 0))
+        with self._errors():
             outputs, products = mapped(self.model.params, *self._data(), tuple(cotangents))
         return outputs, tuple(product.sum(0) for product in products)
 
@@ -215,8 +246,63 @@ class Side:
         if not self.mapped:
             return function(x_leaves, kwarg_leaves, *extra)
         in_dims = self._in_dims()[1:] + tuple(extra_dims)
-        with vmap_errors(self.where):
-            return vmap(function, in_dims=in_dims)(x_leaves, kwarg_leaves, *extra)
+        with self._errors():
+            return self._map(function, in_dims)(x_leaves, kwarg_leaves, *extra)
+
+
+class ExampleShapesDiffer(ValueError):
+    """Examples mapped by a loop gave results of different shapes (intermediate values whose
+    shapes depend on the example, which only structured derivatives stack)."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]):
+        self.shapes = shapes
+        super().__init__(
+            f"the examples, evaluated one at a time, give intermediate results of different shapes "
+            f"({', '.join(map(str, shapes[:4]))}): the model's operations depend on the example (e.g. a "
+            f"sequence cut to its own length), which structured derivatives (implementation 3) cannot "
+            f"stack. Use implementation=1 or 2."
+        )
+
+
+def map_examples(function, in_dims, out_dims=0, loop: bool = False):
+    """``vmap(function, in_dims, out_dims)``, or the same mapping by a Python loop over the examples.
+
+    The loop calls ``function`` on each example (every mapped leaf indexed along its axis, so the
+    function sees what vmap would show it) and stacks the results along ``out_dims``; ``in_dims``
+    and ``out_dims`` are vmap's prefix trees. See NOTE: [Example loops].
+
+    Example:
+        >>> square = lambda x, y: x * y
+        >>> x = torch.arange(6.0).reshape(3, 2)
+        >>> looped = map_examples(square, (0, None), 0, loop=True)(x, torch.tensor(2.0))
+        >>> torch.equal(looped, vmap(square, (0, None))(x, torch.tensor(2.0)))
+        True
+    """
+    if not loop:
+        return vmap(function, in_dims=in_dims, out_dims=out_dims)
+
+    def looped(*args):
+        leaves, spec = pytree.tree_flatten(args)
+        dims = pytree._broadcast_to_and_flatten(in_dims, spec)
+        sizes = {leaf.shape[dim] for leaf, dim in zip(leaves, dims) if dim is not None}
+        if len(sizes) != 1:
+            raise ValueError(f"the mapped axes must have one size, got sizes {sorted(sizes)}")
+        results = []
+        for index in range(sizes.pop()):
+            example = [leaf if dim is None else leaf.select(dim, index) for leaf, dim in zip(leaves, dims)]
+            results.append(pytree.tree_flatten(function(*pytree.tree_unflatten(example, spec))))
+        out_spec = results[0][1]
+        stacked_dims = pytree._broadcast_to_and_flatten(out_dims, out_spec)
+        columns = list(zip(*(flat for flat, _ in results)))
+        for column in columns:
+            shapes = sorted({tuple(leaf.shape) for leaf in column})
+            if len(shapes) > 1:
+                raise ExampleShapesDiffer(shapes)
+        return pytree.tree_unflatten(
+            [torch.stack(column, dim=dim) for column, dim in zip(columns, stacked_dims)], out_spec
+        )
+
+    return looped
 
 
 def runs(size: int, length: Optional[int]) -> list[tuple[int, int]]:
@@ -248,7 +334,19 @@ def is_data_dependent_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(message in text for message in _DATA_DEPENDENT_MESSAGES)
 
 
-class VmapRuntimeError(RuntimeError):
+class VmapLimitation(Exception):
+    """Marks the errors of a model that vmap could not evaluate or differentiate per example.
+
+    Kernel functions catch these and map the examples with a loop instead (NOTE: [Example loops]);
+    whoever else sees one gets its message, which says what to do.
+    """
+
+
+class DataDependentError(ValueError, VmapLimitation):
+    """vmap met data-dependent shapes or control flow in the model."""
+
+
+class VmapRuntimeError(RuntimeError, VmapLimitation):
     """A RuntimeError raised under ``vmap`` per example, with a hint; ``original`` is PyTorch's."""
 
     def __init__(self, where: str, original: RuntimeError):
@@ -285,7 +383,7 @@ def vmap_errors(where: str) -> Iterator[None]:
         yield
     except RuntimeError as error:
         if is_data_dependent_error(error):
-            raise ValueError(
+            raise DataDependentError(
                 f"{where}: the model uses data-dependent control flow or shapes (boolean-mask indexing "
                 f"such as x[x > 0], torch.nonzero, .item(), `if tensor:` ...), which torch.func.vmap "
                 f"cannot batch, and `vmap_axes` evaluates the model per example under vmap. Pass "

@@ -14,7 +14,7 @@ from torch.func import vjp
 
 from ._checks import leaves_with_names, non_finite_count
 from ._model import FunctionalModel
-from ._per_example import OutputAxisError, Side, VmapRuntimeError, first_line, runs
+from ._per_example import OutputAxisError, Side, VmapLimitation, VmapRuntimeError, first_line, runs
 from ._vmap_axes import ParsedVmapAxes, suggested_vmap_axes, unmapped_batch_sized_kwargs
 
 _PER_EXAMPLE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.complex128: 1e-9, torch.complex64: 1e-4}
@@ -355,7 +355,7 @@ class VmapAxesCheck:
             plain = self._plain_products(run, cotangents)
             plain_agrees = plain is not None and self._worst_parameter(whole, plain) is None
         if plain_agrees:
-            raise ValueError(
+            raise VmapUnsupported(
                 f"{self.where}: `vmap_axes` cannot be used with this model: {symptom}, while without vmap "
                 f"the same examples agree with the whole batch. The examples are independent, but vmap cannot "
                 f"evaluate one of the model's operations per example (a limitation or a bug of PyTorch's "
@@ -381,6 +381,10 @@ class VmapAxesCheck:
             f"batch size {batch_size} (an int `vmap_axes` maps no keyword argument). Pass "
             f"{suggested_vmap_axes(self.vmap_axes, found)} to map {'them' if plural else 'it'} with the examples."
         ) from error
+
+
+class VmapUnsupported(ValueError, VmapLimitation):
+    """vmap fails on the model per example, while the same examples one at a time agree with the batch."""
 
 
 def _random_cotangents(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -37,6 +37,7 @@ from . import _checks
 from ._block_source import BlockRequest, BlockSource
 from ._bounded_cache import BoundedCache
 from ._call import KernelCall, prepare_call
+from ._example_loop import ExampleLoops
 from ._fingerprint import structure_fingerprint
 from ._implementations import BLOCK_PLANS, IMPLEMENTATIONS
 from ._implementations.auto import AutoChoice, AutoSelector
@@ -44,11 +45,13 @@ from ._implementations.nngp import nngp
 from ._implementations.structured import StructuredDerivatives, StructuredOptions
 from ._kernel_spec import KernelFnSpec, attach
 from ._model import functional_model, warn_training_mode
-from ._outputs import canonical_get, combine
+from ._outputs import canonical_get, combine, output_fn_argument
+from ._per_example import VmapLimitation
 from ._threads import FORWARD_MODE_LOCK, serialised
 from ._torch_errors import explained
 from ._tree import Flat, describe, is_all_none
 from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
+from ._unfused import forward_mode_kernels
 from ._vmap_axes import ParsedVmapAxes, parse_vmap_axes, split_kwargs
 
 DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
@@ -81,14 +84,19 @@ class _NtkSettings:
     auto: Optional[AutoSelector]
     arguments: dict  # as given, to build the same kernel function around another copy of the model
     derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
+    example_loops: ExampleLoops = field(default_factory=ExampleLoops)
+    output_fn: Optional[Callable] = None  # normalised by output_fn_argument
 
     @classmethod
-    def validate(cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, where):
+    def validate(
+        cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
+        where,
+    ):
         _checks.callable_model_argument(f, where)
         chosen = _checks.implementation_argument(implementation, where)
         arguments = dict(
             trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
-            chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, **structured,
+            chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, output_fn=output_fn, **structured,
         )
         options = _structured_options(structured, chosen, where)
         structured = StructuredDerivatives(options)
@@ -106,6 +114,7 @@ class _NtkSettings:
             structured,
             auto,
             arguments,
+            output_fn=output_fn_argument(output_fn, where),
         )
 
     def prepare(
@@ -121,21 +130,46 @@ class _NtkSettings:
         depend on the values, and it costs as much as a small kernel (about 4 ms on the benchmark
         MLP). The output check runs on every call. ``shape_key``: the caller's
         :func:`_shape_key` of these arguments, if it has one."""
-        key = None
-        if for_ntk and self.check_vmap_axes and self.maps_examples:
+        key = loop_key = None
+        if for_ntk and self.maps_examples:
             shape_key = shape_key or _shape_key(x1, x2, params, kwargs)
-            key = (shape_key, _structure_key(self.f))
-        call = prepare_call(
-            self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
-            diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
-            check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
-            defer_vmap_check=computes_ntk and self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
-            forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
-            check_derivatives=key is not None and key not in self.derivatives_checked,
-        )
+            loop_key = shape_key
+            if self.check_vmap_axes:
+                key = (shape_key, _structure_key(self.f))
+
+        def prepare(example_loop: bool) -> KernelCall:
+            return prepare_call(
+                self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
+                diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
+                check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
+                defer_vmap_check=computes_ntk and self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
+                forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
+                check_derivatives=key is not None and key not in self.derivatives_checked,
+                example_loop=example_loop, output_fn=self.output_fn,
+            )
+
+        looped = loop_key is not None and self.example_loops.needed(loop_key)
+        try:
+            call = prepare(looped)
+        except VmapLimitation as error:  # NOTE: [Switching to example loops]
+            if loop_key is None or looped:
+                raise
+            self.example_loops.switch(loop_key, error, where)
+            call = prepare(True)
         if key is not None:
             self.derivatives_checked[key] = True
         return call
+
+    def computed(self, call: KernelCall, key: tuple, compute: Callable[[KernelCall], Any]) -> Any:
+        """``compute(call)``, again with an example loop if vmap fails on the model (NOTE:
+        [Switching to example loops]); ``key`` is the call's shape key."""
+        try:
+            return compute(call)
+        except VmapLimitation as error:
+            if not call.side1.mapped or call.side1.loop:
+                raise
+            self.example_loops.switch(key, error, call.where)
+            return compute(call.looped())
 
     def open_blocks(
         self, request: BlockRequest, x1: Any, x2: Any, params: Any, kwargs: dict, names: tuple[str, ...], bare: bool,
@@ -194,12 +228,15 @@ class _NtkSettings:
         if all(math.prod(shape) == 0 for shape in shapes):
             # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
             return call.normalise([torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)])
-        with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
+        def compute(call: KernelCall) -> PyTree:
             if self.auto is not None:
-                return call.normalise(self.auto.compute(call, key))
+                return self.auto.compute(call, key)
             if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
-                return call.normalise(self.structured(call, key))
-            return call.normalise(IMPLEMENTATIONS[self.implementation](call))
+                return self.structured(call, key)
+            return IMPLEMENTATIONS[self.implementation](call)
+
+        with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
+            return call.normalise(self.computed(call, key, compute))
 
     def publish(
         self, kernel_fn: KernelFn, kind: str, builder: Callable[..., KernelFn], open_blocks: Callable[..., Any], where: str
@@ -278,6 +315,7 @@ def empirical_ntk_fn(
     closed_form_rules: bool = True,
     local_jacobian: str = "auto",
     verify: bool = False,
+    output_fn: Optional[Callable[..., PyTree]] = None,
 ) -> KernelFn:
     """Returns a function computing the empirical neural tangent kernel of ``f``.
 
@@ -328,6 +366,14 @@ def empirical_ntk_fn(
         verify: implementation 3 only. On every call, compare the structured ``J^T v`` with autograd
             for a random ``v`` (one extra forward and backward pass) and raise ValueError if a
             parameter's use was missed or examples interact. Default: ``False``.
+        output_fn: what to take the kernel of, from the model's output: ``output_fn(output)`` or
+            ``output_fn(output, x, **kwargs)`` (called so when it takes two positional arguments;
+            ``x`` and ``kwargs`` are what the model received). It runs inside the transforms, on
+            one example (with its batch axis of size 1) under ``vmap_axes``. For Hugging Face
+            models: ``lambda out: out.logits``, the logits at the last non-padding token, a logit
+            difference, the log-probability of target tokens (``docs/real_models.md``). Tensor
+            leaves of the result get a kernel; other leaves (a ``DynamicCache``) are dropped and
+            hold None in the kernel pytree, with or without ``output_fn``. Default: ``None``.
 
     Returns:
         ``ntk_fn(x1, x2=None, params=None, **kwargs)``, with a method
@@ -381,7 +427,8 @@ def empirical_ntk_fn(
         structure_rules=structure_rules, closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify
     )
     settings = _NtkSettings.validate(
-        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, "empirical_ntk_fn"
+        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
+        "empirical_ntk_fn",
     )
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
@@ -394,7 +441,9 @@ def empirical_ntk_fn(
     return settings.publish(ntk_fn, "ntk", empirical_ntk_fn, open_blocks, "ntk_fn")
 
 
-def empirical_nngp_fn(f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = ()) -> KernelFn:
+def empirical_nngp_fn(
+    f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = (), *, output_fn: Optional[Callable[..., PyTree]] = None
+) -> KernelFn:
     """Returns a function computing the empirical NNGP kernel ``f(x1) f(x2)^T`` of ``f``.
 
     The outputs themselves are contracted with the layout of NOTE: [Kernel layout]; no
@@ -404,6 +453,7 @@ def empirical_nngp_fn(f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = 
         f: an ``nn.Module`` or a function ``f(params, x, **kwargs)``, as in :func:`empirical_ntk_fn`.
         trace_axes: output axes to trace over (averaged). Default: ``(-1,)``.
         diagonal_axes: output axes of which only the diagonal is kept. Default: ``()``.
+        output_fn: what to take the kernel of, as in :func:`empirical_ntk_fn`. Default: ``None``.
 
     Returns:
         ``nngp_fn(x1, x2=None, params=None, **kwargs)``, arguments as for
@@ -425,14 +475,18 @@ def empirical_nngp_fn(f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = 
     _checks.callable_model_argument(f, where)
     traced = _checks.axes_argument(trace_axes, "trace_axes", where)
     diagonal = _checks.axes_argument(diagonal_axes, "diagonal_axes", where)
+    selected = output_fn_argument(output_fn, where)
 
     def nngp_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         call = prepare_call(
-            f, x1, x2, params, kwargs, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal
+            f, x1, x2, params, kwargs, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal, output_fn=selected
         )
         return call.normalise(nngp(call), dtypes=call.output_dtypes)
 
-    return attach(nngp_fn, KernelFnSpec("nngp", f, traced, diagonal, lambda model: empirical_nngp_fn(model, trace_axes, diagonal_axes)))
+    def rebuild(model: Model) -> KernelFn:
+        return empirical_nngp_fn(model, trace_axes, diagonal_axes, output_fn=output_fn)
+
+    return attach(nngp_fn, KernelFnSpec("nngp", f, traced, diagonal, rebuild))
 
 
 def empirical_kernel_fn(
@@ -448,6 +502,7 @@ def empirical_kernel_fn(
     closed_form_rules: bool = True,
     local_jacobian: str = "auto",
     verify: bool = False,
+    output_fn: Optional[Callable[..., PyTree]] = None,
 ) -> KernelFn:
     """Returns a function computing the empirical NNGP and/or NTK of ``f`` in one call.
 
@@ -481,7 +536,8 @@ def empirical_kernel_fn(
         structure_rules=structure_rules, closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify
     )
     settings = _NtkSettings.validate(
-        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, "empirical_kernel_fn"
+        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
+        "empirical_kernel_fn",
     )
 
     def kernel_fn(
@@ -507,7 +563,10 @@ def empirical_kernel_fn(
     return settings.publish(kernel_fn, "kernel", empirical_kernel_fn, open_blocks, "kernel_fn")
 
 
-def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> Callable[[PyTree], PyTree]:
+def empirical_ntk_vp_fn(
+    f: Model, x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, *,
+    output_fn: Optional[Callable[..., PyTree]] = None, **kwargs: Any,
+) -> Callable[[PyTree], PyTree]:
     """Returns ``v -> NTK(x1, x2) v`` without forming the kernel.
 
     The product runs over the fully flattened outputs (cross terms between output leaves
@@ -520,6 +579,7 @@ def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, param
         x1: first inputs.
         x2: second inputs; ``None`` means x1. Default: ``None``.
         params: as in the ``ntk_fn`` of :func:`empirical_ntk_fn`. Default: ``None``.
+        output_fn: as in :func:`empirical_ntk_fn`. Default: ``None``.
         **kwargs: passed to ``f``; 2-tuples are split between x1 and x2.
 
     Returns:
@@ -543,7 +603,7 @@ def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, param
     _checks.callable_model_argument(f, where)
     _checks.input_argument(x1, "x1", where)
     _checks.input_argument(x2, "x2", where)
-    model = functional_model(f, params, where)
+    model = functional_model(f, params, where, output_fn_argument(output_fn, where))
     warn_training_mode(model, where)
     reuse = is_all_none(x2)
     kwargs1, kwargs2 = split_kwargs(kwargs, reuse, where)
@@ -573,7 +633,7 @@ def empirical_ntk_vp_fn(f: Model, x1: PyTree, x2: Optional[PyTree] = None, param
             )
         leaves = tuple(c.to(o.dtype) for c, o in zip(flat.leaves, outputs2))
         (tangents,) = pullback(leaves)
-        with FORWARD_MODE_LOCK:  # NOTE: [Threads]
+        with FORWARD_MODE_LOCK, forward_mode_kernels(bool(model.fused)):  # NOTE: [Threads], [Unfused kernels]
             _, product = jvp(forward1, (model.params,), (tangents,))
         return structure["x1"].rebuild(product)
 

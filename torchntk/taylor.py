@@ -15,6 +15,7 @@ from ._model import FunctionalModel, functional_model
 from ._threads import FORWARD_MODE_LOCK
 from ._tree import Flat
 from ._types import Model, PyTree
+from ._unfused import forward_mode_kernels
 
 
 def _expansion_model(f: Model, params: Any, where: str) -> FunctionalModel:
@@ -72,7 +73,7 @@ def linearize(f: Model, params: Any = None) -> Callable[..., PyTree]:
     def f_lin(p: Any, *args: Any, **kwargs: Any) -> PyTree:
         steps = _steps(model, p, "f_lin")
         structure: list = []
-        with FORWARD_MODE_LOCK:  # NOTE: [Threads]
+        with FORWARD_MODE_LOCK, forward_mode_kernels(bool(model.fused)):  # NOTE: [Threads], [Unfused kernels]
             values, slopes = jvp(_output_leaves(model, args, kwargs, structure), (model.params,), (steps,))
         return structure[0].rebuild([value + slope for value, slope in zip(values, slopes)])
 
@@ -127,7 +128,7 @@ def taylor_expand(f: Model, params: Any = None, degree: int = 1) -> Callable[...
             lower, higher = jvp(lambda leaves: derivatives(leaves, order - 1), (param_leaves,), (steps,))
             return (lower[0],) + tuple(higher)
 
-        with FORWARD_MODE_LOCK:  # NOTE: [Threads]
+        with FORWARD_MODE_LOCK, forward_mode_kernels(bool(model.fused)):  # NOTE: [Threads], [Unfused kernels]
             terms = derivatives(model.params, degree)
         leaves = [
             sum(term[index] / math.factorial(order) for order, term in enumerate(terms))

@@ -15,10 +15,11 @@ output entry gives one tangent, used once for the whole x1 batch: ``N2 O`` tange
 bounded further by ``chunk_size``.
 
 NOTE: [NTK-vector products without forward mode]
-Some operations have no forward-mode derivative in PyTorch (``aten::_weight_norm_interface`` of
-the old ``weight_norm``, the fused ``_native_multi_head_attention`` of ``nn.MultiheadAttention``
-in eval mode, the ``mkldnn_rnn_layer`` of float32 ``nn.LSTM`` on CPU, custom
-``torch.autograd.Function`` classes without ``jvp``). For them the column ``J1 t`` comes from two
+Some operations have no forward-mode derivative in PyTorch: ``grid_sampler_2d``, ``_embedding_bag``,
+custom ``torch.autograd.Function`` classes without ``jvp``, and the fused kernels the forward-mode
+passes do not replace (NOTE: [Unfused kernels] in ``_unfused.py``: those of recurrent layers and
+weight norm are replaced in the modules ``fused_layers`` finds, not inside a function
+``f(params, x)``; those of attention always). For them the column ``J1 t`` comes from two
 reverse passes instead: ``u -> J1^T u`` is linear, so its VJP with cotangent ``t`` is ``J1 t``
 whatever ``u`` it is taken at (zero here). One reverse pass over x1 records ``J1^T u`` with its
 graph, and every tangent then costs one backward of that backward pass.
@@ -49,6 +50,7 @@ from .._call import KernelCall
 from .._per_example import Side
 from .._threads import FORWARD_MODE_LOCK
 from .._torch_errors import missing_forward_mode
+from .._unfused import forward_mode_kernels
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -187,7 +189,7 @@ def _forward_mode_columns(side1: Side, leaf: int, tangents: tuple, chunk: int) -
     def column(tangent: tuple) -> torch.Tensor:
         return jvp(forward, (params,), (tangent,))[1][leaf]
 
-    with FORWARD_MODE_LOCK:  # NOTE: [Threads]
+    with FORWARD_MODE_LOCK, forward_mode_kernels(bool(side1.model.fused)):  # NOTE: [Threads], [Unfused kernels]
         return vmap(column, chunk_size=chunk)(tangents)
 
 

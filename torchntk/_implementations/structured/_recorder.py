@@ -12,6 +12,11 @@ identity: the tensors passed to ``functional_call`` are the ones the ops receive
   VJP with respect to ``delta_k`` is ``G_k = df/dy_k``;
 * a Python composite (``F.multi_head_attention_forward`` and the like) receiving a parameter: its
   body is run with the mode still active, so the ops inside are seen one by one;
+* a fused recurrent kernel (``torch._VF.lstm`` of ``nn.LSTM``, ``gru``, ``rnn_tanh``, ``rnn_relu``)
+  receiving a parameter: likewise, its decomposition (NOTE: [Unfused kernels] in ``_unfused.py``)
+  runs with the mode active, so each product with a weight is one ``F.linear`` rule call (the
+  hidden-to-hidden weight one per time step). Calls it leaves to the kernel (packed sequences,
+  dropout between layers in training mode) fall under the last case;
 * an op that writes in place (``Tensor.__setitem__``, a method or ``torch`` function ending in
   ``_``, an ``out=`` argument) into a parameter or a tracked view of one, or that writes one into
   another tensor: the parameter is *unruled*; a view no longer tells what the tensor holds;
@@ -44,6 +49,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ..._unfused import RECURRENT
 from ._roles import ParamRef, RuleCall
 from ._views import (
     CAST_OPS,
@@ -100,6 +106,12 @@ class Recorder(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in CAST_OPS or func in VIEW_OPS or is_view_property(func):
             return self._view(func, args, kwargs, found)
+        decomposition = RECURRENT.get(func)
+        if decomposition is not None:
+            with self:
+                result = decomposition(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
         rule = RULES.get(func)
         if rule is not None:
             call = rule(func, args, kwargs, self.ref_of)

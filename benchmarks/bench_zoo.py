@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Every implementation and AUTO's choice on the real-model zoo of ``tests/zoo.py``.
+
+For each model (torchvision ResNet-18, MobileNetV3-small, EfficientNet-B0 and a small ViT, a timm
+ViT, Hugging Face BERT and GPT-2 with padding masks, nn.TransformerEncoder, nn.MultiheadAttention,
+nn.LSTM, nn.GRU, a weight-norm MLP, a tied autoencoder, a hooked MLP), with ``N1`` and ``N2``
+examples (x2 given), its ``vmap_axes`` and the full or traced kernel, this times implementations 1,
+2 and 3 (a warm-up call, then the median of ``--repeats`` calls), and AUTO: what it picks, what the
+choice costs on a new kernel function (``auto_choice``, measured cold, as a user's first call pays
+it, less what a fixed implementation's ``auto_choice`` costs: the validation and ``vmap_axes``
+checks every call makes), and the picked implementation's time over the fastest one's. A configuration that raises is
+reported, not fatal.
+
+    python benchmarks/bench_zoo.py                       # all models, full and traced kernels
+    python benchmarks/bench_zoo.py --models lstm bert --kernels full --n1 16 --n2 16
+
+The models need torchvision, timm and transformers (see README: test dependencies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import torchntk  # noqa: E402
+from tests import zoo  # noqa: E402
+
+KERNELS = {"full": (), "traced": (-1,)}
+
+
+def resized(case: zoo.Case, n1: int, n2: int) -> zoo.Case:
+    """The case with ``n1`` and ``n2`` fresh examples of the same kind (token ids stay in range)."""
+
+    def fresh(x: torch.Tensor, n: int) -> torch.Tensor:
+        if x.is_floating_point():
+            return torch.randn(n, *x.shape[1:], dtype=x.dtype)
+        return torch.randint(0, int(x.max()) + 1, (n, *x.shape[1:]), dtype=x.dtype)
+
+    def mask(n: int, like: torch.Tensor) -> torch.Tensor:
+        made = torch.ones(n, *like.shape[1:], dtype=like.dtype)
+        made[::2, like.shape[1] * 2 // 3:] = 0  # every other sequence padded
+        return made
+
+    kwargs = {key: (mask(n1, pair[0]), mask(n2, pair[1])) for key, pair in case.kwargs.items()}
+    return case._replace(x1=fresh(case.x1, n1), x2=fresh(case.x2, n2), kwargs=kwargs)
+
+
+def timed(call, repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(case: zoo.Case, trace_axes: tuple, repeats: int) -> dict:
+    row: dict = {}
+
+    def builder(implementation: int):
+        return torchntk.empirical_ntk_fn(
+            case.module, trace_axes=trace_axes, vmap_axes=case.vmap_axes, implementation=implementation,
+            output_fn=case.output_fn,
+        )
+
+    for implementation in (1, 2, 3):
+        ntk_fn = builder(implementation)
+        try:
+            row[implementation] = timed(lambda: ntk_fn(case.x1, case.x2, **case.kwargs), repeats)
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            row[implementation] = f"{type(error).__name__}: {str(error).splitlines()[0][:60]}"
+    # auto_choice validates the call and runs the vmap_axes checks before choosing; a fixed
+    # implementation's auto_choice does the same without choosing, so the difference is the choice.
+    start = time.perf_counter()
+    builder(1).auto_choice(case.x1, case.x2, **case.kwargs)
+    checks = time.perf_counter() - start
+    start = time.perf_counter()
+    choice = builder(0).auto_choice(case.x1, case.x2, **case.kwargs)
+    row["choice_s"] = max(0.0, time.perf_counter() - start - checks)
+    row["picked"] = int(choice.implementation)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=sorted({**zoo.FAST, **zoo.SLOW}))
+    parser.add_argument("--kernels", nargs="*", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--n1", type=int, default=16)
+    parser.add_argument("--n2", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    builders = {**zoo.FAST, **zoo.SLOW}
+    print(f"N1={args.n1} N2={args.n2} threads={args.threads} repeats={args.repeats} torch {torch.__version__}")
+    print(
+        "| model | kernel | impl 1 (s) | impl 2 (s) | impl 3 (s) | AUTO picks | picked / fastest | choice (s) "
+        "| choice / picked |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.models:
+        torch.manual_seed(0)
+        case = resized(builders[name](), args.n1, args.n2)
+        for kernel in args.kernels:
+            row = measure(case, KERNELS[kernel], args.repeats)
+            times = {k: row[k] for k in (1, 2, 3) if isinstance(row[k], float)}
+            fastest = min(times.values()) if times else float("nan")
+            picked = times.get(row["picked"], float("nan"))
+            cells = [f"{row[k]:.3f}" if isinstance(row[k], float) else row[k] for k in (1, 2, 3)]
+            print(
+                f"| {name} | {kernel} | {' | '.join(cells)} | {row['picked']} | {picked / fastest:.2f} | "
+                f"{row['choice_s']:.3f} | {row['choice_s'] / picked:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

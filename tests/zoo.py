@@ -1,0 +1,223 @@
+"""Real architectures as users bring them, built from configs with random weights.
+
+torchvision, timm and transformers are test dependencies only (``.ci/run`` and the README say how
+they are installed). PyPI's torchvision wheel for x86_64 is built against the CUDA build of torch:
+beside the CPU wheel its compiled ops library does not load, and its import then fails while
+registering fake kernels for those ops (``operator torchvision::nms does not exist``). The model
+definitions are pure Python and use none of those ops, so the registrations are skipped (an empty
+``torchvision._meta_registrations`` module) when torch is a CPU build: ``tests/conftest.py`` does it
+for the test run (timm and transformers import torchvision themselves) and :func:`import_torchvision`
+for scripts such as ``benchmarks/bench_zoo.py``.
+
+Every builder returns ``(module, x1, x2, kwargs, vmap_axes, output_fn)``; ``kwargs`` values are
+``(for x1, for x2)`` pairs as kernel functions take them. ``reference_module`` turns the same
+model into a module of one input pytree for ``torchntk.testing.reference_ntk``, whose keyword
+arguments cannot differ between x1 and x2.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from torchntk._outputs import output_fn_argument
+
+
+def import_torchvision():
+    if torch.version.cuda is None and "torchvision" not in sys.modules:
+        sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+    import torchvision
+
+    return torchvision
+
+
+def import_transformers():
+    import_torchvision()
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    return transformers
+
+
+def import_timm():
+    import_torchvision()
+    import timm
+
+    return timm
+
+
+class Case(NamedTuple):
+    module: nn.Module
+    x1: Any
+    x2: Any
+    kwargs: dict
+    vmap_axes: Any
+    output_fn: Optional[Callable] = None
+
+
+class FirstOutput(nn.Module):
+    """An RNN or attention layer as the first element of what it returns."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.layer, nn.MultiheadAttention):
+            return self.layer(x, x, x, need_weights=False)[0]
+        output = self.layer(x)
+        return output[0] if isinstance(output, tuple) else output
+
+
+class TiedAutoencoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight.T) @ self.weight
+
+
+def hooked_mlp() -> nn.Module:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    model[0].register_forward_hook(lambda module, args, output: output * 2)
+    model[2].register_forward_pre_hook(lambda module, args: (args[0] + 0.5,))
+    return model
+
+
+def _images(size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(3, 3, size, size), torch.randn(2, 3, size, size)
+
+
+def _sequences(features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(3, 5, features), torch.randn(2, 5, features)
+
+
+def _plain(module: nn.Module, x1: Any, x2: Any) -> Case:
+    return Case(module.eval(), x1, x2, {}, 0)
+
+
+def lstm() -> Case:
+    return _plain(FirstOutput(nn.LSTM(4, 6, batch_first=True)), *_sequences(4))
+
+
+def gru() -> Case:
+    return _plain(FirstOutput(nn.GRU(4, 6, num_layers=2, batch_first=True)), *_sequences(4))
+
+
+def multihead_attention() -> Case:
+    return _plain(FirstOutput(nn.MultiheadAttention(8, 2, batch_first=True)), *_sequences(8))
+
+
+def transformer_encoder() -> Case:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return _plain(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), *_sequences(8))
+
+
+def weight_norm() -> Case:
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 6)), nn.Tanh(), nn.Linear(6, 3))
+    return _plain(model, torch.randn(3, 8), torch.randn(2, 8))
+
+
+def tied_autoencoder() -> Case:
+    return _plain(TiedAutoencoder(), torch.randn(3, 8), torch.randn(2, 8))
+
+
+def hooks() -> Case:
+    return _plain(hooked_mlp(), torch.randn(3, 8), torch.randn(2, 8))
+
+
+def torchvision_vit() -> Case:
+    models = import_torchvision().models
+    model = models.VisionTransformer(
+        image_size=16, patch_size=8, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16, num_classes=3
+    )
+    return _plain(model, *_images(16))
+
+
+def resnet18() -> Case:
+    return _plain(import_torchvision().models.resnet18(num_classes=3), *_images())
+
+
+def mobilenet_v3_small() -> Case:
+    return _plain(import_torchvision().models.mobilenet_v3_small(num_classes=3), *_images())
+
+
+def efficientnet_b0() -> Case:
+    return _plain(import_torchvision().models.efficientnet_b0(num_classes=3), *_images())
+
+
+def timm_vit() -> Case:
+    model = import_timm().create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=3, depth=1,
+        embed_dim=16, num_heads=2,
+    )
+    return _plain(model, *_images())
+
+
+def _tokens(vocabulary: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    ids1, ids2 = torch.randint(0, vocabulary, (3, 6)), torch.randint(0, vocabulary, (2, 6))
+    mask1, mask2 = torch.ones(3, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long)
+    mask1[1, 4:] = 0  # padding
+    mask2[0, 3:] = 0
+    return ids1, ids2, (mask1, mask2)
+
+
+def last_token_logits(output: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The logits at the last non-padding token of each sequence (right padding)."""
+    last = attention_mask.sum(-1) - 1
+    return output.logits[torch.arange(input_ids.shape[0]), last]
+
+
+def bert() -> Case:
+    transformers = import_transformers()
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=3,
+    )
+    ids1, ids2, masks = _tokens(50)
+    model = transformers.BertForSequenceClassification(config).eval()
+    return Case(model, ids1, ids2, {"attention_mask": masks}, (0, 0, {"attention_mask": 0}), lambda out: out.logits)
+
+
+def gpt2() -> Case:
+    transformers = import_transformers()
+    config = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
+    ids1, ids2, masks = _tokens(50)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    return Case(model, ids1, ids2, {"attention_mask": masks}, (0, 0, {"attention_mask": 0}), last_token_logits)
+
+
+FAST = {
+    "lstm": lstm, "gru": gru, "multihead_attention": multihead_attention, "transformer_encoder": transformer_encoder,
+    "weight_norm": weight_norm, "tied_autoencoder": tied_autoencoder, "hooks": hooks,
+    "torchvision_vit": torchvision_vit, "timm_vit": timm_vit, "bert": bert, "gpt2": gpt2,
+}
+SLOW = {"resnet18": resnet18, "mobilenet_v3_small": mobilenet_v3_small, "efficientnet_b0": efficientnet_b0}
+
+
+class ReferenceModule(nn.Module):
+    """``case.module`` as a module of one input pytree ``(x, kwargs)``, with ``output_fn`` applied,
+    for the brute-force reference (the same parameter names, under ``model.``)."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        self.model = case.module
+        self.output_fn = case.output_fn
+
+    def forward(self, inputs: tuple) -> Any:
+        x, kwargs = inputs
+        output = self.model(x, **kwargs)
+        if self.output_fn is None:
+            return output
+        return output_fn_argument(self.output_fn, "reference")(output, x, kwargs)
+
+
+def reference_inputs(case: Case) -> tuple[Any, Any]:
+    kwargs1 = {key: value[0] for key, value in case.kwargs.items()}
+    kwargs2 = {key: value[1] for key, value in case.kwargs.items()}
+    return (case.x1, kwargs1), (case.x2, kwargs2)
