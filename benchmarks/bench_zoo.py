@@ -5,10 +5,10 @@ For each model (torchvision ResNet-18, MobileNetV3-small, EfficientNet-B0 and a 
 ViT, Hugging Face BERT and GPT-2 with padding masks, nn.TransformerEncoder, nn.MultiheadAttention,
 nn.LSTM, nn.GRU, a weight-norm MLP, a tied autoencoder, a hooked MLP), with ``N1`` and ``N2``
 examples (x2 given), its ``vmap_axes`` and the full or traced kernel, this times implementations 1,
-2 and 3 (a warm-up call, then the median of ``--repeats`` calls), and AUTO: what it picks, what the
-choice costs on a new kernel function (``auto_choice``, measured cold, as a user's first call pays
-it, less what a fixed implementation's ``auto_choice`` costs: the validation and ``vmap_axes``
-checks every call makes), and the picked implementation's time over the fastest one's. A configuration that raises is
+2 and 3 (a first call, then the median of ``--repeats`` calls), and AUTO: what it picks, what the
+choice costs (the first call of a new AUTO kernel function less the first call of the implementation
+it picks: both validate the call, check ``vmap_axes`` and, for 3, make its plan), and the picked
+implementation's time over the fastest one's. A configuration that raises is
 reported, not fatal.
 
     python benchmarks/bench_zoo.py                       # all models, full and traced kernels
@@ -53,17 +53,22 @@ def resized(case: zoo.Case, n1: int, n2: int) -> zoo.Case:
     return case._replace(x1=fresh(case.x1, n1), x2=fresh(case.x2, n2), kwargs=kwargs)
 
 
-def timed(call, repeats: int) -> float:
+def timed(call, repeats: int) -> tuple[float, float]:
+    """``(first call, median of the next repeats)`` in seconds."""
+    start = time.perf_counter()
     call()
+    first = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return first, statistics.median(times)
 
 
 def measure(case: zoo.Case, trace_axes: tuple, repeats: int) -> dict:
+    """Steady times of 1, 2, 3 and AUTO's pick; the choice's cost is AUTO's first call less the
+    picked implementation's first call (both validate, check ``vmap_axes`` and, for 3, plan)."""
     row: dict = {}
 
     def builder(implementation: int):
@@ -72,21 +77,17 @@ def measure(case: zoo.Case, trace_axes: tuple, repeats: int) -> dict:
             output_fn=case.output_fn,
         )
 
+    first = {}
     for implementation in (1, 2, 3):
         ntk_fn = builder(implementation)
         try:
-            row[implementation] = timed(lambda: ntk_fn(case.x1, case.x2, **case.kwargs), repeats)
+            first[implementation], row[implementation] = timed(lambda: ntk_fn(case.x1, case.x2, **case.kwargs), repeats)
         except Exception as error:  # noqa: BLE001 - reported in the table
             row[implementation] = f"{type(error).__name__}: {str(error).splitlines()[0][:60]}"
-    # auto_choice validates the call and runs the vmap_axes checks before choosing; a fixed
-    # implementation's auto_choice does the same without choosing, so the difference is the choice.
-    start = time.perf_counter()
-    builder(1).auto_choice(case.x1, case.x2, **case.kwargs)
-    checks = time.perf_counter() - start
-    start = time.perf_counter()
-    choice = builder(0).auto_choice(case.x1, case.x2, **case.kwargs)
-    row["choice_s"] = max(0.0, time.perf_counter() - start - checks)
-    row["picked"] = int(choice.implementation)
+    auto = builder(0)
+    auto_first, _ = timed(lambda: auto(case.x1, case.x2, **case.kwargs), 0)
+    row["picked"] = int(auto.auto_choice(case.x1, case.x2, **case.kwargs).implementation)
+    row["choice_s"] = max(0.0, auto_first - first.get(row["picked"], float("nan")))
     return row
 
 

@@ -63,7 +63,7 @@ def test_ntk_vector_products_default_runs(monkeypatch, trace_axes, diagonal_axes
     from torchntk._implementations import ntk_vector_products
 
     monkeypatch.setattr(ntk_vector_products, "_RUN_BYTES", 1)
-    monkeypatch.setattr(ntk_vector_products, "_TANGENTS_PER_PASS", 3)
+    monkeypatch.setattr(ntk_vector_products, "TANGENTS_PER_PASS", 3)
     second = None if same else X2
     ntk_fn = torchntk.empirical_ntk_fn(two_headed, trace_axes, diagonal_axes, VMAP_AXES, 2)
     expected = reference_ntk(two_headed, X1, second, PARAMS, trace_axes=trace_axes, diagonal_axes=diagonal_axes)

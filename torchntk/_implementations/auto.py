@@ -3,7 +3,9 @@
 NOTE: [AUTO's cost model]
 Costs are analytic, in multiply-add FLOPs, from one forward pass counted by
 ``torch.utils.flop_counter.FlopCounterMode`` (``F``: the forward cost of a side's whole batch,
-at least two FLOPs per parameter and example) and the shapes:
+at least two FLOPs per parameter and example, plus ``_ELEMENT_FLOPS`` per element any op writes,
+for the memory-bound ops the counter ignores) and the shapes, plus a FLOP equivalent per
+sequential ATen call (NOTE: [AUTO's op-call overhead]):
 
 * backward sweeps: ``B`` basis vectors (``O`` per example with ``vmap_axes``, every output entry
   without), each a backward pass over the batch: ``2 B F`` with weight gradients (1, 2), ``B F``
@@ -15,7 +17,8 @@ at least two FLOPs per parameter and example) and the shapes:
   recorded reverse pass over x1 (``3 F1``) plus one backward of that backward pass per x2 output
   entry, priced ``4 F1``: measured as fast as forward mode on the benchmark MLP, whose ReLU's
   second backward is a mask; smooth activations and MATH attention cost more there;
-* structured derivatives (3): opt_einsum's planned cost of every pair contraction, plus the
+* structured derivatives (3): opt_einsum's planned cost of every pair contraction (weighted by
+  ``_STRUCTURED_CONTRACTION_WEIGHT``), plus the
   Jacobian-contraction cost of parameters the rules do not cover (the plan implementation 3 would
   use, checked against autograd, so demoted parameters are priced as fallback); memory: ``G``, the
   operands and the largest planned intermediate.
@@ -31,8 +34,10 @@ contraction (1) runs and raises the model's own error, explained.
 
 Candidates whose memory estimate exceeds the budget (half the machine's RAM, or the free memory
 of the CUDA device) are dropped unless none fits; among the rest the smallest cost wins, ties
-going to the earlier of 1, 2, 3. FLOP counts ignore GEMM efficiency and memory traffic, so the
-choice can be wrong when two estimates are close; ``auto_choice`` reports the estimates behind it.
+going to the earlier of 1, 2, 3. The constants were fitted on the real-model zoo and the benchmark
+MLP and CNN (docs/real_models.md records each pick against the fastest); the model still knows
+nothing of cache sizes or GEMM shapes, so it can be wrong when two estimates are close, and
+``auto_choice`` reports the estimates behind a choice.
 """
 
 from __future__ import annotations
@@ -40,14 +45,16 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._call import KernelCall
 from .._types import NtkImplementation
-from .ntk_vector_products import vector_products_method
+from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
 from .structured import StructuredDerivatives
 from .structured._cost import structured_cost
 from .structured._plan import Plan
@@ -111,39 +118,58 @@ def choose(call: KernelCall, plan: Plan | BaseException) -> AutoChoice:
     sides = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
     element = max(call.model.params[0].element_size(), max(o.element_size() for o in call.outputs1))
     params = sum(p.numel() for p in call.model.params)
-    forward, basis, entries = [], [], []
+    forward, ops, per_example_ops, basis, entries = [], [], [], [], []
+    counts: dict = {}  # x2 with x1's per-example shapes is priced from x1's count
     for side, outputs in sides:
         examples = side.batch_size() if side.mapped else 1
-        counted = _forward_flops(side)
+        shapes = _per_example_shapes(side)
+        if shapes is None or shapes not in counts:
+            counts[shapes] = _forward_count(side), examples
+        (counted, op_calls), counted_examples = counts[shapes]
+        counted *= examples / counted_examples
         forward.append(max(counted, 2.0 * params * examples))
+        ops.append(max(op_calls, 1))  # one batched (or whole-batch) pass
+        per_example_ops.append(ops[-1] * (examples if side.loop else 1))  # an example loop repeats them
         total = sum(o.numel() for o in outputs)
         basis.append(total / examples if side.mapped else total)
         entries.append(total)
     if call.side2 is None:
-        forward, basis, entries = forward * 2, basis * 2, entries * 2
+        forward, ops, per_example_ops = forward * 2, ops * 2, per_example_ops * 2
+        basis, entries = basis * 2, entries * 2
         sweep_sides = 1
     else:
         sweep_sides = 2
     kernel = sum(math.prod(shape) * layout.trace_size(o.shape) for shape, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1))
     sweeps = sum(2.0 * b * f for b, f in list(zip(basis, forward))[:sweep_sides])
+    sweep_ops = _SWEEP_OPS * sum(per_example_ops[:sweep_sides])
+    per_op = _op_call_flops(call.outputs1[0].device)
 
     def jacobian_contraction() -> Estimate:
-        return Estimate(sweeps + 2.0 * kernel * params, element * params * sum(entries[:sweep_sides]))
+        calls = sweep_ops + _CONTRACTION_OPS * len(call.model.params) * len(call.layouts)
+        return Estimate(sweeps + 2.0 * kernel * params + per_op * calls, element * params * sum(entries[:sweep_sides]))
 
     def ntk_vector_products() -> Estimate:
         method, missing = vector_products_method(call.side1)
         x2_vectors = 2.0 * basis[1] * forward[1]
+        passes = math.ceil(entries[1] / TANGENTS_PER_PASS)
         if missing is None:
-            return Estimate(x2_vectors + 3.0 * entries[1] * forward[0], element * params * 8)
-        flops = x2_vectors + 3.0 * forward[0] + 4.0 * entries[1] * forward[0]
+            calls = _SWEEP_OPS * per_example_ops[1] + passes * _FORWARD_MODE_OPS * ops[0]
+            flops = x2_vectors + 3.0 * entries[1] * forward[0] + per_op * calls
+            return Estimate(flops, element * params * 8)
+        calls = _SWEEP_OPS * (per_example_ops[1] + ops[0]) + passes * _DOUBLE_VJP_OPS * ops[0]
+        flops = x2_vectors + 3.0 * forward[0] + 4.0 * entries[1] * forward[0] + per_op * calls
         return Estimate(flops, element * params * 8, f"{method}: no forward-mode derivative for {missing}")
 
     def structured_derivatives() -> Estimate:
         if isinstance(plan, BaseException):
             raise plan
         structured = structured_cost(call, plan)
+        calls = (_SWEEP_OPS + 1) * sum(per_example_ops[:sweep_sides]) + _CONTRACTION_OPS * structured.contractions
+        if plan.fallback:
+            calls += sweep_ops
+        contractions = _STRUCTURED_CONTRACTION_WEIGHT * structured.contraction_flops
         return Estimate(
-            sweeps / 2 + 2.0 * sum(forward[:sweep_sides]) + structured.contraction_flops,
+            sweeps / 2 + 2.0 * sum(forward[:sweep_sides]) + contractions + per_op * calls,
             element * structured.memory_elements,
         )
 
@@ -172,18 +198,75 @@ def choose(call: KernelCall, plan: Plan | BaseException) -> AutoChoice:
     return AutoChoice(best, estimates, budget, fallback, excluded)
 
 
-def _forward_flops(side) -> float:
-    """The forward FLOPs of ``side`` (multiply-adds), or 0 if the counter cannot run the model.
+class _OpCalls(TorchDispatchMode):
+    """Counts the ATen calls that reach the dispatcher (one per op of a vmapped forward pass)."""
 
-    0 leaves the caller's lower bound of two FLOPs per parameter and example.
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.elements = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        result = func(*args, **(kwargs or {}))
+        self.elements += sum(leaf.numel() for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor))
+        return result
+
+
+def _forward_count(side) -> tuple[float, int]:
+    """The forward FLOPs of ``side``'s batch (multiply-adds) and the ATen calls of one pass, or
+    zeros if the counters cannot run the model (the caller then uses lower bounds).
+
+    A mapped side is counted on its first example as a batch of one, without vmap, and its FLOPs
+    scaled by the batch size: the counters cost Python time on every call, which on a large model
+    made counting cost a third of the kernel.
     """
-    counter = FlopCounterMode(display=False)
+    flops, calls = FlopCounterMode(display=False), _OpCalls()
+    example = side.narrow(0, 1) if side.mapped and side.batch_size() > 1 else side
     try:
-        with torch.no_grad(), counter:
-            side.forward()
+        with torch.no_grad(), flops, calls:
+            example.whole_batch()(side.model.params)
     except Exception:  # noqa: BLE001 - a pricing aid only; the implementations report the error
-        return 0.0
-    return float(counter.get_total_flops()) / 2  # the counter counts a multiply-add as two
+        return 0.0, 0
+    scale = side.batch_size() if example is not side else 1
+    counted = float(flops.get_total_flops()) / 2 + _ELEMENT_FLOPS * calls.elements  # a multiply-add counts two
+    return scale * counted, calls.count
+
+
+def _per_example_shapes(side) -> Optional[tuple]:
+    """The shapes and dtypes of one example of a mapped side (None for whole batches)."""
+    if not side.mapped or side.batch_size() == 0:
+        return None
+    example = side.narrow(0, 1)
+    leaves = list(example.x.leaves) + [leaf for flat in example.kwargs.values() for leaf in flat.leaves]
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+
+
+# NOTE: [AUTO's op-call overhead]
+# Small models spend their time in the ~10-50 us each ATen call costs under torch.func (Python
+# dispatch, functorch wrappers, allocation), not in FLOPs: on the zoo of docs/real_models.md,
+# NTK-vector products ran at 0.3-0.5 GFLOP/s on recurrent and attention models (a forward-mode
+# pass per 24 output entries of x2) where Jacobian contraction ran at 6-35. Each estimate
+# therefore adds, per sequential ATen call, the FLOPs the device does in that time. The calls are
+# counted on one vmapped forward pass (``ops``) and scaled by the passes each implementation makes:
+_SWEEP_OPS = 3  # a forward and a backward pass (about twice the forward's calls)
+_FORWARD_MODE_OPS = 2  # a forward-mode pass: primal and tangent calls
+_DOUBLE_VJP_OPS = 4  # the backward of a recorded backward pass
+_CONTRACTION_OPS = 3  # an einsum (reshapes, the product, the sum into the kernel)
+_OP_CALL_FLOPS = {"cpu": 4e5, "cuda": 3e8}
+_STRUCTURED_CONTRACTION_WEIGHT = 0.5
+"""Structured derivatives' pair contractions are few large einsums that the BLAS runs at about twice
+the FLOP rate of the per-example backward sweeps of Jacobian contraction (measured on the CNNs of
+docs/benchmarks.md and the zoo), so their FLOPs count half."""
+_ELEMENT_FLOPS = 20.0
+"""FLOPs per element an op writes: the FLOP counter sees matrix products and convolutions only,
+while normalisations, activations and softmax move memory at a small fraction of their speed."""
+"""FLOPs per ATen call: fitted on the zoo for the 2-core CPU of docs/benchmarks.md; for CUDA, about
+20 us at 15 TFLOP/s, not measured (no GPU was available)."""
+
+
+def _op_call_flops(device: torch.device) -> float:
+    return _OP_CALL_FLOPS.get(device.type, _OP_CALL_FLOPS["cuda"])
 
 
 def _memory_budget(device: torch.device) -> float:

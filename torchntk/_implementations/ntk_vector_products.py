@@ -111,16 +111,16 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
 # * runs of at least _MIN_RUN examples, differentiated as one small batch, were ~20% faster on the
 #   MLP than per-example vmap: the weight gradients become rank-2 matrix products, which the BLAS
 #   runs far better than rank-1 ones (the cross-example blocks are zero under the vmap_axes promise);
-# * pushing a run's vectors through forward mode in equal chunks of at most _TANGENTS_PER_PASS
+# * pushing a run's vectors through forward mode in equal chunks of at most TANGENTS_PER_PASS
 #   avoided a small trailing chunk that cost a whole extra forward pass.
 _RUN_BYTES = 32 * 2**20
 _MIN_RUN = 2
-_TANGENTS_PER_PASS = 24
+TANGENTS_PER_PASS = 24
 
 
 def _even_chunks(count: int) -> int:
-    """The chunk size that splits ``count`` vectors into equal chunks of at most _TANGENTS_PER_PASS."""
-    chunks = max(1, math.ceil(count / _TANGENTS_PER_PASS))
+    """The chunk size that splits ``count`` vectors into equal chunks of at most TANGENTS_PER_PASS."""
+    chunks = max(1, math.ceil(count / TANGENTS_PER_PASS))
     return max(1, math.ceil(count / chunks))
 
 

@@ -78,14 +78,18 @@ def plan_for(call: KernelCall, options: StructuredOptions, thorough: bool = Fals
 
     plan = build({})
     if options.verify or len(plan.fallback) == n_params:  # verify=True checks every call; nothing to check
-        return plan
+        return _with_probe(plan, calls, thorough)
     demoted: dict[int, str] = {}
     for side in sides:
         try:
             demoted.update(disagreements(side, plan))
         except PlanMismatch:
             raise _nondeterministic(call.where) from None
-    return build(demoted) if demoted else plan
+    return _with_probe(build(demoted) if demoted else plan, calls, thorough)
+
+
+def _with_probe(plan: Plan, calls: list, thorough: bool) -> Plan:
+    return plan if thorough else dataclasses.replace(plan, first_example_calls=tuple(calls))
 
 
 def _nondeterministic(where: str) -> RuntimeError:

@@ -182,6 +182,7 @@ def pair_equation(layout, out_axis, first: Use, second: Use, leaf) -> tuple[str,
     return ",".join(terms1 + terms2) + "->" + "".join(result), tensors1 + tensors2
 
 
+@functools.lru_cache(maxsize=1024)
 def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
     """opt_einsum's FLOP count and largest intermediate (elements) for the planned order.
 

@@ -25,13 +25,15 @@ class StructuredCost:
     contraction_flops: float
     memory_elements: float
     fallback_params: int
+    contractions: int = 0
+    """einsum calls: pair contractions and Jacobians formed (AUTO prices each call's overhead)."""
 
 
 def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     """The cost of ``call`` under ``plan`` (which must come from a probe of ``call``'s x1)."""
     sides = [call.side1] if call.side2 is None else [call.side1, call.side2]
-    recorder = probe(call.side1)
-    calls = recorder.calls if plan.ruled else []
+    probed = plan.first_example_calls if plan.first_example_calls is not None else probe(call.side1).calls
+    calls = probed if plan.ruled else []
     outputs = (call.outputs1, call.outputs2 if call.side2 is not None else call.outputs1)
     uses = [
         [_meta_use(role, side, output_leaves) for c in calls for role in plan.roles(c)]
@@ -41,6 +43,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     out_axes = call.side1.out_axes if call.side1.mapped else None
     param_sizes = [param.numel() for param in call.model.params]
     flops = memory = 0.0
+    contractions = 0
     for leaf, (layout, kernel_shape) in enumerate(zip(call.layouts, call.kernel_shapes())):
         out_axis = None if out_axes is None else out_axes[leaf]
         kernel = math.prod(kernel_shape) * layout.trace_size(call.outputs1[leaf].shape)
@@ -50,6 +53,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
                 kind = pair_kind(first.role, second.role) if first.role.unit == second.role.unit else "disjoint"
                 if kind == "disjoint":
                     continue
+                contractions += 1
                 if kind == "einsum":
                     equation, tensors = pair_equation(layout, out_axis, first, second, leaf)
                     cost, largest = pair_cost(equation, tuple(tuple(t.shape) for t in tensors))
@@ -60,6 +64,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
                 for use in (first, second):
                     if id(use) not in jacobians:
                         jacobians.add(id(use))
+                        contractions += 1
                         flops += _jacobian_cost(use, leaf, layout, out_axis)
                         memory += math.prod(use.gradients[leaf].shape[: layout.ndim]) * size
                 flops += 2.0 * kernel * size
@@ -68,7 +73,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     kernel = sum(math.prod(s) * layout.trace_size(o.shape) for s, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1))
     flops += 2.0 * kernel * fallback
     memory += fallback * sum(o.numel() for o in call.outputs1 + call.outputs2)
-    return StructuredCost(flops, memory, fallback)
+    return StructuredCost(flops, memory, fallback, contractions)
 
 
 def _jacobian_cost(use: Use, leaf: int, layout, out_axis) -> float:

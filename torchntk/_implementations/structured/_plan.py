@@ -39,6 +39,9 @@ class Plan:
     local_jacobian: Optional[str]
     perturbed_shapes: Optional[dict[int, tuple[tuple[int, ...], torch.dtype]]] = None
     reasons: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    first_example_calls: Optional[tuple] = dataclasses.field(default=None, compare=False)
+    """The rule calls of the probe of x1's first example, when the plan comes from that probe alone
+    (AUTO prices the plan from them without probing again)."""
 
     def roles(self, call: RuleCall) -> list[Role]:
         """The roles of ``call`` that contribute: ruled parameters, joint pairs stated jointly."""
