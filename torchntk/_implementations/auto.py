@@ -54,6 +54,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .._call import KernelCall
 from .._types import NtkImplementation
+from .._unfused import forward_mode_kernels
 from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
 from .structured import StructuredDerivatives
 from .structured._cost import structured_cost
@@ -224,7 +225,9 @@ def _forward_count(side) -> tuple[float, int]:
     flops, calls = FlopCounterMode(display=False), _OpCalls()
     example = side.narrow(0, 1) if side.mapped and side.batch_size() > 1 else side
     try:
-        with torch.no_grad(), flops, calls:
+        # Under forward_mode_kernels, attention and recurrent layers run the composite ops that the
+        # differentiated passes run, not the inference fast paths a no-grad pass would take.
+        with torch.no_grad(), forward_mode_kernels(bool(side.model.fused)), flops, calls:
             example.whole_batch()(side.model.params)
     except Exception:  # noqa: BLE001 - a pricing aid only; the implementations report the error
         return 0.0, 0
