@@ -308,7 +308,7 @@ def test_the_module_is_not_mutated_and_worker_errors_reach_the_caller():
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
     wrong = torch.randn(8, 4, dtype=torch.float64)  # the model expects 3 features
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
         torchntk.batch(torchntk.empirical_ntk_fn(model), 2, devices=["cpu"] * 2)(wrong, x2)
 
 
@@ -342,16 +342,20 @@ def test_bad_arguments(arguments, error, message):
 
 
 def test_device_count_beyond_the_machine_and_foreign_kernel_functions():
-    if torch.cuda.device_count() == 0:
-        with pytest.raises(ValueError, match=r"`device_count`=2, but this machine has 0 CUDA .*devices=\['cpu'\] \* k"):
-            torchntk.batch(torchntk.empirical_ntk_fn(_model()), 2, device_count=2)(*_inputs(4, 4))
+    # Checked on every machine: two more GPUs than it has (device_count=1 without any GPU means
+    # the inputs' device); the hint about CPU workers comes only when it has none.
+    available = torch.cuda.device_count()
+    hint = r" Pass devices=\['cpu'\] \* k for several CPU workers\.$" if available == 0 else "$"
+    message = rf"`device_count`={available + 2}, but this machine has {available} CUDA device\(s\)\.{hint}"
+    with pytest.raises(ValueError, match=message):
+        torchntk.batch(torchntk.empirical_ntk_fn(_model()), 2, device_count=available + 2)(*_inputs(4, 4))
     with pytest.raises(TypeError, match="`kernel_fn` must be a kernel function of torchntk"):
         torchntk.batch(lambda x1, x2: x1 @ x2.T, 2)
 
 
 def test_traced_or_diagonal_batch_axis_needs_equal_sizes():
     x1, x2 = _inputs(5, 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"the batch axis is traced or diagonal .* but x1 has 5 examples and x2 8"):
         torchntk.batch(torchntk.empirical_ntk_fn(_model(), diagonal_axes=(0,)), 2)(x1, x2)
 
 
@@ -361,7 +365,7 @@ def test_a_rank_that_owns_no_span_contributes_zeros(implementation):
     (implementation 2 prepares x1 and x2 differently, so the x2 side is prepared on its own)."""
     from torchntk._batch_jobs import Job, run_spans
     from torchntk._block_source import BlockRequest
-    from torchntk._kernel_spec import spec_of
+    from torchntk._kernel_function import spec_of
 
     x1 = _inputs(3, 1)[0]
     ntk_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=0, implementation=implementation)
@@ -391,3 +395,25 @@ def test_an_empty_side_gives_the_kernel_functions_empty_kernel():
     ntk_fn = torchntk.empirical_ntk_fn(f, trace_axes=(), vmap_axes=1)
     batched = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 2)(x1.T, empty.T, params)
     assert batched.shape == ntk_fn(x1.T, empty.T, params).shape == (4, 4, 5, 0)
+
+
+def test_batched_nngp_fn_evaluates_each_example_once():
+    """empirical_nngp_fn has a block source: one forward pass per run of examples, not per pair of
+    blocks; with keyword arguments (which may or may not hold examples) it falls back to blocks."""
+    calls = []
+
+    def f(params, x, scale=1.0):
+        calls.append(x.shape[0])
+        return torch.tanh(x @ params["weight"].T) * scale
+
+    params = {"weight": torch.randn(4, 3, dtype=torch.float64)}
+    x1, x2 = _inputs(13, 8)
+    nngp_fn = torchntk.empirical_nngp_fn(f)
+    expected = nngp_fn(x1, x2, params)
+    calls.clear()
+    assert_kernels_close(torchntk.batch(nngp_fn, 3)(x1, x2, params), expected, rtol=1e-10, atol=1e-12)
+    assert sum(calls) == 13 + 8  # each example once
+    calls.clear()
+    with_kwargs = torchntk.batch(nngp_fn, 3)(x1, x2, params, scale=2.0)
+    assert_kernels_close(with_kwargs, 4 * expected, rtol=1e-10, atol=1e-12)
+    assert sum(calls) > 13 + 8  # per pair of blocks

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import types
@@ -11,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+import torchntk
+from tests._processes import run_python
 from torchntk.cli import main
 
 
@@ -102,11 +103,20 @@ def test_bad_arguments_give_one_line_and_exit_status_2(arguments, message, capsy
 
 
 def test_python_dash_m_and_help():
-    done = subprocess.run([sys.executable, "-m", "torchntk", "--n", "-3"], capture_output=True, text=True, timeout=120)
+    done = run_python("-m", "torchntk", "--n", "-3", timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["torchntk: error: argument --n: expected a positive integer, got '-3' (see --help)"]
-    helped = subprocess.run([sys.executable, "-m", "torchntk", "--help"], capture_output=True, text=True, timeout=120)
-    assert helped.returncode == 0 and "torchntk bench" in helped.stdout
+    helped = run_python("-m", "torchntk", "--help", timeout=120)
+    assert helped.returncode == 0 and "torchntk bench" in helped.stdout and "--version" in helped.stdout
+
+
+def test_version_of_the_demo_and_the_bench(capsys):
+    assert torchntk.__version__.count(".") >= 2
+    for command in (["--version"], ["bench", "--version"], ["--model", "mlp", "--version"]):
+        assert main(command) == 0, command
+        assert capsys.readouterr().out == f"torchntk {torchntk.__version__}\n", command
+    done = run_python("-m", "torchntk", "--version", timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"torchntk {torchntk.__version__}\n", "")
 
 
 def test_bench_writes_its_table_and_scaling_plot(tmp_path, capsys):

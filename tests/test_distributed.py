@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
 import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests._processes import SpawnFailed, spawn
 from torchntk import distributed
 
 pytestmark = pytest.mark.slow
-
-SpawnFailed = (mp.ProcessRaisedException, mp.ProcessExitedException)
 
 Kernel = collections.namedtuple("Kernel", ["nngp", "ntk"])
 
@@ -168,26 +167,10 @@ def _failing_worker(rank: int, world_size: int, tmp: str, failing: int, mode: st
 # --- parent -------------------------------------------------------------------------
 
 
-def _spawn(worker, world_size: int, tmp_path, *args, grace: float = 10.0,
-           deadline: float = 60.0) -> float:
-    """Runs ``worker(rank, world_size, tmp, *args)`` in ``world_size`` processes.
-
-    Returns the wall time; re-raises the spawn's exception when a child failed. Children
-    still alive after ``deadline`` seconds are killed and the test fails.
-    """
-    start = time.monotonic()
-    context = mp.spawn(worker, args=(world_size, str(tmp_path), *args), nprocs=world_size,
-                       join=False)
-    try:
-        while not context.join(timeout=1.0, grace_period=grace):
-            if time.monotonic() - start > deadline:
-                pytest.fail(f"the {world_size} processes did not finish in {deadline} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    return time.monotonic() - start
+def _spawn(worker, world_size: int, tmp_path, *args, grace: float = 10.0) -> float:
+    """Runs ``worker(rank, world_size, tmp, *args)`` in ``world_size`` processes (see
+    :func:`tests._processes.spawn`); returns the wall time."""
+    return spawn(worker, world_size, (world_size, str(tmp_path), *args), grace=grace, deadline=60.0)
 
 
 def _results(tmp_path, world_size: int) -> list:
@@ -220,7 +203,7 @@ def test_ownership_partitions_indices():
         distributed.owned_blocks(0, 0)
     with pytest.raises(ValueError, match=">= 0"):
         distributed.owned_samples(0, 2)(-1)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="sample index must be an int, got 1.0"):
         distributed.owned_samples(0, 2)(1.0)
     assert distributed.owned_samples(1, 2)(torch.tensor(3))
 
@@ -231,12 +214,35 @@ def test_single_process_is_a_no_op():
     assert distributed.all_reduce_sum(tree, timeout=1) is tree
     distributed.checkpoint(timeout=1)
     distributed.finalize(timeout=1)
-    with distributed.failure_guard(timeout=1), pytest.raises(KeyError):
+    with distributed.failure_guard(timeout=1), pytest.raises(KeyError, match="passes through"):
         raise KeyError("passes through")
     with pytest.raises(TypeError, match="bool"):
         distributed.all_reduce_sum(torch.ones(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="timeout"):
         distributed.all_reduce_sum(tree, timeout=0)
+
+
+def test_timeouts_are_checked_before_any_communication():
+    """Seconds or a timedelta; not a number: TypeError; not positive or not finite: ValueError."""
+    for timeout in (2, 2.5, timedelta(seconds=2)):
+        distributed.checkpoint(timeout=timeout)
+    for timeout in (True, "60", None):
+        with pytest.raises(TypeError, match="torchntk.distributed.checkpoint: `timeout` must be seconds"):
+            distributed.checkpoint(timeout=timeout)
+    for timeout in (0, -1, float("nan"), timedelta(0)):
+        with pytest.raises(ValueError, match="all_reduce_sum: `timeout` must be a positive number of seconds"):
+            distributed.all_reduce_sum(torch.ones(1), timeout=timeout)
+    with pytest.raises(ValueError, match="setup: `timeout` must be a finite number of seconds"):
+        distributed.setup(timeout=float("inf"))
+    assert not dist.is_initialized()
+
+
+def test_the_errors_keep_their_public_home():
+    """Defined in a private module, shown in tracebacks (and pickled) as torchntk.distributed's."""
+    for error in (distributed.DistributedError, distributed.RankFailedError):
+        assert error.__module__ == "torchntk.distributed"
+        assert getattr(distributed, error.__name__) is error
+        assert pickle.loads(pickle.dumps(error)) is error
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -274,11 +280,15 @@ def test_all_reduce_sum_and_strategies_match_one_process(tmp_path, world_size):
     (2, 1, "exit", True),
 ])
 def test_failed_rank_stops_the_others_promptly(tmp_path, world_size, failing, mode, eager):
-    with pytest.raises(SpawnFailed) as info:
+    # The parent reports whichever child it saw fail first: with "raise", the failing rank's
+    # ValueError or another rank's RankFailedError, which quotes it; with "exit", the exit of the
+    # failing rank or another rank's DistributedError.
+    first_failure = {
+        "raise": "boom on purpose",
+        "exit": rf"process {failing} terminated with exit code 3|DistributedError: [\s\S]*Ranks {failing} failed",
+    }[mode]
+    with pytest.raises(SpawnFailed, match=first_failure):
         _spawn(_failing_worker, world_size, tmp_path, failing, mode, eager)
-    # The parent reports whichever child it saw fail first.
-    if mode == "raise":
-        assert "boom on purpose" in str(info.value)
 
     for rank in range(world_size):
         if rank == failing and mode == "exit":
@@ -307,7 +317,8 @@ def test_failed_rank_stops_the_others_promptly(tmp_path, world_size, failing, mo
                                                         (2, 1, False)])
 def test_hanging_rank_times_out_the_others(tmp_path, world_size, hanging, eager):
     start = time.monotonic()
-    with pytest.raises(SpawnFailed):
+    # The parent sees a waiting rank give up first: the hanging one raises nothing.
+    with pytest.raises(SpawnFailed, match=r"DistributedError: "):
         _spawn(_failing_worker, world_size, tmp_path, hanging, "hang", eager, grace=2.0)
     # The hanging rank sleeps 10 timeouts; the job ends long before it wakes.
     assert time.monotonic() - start < 10 * HANG_TIMEOUT

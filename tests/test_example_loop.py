@@ -98,7 +98,7 @@ def test_batched_kernels_use_the_loop_too():
     model = LongestSequence()
     x = _sequences(5)
     ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0)
-    with pytest.warns(torchntk.ExampleLoopWarning):
+    with pytest.warns(torchntk.ExampleLoopWarning, match="torch.func.vmap cannot evaluate this model per example"):
         kernel = torchntk.batch(ntk_fn, batch_size=2)(x, None)
     assert_kernels_close(kernel, reference_ntk(model, x, None, trace_axes=()))
 

@@ -126,7 +126,8 @@ class _GridSample(nn.Module):
 
 def _weight_normed() -> nn.Module:
     torch.manual_seed(0)
-    with pytest.warns(FutureWarning):  # the old-style weight_norm is what users still bring
+    # The old-style weight_norm is what users still bring.
+    with pytest.warns(FutureWarning, match="`torch.nn.utils.weight_norm` is deprecated"):
         return nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 2)).double()
 
 

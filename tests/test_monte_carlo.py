@@ -16,6 +16,7 @@ import torchntk
 from tests.ntk_param import NtkDense, arccos_kernels, closed_form, one_hidden_relu
 from torchntk.monte_carlo import (
     MonteCarloKernel,
+    _monte_carlo_kernel_fn,
     monte_carlo_kernel_fn,
     monte_carlo_kernel_type,
     sample_seed,
@@ -227,9 +228,21 @@ def test_generator_is_lazy_but_checks_get_at_the_call():
 def test_owned_samples_only_with_identity_reduce():
     x1, x2 = _data()
     model = _small_model()
-    estimate = monte_carlo_kernel_fn(model, 4, seed=6, _owned=lambda s: s % 2 == 0)(x1, x2, "ntk")
+    estimate = _monte_carlo_kernel_fn(model, 4, seed=6, owned=lambda s: s % 2 == 0)(x1, x2, "ntk")
     kernels = _by_hand(_small_model, 6, [0, 2], x1, x2, "ntk")
     torch.testing.assert_close(estimate, sum(kernels) / 4, atol=1e-12, rtol=0)
+
+
+def test_the_sharding_hooks_are_private():
+    """The public signature is the builder's without the hooks, and the builder checks them."""
+    public = inspect.signature(monte_carlo_kernel_fn).parameters
+    builder = inspect.signature(_monte_carlo_kernel_fn).parameters
+    assert not [name for name in public if name.startswith("_")]
+    assert list(builder) == list(public) + ["owned", "reduce"]
+    assert all(builder[name].default == public[name].default for name in public)
+    for hook in ("owned", "reduce"):
+        with pytest.raises(TypeError, match=f"monte_carlo_kernel_fn: `{hook}` must be None or a callable"):
+            _monte_carlo_kernel_fn(_small_model(), 2, **{hook: 3})
 
 
 def test_two_simulated_processes_sum_to_the_single_process_estimates():
@@ -250,7 +263,7 @@ def test_two_simulated_processes_sum_to_the_single_process_estimates():
             return total
 
         try:
-            mc = monte_carlo_kernel_fn(copy.deepcopy(model), [1, 3, 4], seed=2, _owned=lambda s: s % 2 == rank, _reduce=reduce)
+            mc = _monte_carlo_kernel_fn(copy.deepcopy(model), [1, 3, 4], seed=2, owned=lambda s: s % 2 == rank, reduce=reduce)
             results[rank] = list(mc(x1, x2))
         except BaseException as error:  # noqa: BLE001
             errors.append(error)
@@ -510,9 +523,9 @@ def test_params_keyword_is_rejected():
 def test_bad_get_and_batching_arguments():
     x1, _ = _data()
     mc = monte_carlo_kernel_fn(_small_model(), 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"`get` must name at least one of \('nngp', 'ntk'\), got \(\)"):
         mc(x1, None, ())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"`get` must not repeat a kernel, got \('ntk', 'ntk'\)"):
         mc(x1, None, ("ntk", "ntk"))
     with pytest.raises(ValueError, match="batch_size"):
         monte_carlo_kernel_fn(_small_model(), 1, batch_size=-1)

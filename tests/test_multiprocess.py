@@ -7,14 +7,15 @@ Spawned with ``torch.multiprocessing`` on this machine (marked slow: run by the 
 from __future__ import annotations
 
 import os
+import pathlib
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import torchntk
+from tests._processes import SpawnFailed, run_python, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -66,18 +67,7 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, kind: str, out_dir: 
 
 def _spawn(tmp_path, world_size: int, kind: str) -> list:
     """Runs every rank to its end (a failing rank does not kill the others), then loads their files."""
-    context = mp.spawn(
-        _rank_main, args=(world_size, str(tmp_path / "rendezvous"), kind, str(tmp_path)), nprocs=world_size, join=False
-    )
-    start = time.monotonic()
-    try:
-        while not context.join(timeout=1.0, grace_period=30.0):
-            assert time.monotonic() - start < 120, "the processes did not finish in 120 s"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    spawn(_rank_main, world_size, (world_size, str(tmp_path / "rendezvous"), kind, str(tmp_path)), grace=30.0, deadline=120.0)
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world_size)]
 
 
@@ -101,7 +91,9 @@ def test_processes_equal_one_process(tmp_path, world_size, kind):
 def test_a_rank_that_raises_makes_the_others_fail_promptly(tmp_path, kind):
     """Rank 1's error reaches rank 0 at its next collective, long before the 60 s timeout."""
     start = time.monotonic()
-    with pytest.raises(Exception):
+    # Whichever rank the parent sees fail first, its message has rank 1's error (rank 0's
+    # RankFailedError quotes it).
+    with pytest.raises(SpawnFailed, match="mat1 and mat2 shapes cannot be multiplied"):
         _spawn(tmp_path, 2, kind)
     assert time.monotonic() - start < 45
     assert torch.load(tmp_path / "rank1.pt") == "RuntimeError"
@@ -109,12 +101,8 @@ def test_a_rank_that_raises_makes_the_others_fail_promptly(tmp_path, kind):
 
 
 def test_the_torchrun_example_runs():
-    import pathlib
-    import subprocess
-    import sys
-
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "distributed_monte_carlo.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                        timeout=300, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ntk" in result.stdout.lower()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchntk
+from tests._processes import run_python
 from torchntk import predict
 
 F64 = torch.float64
@@ -482,13 +483,8 @@ def test_training_the_linearised_network_matches_to_near_machine_precision():
 
 
 def test_the_example_script_draws_its_figure(tmp_path):
-    import subprocess
-
     script = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "predict_training_curves.py"
     output = tmp_path / "curves.png"
-    done = subprocess.run(
-        [sys.executable, str(script), "--widths", "16,256", "--steps", "100", "--output", str(output)],
-        capture_output=True, text=True, timeout=300,
-    )
+    done = run_python(script, "--widths", "16,256", "--steps", "100", "--output", output, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "width 256: final test loss" in done.stdout and output.stat().st_size > 10_000

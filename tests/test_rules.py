@@ -17,23 +17,31 @@ their factors] in ``_roles.py``). For a random cotangent ``g`` shaped like the o
 
 Also tested: rules that must decline (the parameter goes to the Jacobian fallback, listed in
 ``recorder.unruled``), metadata-only uses of a parameter (nothing recorded, nothing unruled),
-and the ``ParamRef.index`` of views, slices and casts between a parameter and its consumer.
+the ``ParamRef.index`` of views, slices and casts between a parameter and its consumer, and the
+registry: a rule registered with ``@rule`` is found by the recorder, a function gets one rule,
+and importing ``torchntk`` registers every rule module.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import pathlib
+import subprocess
+import sys
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import jacrev
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
+from torchntk._implementations.structured import rules as rules_package
 from torchntk._implementations.structured._recorder import Recorder
-from torchntk._implementations.structured._roles import Role
+from torchntk._implementations.structured._roles import Role, RuleCall
+from torchntk._implementations.structured.rules import RULES, rule, rule_for, unregister
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),
@@ -575,7 +583,9 @@ def _views():
         # consumer F.linear
         "linear(x,W.T)": Case(lambda W: F.linear(x, W.T), (rand(features, channels),), index={0: lambda i: i.T}),
         "linear(x,W.t())": Case(lambda W: F.linear(x, W.t()), (rand(features, channels),), index={0: lambda i: i.t()}),
-        "linear(x,W[1:])": Case(lambda W: F.linear(x, W[1:]), (rand(channels + 1, features),), index={0: lambda i: i[1:]}),
+        "linear(x,W[1:])": Case(
+            lambda W: F.linear(x, W[1:]), (rand(channels + 1, features),), index={0: lambda i: i[1:]}
+        ),
         "linear(x,W.chunk(2)[1])": Case(
             lambda W: F.linear(x, W.chunk(2)[1]), (rand(2 * channels, features),), index={0: lambda i: i.chunk(2)[1]}
         ),
@@ -593,14 +603,18 @@ def _views():
             lambda W: F.linear(x, W.reshape(-1).view(channels, features)), (rand(channels * features),),
             index={0: lambda i: i.view(channels, features)},
         ),
-        "linear(x,W.T[1:])": Case(lambda W: F.linear(x, W.T[1:]), (rand(features, channels + 1),), index={0: lambda i: i.T[1:]}),
+        "linear(x,W.T[1:])": Case(
+            lambda W: F.linear(x, W.T[1:]), (rand(features, channels + 1),), index={0: lambda i: i.T[1:]}
+        ),
         "linear(x,W.T,b[1:])-joint": Case(
             lambda W, b: F.linear(x, W.T, b[1:]), (rand(features, channels), rand(channels + 1)),
             joint=linear_joint, index={0: lambda i: i.T, 1: lambda i: i[1:]},
         ),
         # consumer matmul
         "x@W.T": Case(lambda W: x @ W.T, (rand(channels, features),), index={0: lambda i: i.T}),
-        "torch.matmul(x,W[1:])": Case(lambda W: torch.matmul(x, W[1:]), (rand(features + 1, channels),), index={0: lambda i: i[1:]}),
+        "torch.matmul(x,W[1:])": Case(
+            lambda W: torch.matmul(x, W[1:]), (rand(features + 1, channels),), index={0: lambda i: i[1:]}
+        ),
         "x.matmul(W.chunk(2)[1])": Case(
             lambda W: x.matmul(W.chunk(2)[1]), (rand(2 * features, channels),), index={0: lambda i: i[features:]}
         ),
@@ -614,14 +628,19 @@ def _views():
             tol=dict(rtol=1e-5, atol=1e-5),
         ),
         # consumer mul
-        "x*W.reshape(-1)": Case(lambda W: a * W.reshape(-1), (rand(channels, features),), index={0: lambda i: i.reshape(-1)}),
+        "x*W.reshape(-1)": Case(
+            lambda W: a * W.reshape(-1), (rand(channels, features),), index={0: lambda i: i.reshape(-1)}
+        ),
         "x*W.T": Case(lambda W: x * W.T, (rand(features, 5),), index={0: lambda i: i.T}),
         "x*W[1:]": Case(lambda W: x * W[1:], (rand(6, features),), index={0: lambda i: i[1:]}),
         "x*W.chunk(2)[1]": Case(lambda W: x * W.chunk(2)[1], (rand(2, features),), index={0: lambda i: i[1:]}),
-        "x*W.split([1,2])[1]": Case(lambda W: x[:2, :2] * W.split([1, 2])[1], (rand(3, 2),), index={0: lambda i: i[1:]}),
+        "x*W.split([1,2])[1]": Case(
+            lambda W: x[:2, :2] * W.split([1, 2])[1], (rand(3, 2),), index={0: lambda i: i[1:]}
+        ),
         # a broadcast view sees entries twice: ``index_add`` sums them, as the chain rule does
         "x*W.expand": Case(
-            lambda W: x * W[None].expand(5, features), (rand(features),), index={0: lambda i: i[None].expand(5, features)}
+            lambda W: x * W[None].expand(5, features), (rand(features),),
+            index={0: lambda i: i[None].expand(5, features)},
         ),
     }
 
@@ -633,3 +652,93 @@ VIEWS = _views()
 def test_views(name):
     case = _views()[name]
     check_rule(case)
+
+
+# --------------------------------------------------------------------------------------------
+# The rule registry
+# --------------------------------------------------------------------------------------------
+
+
+def custom_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w``, overridable like ``torch.nn.functional``'s functions: a function mode sees the call whole."""
+    if has_torch_function_variadic(x, w):
+        return handle_torch_function(custom_product, (x, w), x, w)
+    return x @ w
+
+
+@pytest.fixture
+def custom_rule() -> Iterator[Callable]:
+    """A rule for :func:`custom_product`, registered with the decorator for one test."""
+
+    @rule(custom_product)
+    def custom_product_rule(func, args, kwargs, ref_of):
+        x, w = args
+        ref = ref_of(w)
+        if ref is None or ref_of(x) is not None:
+            return None
+        output = func(*args, **kwargs)
+
+        def build():
+            role = Role(
+                (ref,), "custom weight", tuple(output.shape), "sj", [(x.detach().clone(), "si")], "ij", tuple(w.shape),
+                local=lambda w: func(x, w), seen=w,
+            )
+            return [role], None
+
+        return RuleCall(output, build)
+
+    yield custom_product_rule
+    if rule_for(custom_product) is custom_product_rule:  # the test may have unregistered it
+        unregister(custom_product)
+
+
+def test_registered_rule_is_found_by_the_recorder(custom_rule):
+    assert rule_for(custom_product) is custom_rule and RULES[custom_product] is custom_rule
+    x = rand(5, 4)
+    case = Case(lambda w: custom_product(x, w), (rand(4, 3),))
+    check_rule(case)
+    recorder, _ = record(case.fn, case.params)
+    assert [role.name for role in recorder.calls[0].roles()[0]] == ["custom weight"]
+
+    unregister(custom_product)
+    assert rule_for(custom_product) is None and custom_product not in RULES
+    # without its rule the function is entered like any Python composite: its ``@`` meets the matmul rule
+    recorder, _ = record(case.fn, case.params)
+    assert [role.name for role in recorder.calls[0].roles()[0]] == ["matmul operand"]
+
+
+def test_registering_a_function_twice_is_an_error(custom_rule):
+    def another_rule(func, args, kwargs, ref_of):
+        return None
+
+    message = r"custom_product already has the derivative rule \S*custom_product_rule; cannot register \S*another_rule"
+    with pytest.raises(ValueError, match=message + r" for it too \(unregister the first one to replace it\)"):
+        rule(custom_product)(another_rule)
+    with pytest.raises(ValueError, match=r"^torch\.matmul already has the derivative rule .*\.matmul\.matmul_rule"):
+        rule(torch.exp, torch.matmul)(another_rule)
+    assert rule_for(torch.exp) is None, "a failed registration registers none of its functions"
+    with pytest.raises(ValueError, match=r"torch\.exp is named twice"):
+        rule(torch.exp, torch.exp)(another_rule)
+    assert rule_for(torch.exp) is None
+    with pytest.raises(ValueError, match="at least one function"):
+        rule()
+    with pytest.raises(KeyError, match=r"no derivative rule is registered for torch\.exp"):
+        unregister(custom_product, torch.exp)
+    assert rule_for(custom_product) is custom_rule, "a failed unregistration removes none of its functions"
+    with pytest.raises(TypeError):
+        RULES[torch.exp] = another_rule  # the table is read-only: rules are registered with rule()
+
+
+def test_importing_torchntk_registers_every_rule_module():
+    """Each module of ``rules/`` registers its rules on import; ``import torchntk`` must import them all."""
+    package = pathlib.Path(rules_package.__file__).parent
+    modules = sorted(f"{rules_package.__name__}.{path.stem}" for path in package.glob("[!_]*.py"))
+    code = (
+        "import sys, torchntk; "
+        "registry = sys.modules['torchntk._implementations.structured.rules._registry']; "
+        "print(sorted({rule.__module__ for rule in registry.RULES.values()}))"
+    )
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == str(modules)

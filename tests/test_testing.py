@@ -7,14 +7,17 @@ forms (a linear model), explicit loops over output indices, Jacobians known by c
 
 from __future__ import annotations
 
+import ast
 import itertools
 import math
+import pathlib
 
 import pytest
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+import torchntk.testing
 from tests.cases import CASES, N1, N2, make_x1_x2
 from torchntk.testing import (
     assert_kernels_close,
@@ -285,7 +288,7 @@ def test_assert_close_reports_worst_entries():
     actual = expected.clone()
     actual[1, 2] += 0.5
     actual[0, 1] += 1e-3
-    with pytest.raises(AssertionError) as error:
+    with pytest.raises(AssertionError, match="2 of 6 entries differ") as error:
         assert_kernels_close(actual, expected)
     message = str(error.value)
     assert "2 of 6 entries differ" in message
@@ -499,3 +502,13 @@ def test_no_differentiated_parameters_gives_zero_ntk():
         reference_ntk(ignores_params, x1, x2, integer_only, trace_axes=()),
         torch.zeros(3, 2, 4, 4, dtype=F64),
     )
+
+
+def test_the_oracle_shares_no_code_with_the_library():
+    """torchntk.testing's kernels and report import, from torchntk, only their own private modules."""
+    oracle = {"_reference_model", "_reference_layout", "_kernel_comparison"}
+    root = pathlib.Path(torchntk.testing.__file__).parent
+    for name in sorted(oracle | {"testing"}):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+        assert imported <= oracle | ({"_module_snapshot"} if name == "testing" else set()), (name, imported)

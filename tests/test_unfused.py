@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import warnings
 from typing import Any, Callable
 from unittest import mock
@@ -166,6 +167,13 @@ _MALFORMED = {
     "input_dtype": lambda x, hx: (x.float(), hx),
     "unbatched_input": lambda x, hx: (x[:, 0], hx[:, 0]),  # the modules unsqueeze it; the kernel does not
 }
+# What the fused kernel says about each (PyTorch's own messages).
+_FUSED_ERRORS = {
+    "hidden_state_batch": r"The size of tensor a \(2\) must match the size of tensor b \(3\)",
+    "input_features": "mat1 and mat2 shapes cannot be multiplied",
+    "input_dtype": "mat1 and mat2 must have the same dtype",
+    "unbatched_input": "Dimension out of range",
+}
 
 
 @pytest.mark.parametrize("malformed", list(_MALFORMED))
@@ -174,9 +182,9 @@ def test_calls_the_fused_kernel_rejects_give_its_own_error(malformed):
     x, hx, *rest = _call_arguments(module, False, torch.Generator().manual_seed(1))
     x, hx = _MALFORMED[malformed](x, hx)
     assert _unfused.gru(x, hx, *rest) is NotImplemented
-    with pytest.raises((RuntimeError, IndexError)) as fused_error:
+    with pytest.raises((RuntimeError, IndexError), match=_FUSED_ERRORS[malformed]) as fused_error:
         torch._VF.gru(x, hx, *rest)
-    with Unfused(), pytest.raises(fused_error.type) as unfused_error:
+    with Unfused(), pytest.raises(fused_error.type, match=re.escape(str(fused_error.value))) as unfused_error:
         torch._VF.gru(x, hx, *rest)
     assert str(unfused_error.value) == str(fused_error.value)
 
@@ -327,7 +335,7 @@ def test_the_context_restores_the_attention_fast_path_flag():
             assert not _fastpath()
         assert not _fastpath()
     assert _fastpath()
-    with pytest.raises(KeyError), forward_mode_kernels(True):
+    with pytest.raises(KeyError, match="raised inside the context"), forward_mode_kernels(True):
         raise KeyError("raised inside the context")
     assert _fastpath()
     torch.backends.mha.set_fastpath_enabled(False)

@@ -2,8 +2,9 @@
 
 from . import predict as predict
 from ._example_loop import ExampleLoopWarning as ExampleLoopWarning
-from ._implementations.auto import AutoChoice as AutoChoice
-from ._implementations.auto import Estimate as Estimate
+from ._implementations._choice import AutoChoice as AutoChoice
+from ._implementations._choice import Estimate as Estimate
+from ._kernel_function import KernelFunction as KernelFunction
 from ._types import NtkImplementation as NtkImplementation
 from .batching import batch as batch
 from .empirical import empirical_kernel_fn as empirical_kernel_fn
@@ -16,6 +17,12 @@ from .taylor import taylor_expand as taylor_expand
 
 __version__ = "0.1.0"
 
+# Public classes report the package they are used from (``torchntk.AutoChoice``), not the private
+# module that defines them.
+for _public in (AutoChoice, Estimate, ExampleLoopWarning, KernelFunction, NtkImplementation):
+    _public.__module__ = "torchntk"
+del _public
+
 __all__ = [
     # kernels
     "empirical_ntk_fn",
@@ -26,6 +33,7 @@ __all__ = [
     "AutoChoice",
     "Estimate",
     "ExampleLoopWarning",
+    "KernelFunction",
     # batching and Monte Carlo
     "batch",
     "monte_carlo_kernel_fn",

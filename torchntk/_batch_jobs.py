@@ -32,7 +32,7 @@ from ._batch_output import KernelOutput, batch_axis_kinds
 from ._batch_workers import serve
 from ._block_source import BlockSource, Prepared
 from ._call import runs
-from ._kernel_spec import KernelFnSpec
+from ._kernel_function import KernelFnSpec
 from ._layout import make_layout
 from ._threads import serialised
 from ._tree import Flat

@@ -5,16 +5,10 @@ With ``vmap_axes`` and a ``chunk_size``, x1 and x2 are cut into runs of at most 
 examples (the last one may be shorter). Each implementation supplies how to prepare one run of
 a side (e.g. its Jacobians) and how to turn a pair of prepared runs into kernel blocks; this
 module loops over the pairs and writes each block into one preallocated kernel per output leaf,
-at the places the :class:`~torchntk._layout.KernelLayout` gives for the batch axis:
-
-* batch axis kept: block ``(i, j)`` goes to rows ``i`` and columns ``j``;
-* batch axis diagonal: only pairs ``i == j`` exist, written along the single axis;
-* batch axis traced: only pairs ``i == j`` exist, and they are summed (in float64 for float32
-  kernels).
-
-When x2 is None the kernel is symmetric, so only pairs ``i <= j`` are computed and block
-``(j, i)`` is block ``(i, j)`` with every x1/x2 axis pair swapped. Without ``vmap_axes`` there is
-a single block covering everything.
+where NOTE: [Tiles] (``_tiles.py``) puts it. A diagonal or traced batch axis only has pairs
+``i == j``; traced blocks are summed in float64 for float32 kernels. When x2 is None the kernel is
+symmetric, so only pairs ``i <= j`` are computed and mirrored. Without ``vmap_axes`` there is a
+single block covering everything.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ import torch
 
 from ._call import KernelCall, runs
 from ._layout import accumulation_dtype
+from ._tiles import Placement
 
 Prepare = Callable[[Any], Any]
 Contract = Callable[[Any, Any, Sequence[bool]], list[Optional[torch.Tensor]]]
@@ -71,7 +66,8 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
     side1 = call.side1
     side2 = call.side2 if call.side2 is not None else call.side1
     if side1.mapped:
-        batch_kinds = [layout.kind(axis) for layout, axis in zip(call.layouts, side1.out_axes)]
+        placements = [Placement.of(layout, axis) for layout, axis in zip(call.layouts, side1.out_axes)]
+        batch_kinds = [placement.kind for placement in placements]
         runs2 = runs(side2.batch_size(), run_length)
         # A traced or diagonal batch axis pairs run i of x1 with run i of x2, so both are cut alike.
         split1 = split_x1 or any(kind != "kept" for kind in batch_kinds)
@@ -106,23 +102,7 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
             else:
                 prepared1 = prepare1(side1.narrow(start1, length1))
             blocks = contract(prepared1, prepared2, needed)
-            for kernel, block, layout, axis, kind in zip(kernels, blocks, call.layouts, side1.out_axes, batch_kinds):
-                if block is None:
-                    continue
-                positions = layout.kernel_positions(axis)
-                if kind == "trace":
-                    kernel += block
-                    continue
-                kernel[index(positions, (start1, length1), (start2, length2))] = block
-                if mirrored and i != j and kind == "kept":
-                    swapped = block.permute(layout.swap_permutation())
-                    kernel[index(positions, (start2, length2), (start1, length1))] = swapped
+            for kernel, block, placement in zip(kernels, blocks, placements):
+                if block is not None:
+                    placement.put(kernel, block, (start1, length1), (start2, length2), mirror=mirrored)
     return [kernel.to(dtype) for kernel, dtype in zip(kernels, call.dtypes)]
-
-
-def index(positions: tuple[int, ...], run1: tuple[int, int], run2: tuple[int, int]) -> tuple:
-    index: list[Any] = [slice(None)] * (positions[-1] + 1)
-    index[positions[0]] = slice(run1[0], run1[0] + run1[1])
-    if len(positions) == 2:
-        index[positions[1]] = slice(run2[0], run2[0] + run2[1])
-    return tuple(index)

@@ -83,6 +83,14 @@ class KernelCall:
         side2 = (self.side2 or self.side1).narrow(*run2)
         return replace(self, side1=side1, side2=side2, outputs1=outputs1, outputs2=self.expected_outputs(side2))
 
+    def cache_key(self, key: Any) -> Any:
+        """``key`` (the caller's shape key) extended by what else decides a cached plan or choice:
+        which parameters are differentiated and their shapes, which may change between calls.
+        None stays None (nothing is cached)."""
+        if key is None:
+            return None
+        return (key, self.model.names, tuple(tuple(param.shape) for param in self.model.params))
+
     def looped(self) -> "KernelCall":
         """The same call with its examples mapped by a loop instead of vmap (NOTE: [Example loops])."""
         return replace(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 from typing import Any, Optional
 
 import torch
@@ -166,3 +168,13 @@ def non_negative_int_argument(value: Any, name: str, where: str, zero_means: str
         zero = f"0 ({zero_means})" if zero_means else "0"
         raise ValueError(f"{where}: `{name}` must be {zero} or positive, got {value}.")
     return int(value)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that attributes a warning to the user's line, not to torchntk: the
+    first frame, counted from the caller of ``warnings.warn``, whose file is outside the package."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

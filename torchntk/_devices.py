@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ._checks import show
+from ._tree import Flat
 
 
 def device_count_argument(value: Any, where: str) -> int:
@@ -75,3 +76,14 @@ def resolve(device_count: int, devices: Optional[tuple[torch.device, ...]], inpu
         )
     return tuple(torch.device("cuda", index) for index in range(device_count))
 
+
+
+def move(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor leaf moved to ``device``; other leaves (``None`` too) as they are.
+
+    The one tree-to-device move of the package, so that batching and Monte Carlo hand tensors to a
+    device the same way.
+    """
+    flat = Flat.of(tree)
+    leaves = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat.leaves]
+    return flat.rebuild(leaves)

@@ -20,6 +20,7 @@ import warnings
 from typing import Hashable
 
 from ._bounded_cache import BoundedCache
+from ._checks import user_stacklevel
 from ._per_example import VmapLimitation, first_line
 
 _REMEMBERED_SHAPES = 64
@@ -57,7 +58,7 @@ class ExampleLoops:
             f"call (for small models about N times the time vmap would take). vmap_axes=None evaluates "
             f"whole batches instead (O(N^2) work rather than O(N)). Shown once per kernel function.",
             ExampleLoopWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -19,8 +19,6 @@ docs/guarantees.md).
 from __future__ import annotations
 
 import fnmatch
-import os
-import sys
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -30,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._checks import show
+from ._checks import show, user_stacklevel
 from ._shell import private_shell
 from ._tree import Flat
 from ._unfused import fused_layers
@@ -317,17 +315,8 @@ def warn_training_mode(model: FunctionalModel, where: str) -> None:
             f"fixed per-example function. Call model.eval() for the kernel of the evaluation-mode "
             f"network.",
             UserWarning,
-            stacklevel=_first_frame_outside_torchntk(),
+            stacklevel=user_stacklevel(),
         )
-
-
-def _first_frame_outside_torchntk() -> int:
-    """The ``stacklevel`` that attributes a warning to the user's line, not to torchntk."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def reject_vmap_with_coupling(model: FunctionalModel, where: str) -> None:

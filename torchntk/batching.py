@@ -29,7 +29,7 @@ from ._block_source import BlockRequest
 from ._blocks import Replan
 from ._devices import device_count_argument, devices_argument, resolve
 from ._fingerprint import structure_fingerprint
-from ._kernel_spec import KernelFnSpec, attach, spec_of, sync_replica
+from ._kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
 from ._tree import Flat, is_all_none
 from ._types import PyTree
 from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, world
@@ -51,7 +51,7 @@ def batch(
     distributed: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
-) -> Callable[..., PyTree]:
+) -> KernelFunction:
     """Returns ``kernel_fn`` computed block by block, on one or several devices.
 
     Args:
@@ -137,16 +137,16 @@ def batch(
         with plan.lock:  # the replicas serve one call at a time
             return _run(plan, x1, x2, args, kwargs)
 
-    batched.__doc__ = kernel_fn.__doc__
-    batched._batch_settings = plan  # type: ignore[attr-defined]
-    return attach(batched, KernelFnSpec(
-        spec.kind, spec.f, spec.trace_axes, spec.diagonal_axes,
-        lambda model: batch(
+    def rebuild(model: Any) -> KernelFunction:
+        return batch(
             spec.rebuild(model), batch_size, device_count, store_on_device, devices=devices, progress=progress,
             distributed=distributed, timeout=timeout, cache_bytes=cache_bytes,
-        ),
-        spec.thread_safe,
-    ))
+        )
+
+    batched_spec = KernelFnSpec(spec.kind, spec.f, spec.trace_axes, spec.diagonal_axes, rebuild, spec.thread_safe)
+    result = KernelFunction(batched, batched_spec, kernel_fn.__doc__, kernel_fn._auto_choice)
+    result._batch_settings = plan  # for tests (_settings_of)
+    return result
 
 
 @dataclass

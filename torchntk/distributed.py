@@ -3,7 +3,8 @@
 The batcher and the Monte Carlo estimator run unchanged in every process of a
 ``torchrun`` job. This module gives them the few collective pieces they need, and nothing
 else: it does not import them, and they use whatever process group the caller started
-(with :func:`setup` or ``dist.init_process_group``).
+(with :func:`setup` or ``dist.init_process_group``). The checkpoint protocol described below
+runs in the private ``torchntk/_checkpoint_protocol.py``.
 
 * :func:`setup` starts the process group (gloo on CPU, NCCL on ``cuda:LOCAL_RANK``), if
   the caller has not, and returns this rank's device.
@@ -99,16 +100,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
-import zlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
+
+from ._checkpoint_protocol import DistributedError as DistributedError
+from ._checkpoint_protocol import RankFailedError as RankFailedError
+from ._checkpoint_protocol import (
+    Timeout,
+    checked_timeout,
+    forget_groups,
+    gloo_group,
+    leaf_signature,
+    run_checkpoint,
+    wait,
+)
+from ._checkpoint_protocol import world as world
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -126,59 +138,11 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT: float = 300.0
-"""Default per-checkpoint timeout in seconds; see NOTE: [Timeouts]."""
-
-Timeout = Union[float, int, timedelta]
-
-# Status table columns (one row per rank), then the exception message bytes.
-_FAILED, _COUNTER, _KIND, _SIGNATURE, _N_FIELDS = 0, 1, 2, 3, 4
-_MESSAGE_BYTES = 256
-_KINDS = {"all_reduce_sum": 1, "checkpoint": 2, "finalize": 3, "failure report": 4}
-_KIND_NAMES = {code: name for name, code in _KINDS.items()}
-
-
-class DistributedError(RuntimeError):
-    """A checkpoint failed: a collective timed out or errored, or the ranks disagree.
-
-    The message says which collective, this rank, the world size and the timeout. The
-    process group should not be used afterwards.
-    """
-
-    def __init__(self, message: str, *, collective: str, rank: int, world_size: int,
-                 timeout: float):
-        super().__init__(message)
-        self.collective = collective
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = timeout
-
-
-class RankFailedError(DistributedError):
-    """Another rank raised and reported it (see :func:`failure_guard`).
-
-    ``failed_ranks`` lists the ranks that reported; ``messages`` maps each to the start of
-    its exception's ``"Type: message"``.
-    """
-
-    def __init__(self, message: str, *, failed_ranks: tuple[int, ...],
-                 messages: dict[int, str], **kwargs: Any):
-        super().__init__(message, **kwargs)
-        self.failed_ranks = failed_ranks
-        self.messages = messages
-
-
-def world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group, or ``(0, 1)`` without one.
-
-    >>> world()  # no process group in this process
-    (0, 1)
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+"""The default per-checkpoint timeout, in seconds (NOTE [Timeouts] in this module's docstring)."""
 
 
 def _check_rank(rank: int, world_size: int) -> tuple[int, int]:
+    """``(rank, world_size)``, checked: ints with ``0 <= rank < world_size``."""
     for name, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
@@ -238,50 +202,6 @@ def owned_blocks(rank: int, world_size: int) -> Callable[[int], bool]:
     return _RoundRobin("block", *_check_rank(rank, world_size))
 
 
-# --- checkpoint protocol ---------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _GroupState:
-    default: Any     # the default ProcessGroup this state belongs to
-    groups: dict = dataclasses.field(default_factory=dict)  # timeout seconds -> gloo group
-    counter: int = 0
-
-
-_state: _GroupState | None = None
-
-
-def _group_state() -> _GroupState:
-    global _state
-    default = dist.group.WORLD
-    if _state is None or _state.default is not default:
-        _state = _GroupState(default=default)
-    return _state
-
-
-def _gloo_group(seconds: float) -> Any:
-    """The gloo group over all ranks whose own timeout is ``seconds``, made on first use.
-
-    A separate group even when the default backend is gloo: ``monitored_barrier`` enforces
-    its ``timeout`` only on rank 0, and the other ranks wait for rank 0's answer with their
-    group's timeout, so a hung rank 0 would otherwise hold them for the process group's
-    timeout (30 minutes by default). Creating a group is a collective, bounded by
-    ``seconds`` too; all ranks reach their first checkpoint with a given timeout together.
-    """
-    state = _group_state()
-    if seconds not in state.groups:
-        try:
-            state.groups[seconds] = dist.new_group(backend=dist.Backend.GLOO,
-                                                   timeout=timedelta(seconds=seconds))
-        except Exception as exc:
-            raise _error(
-                "new_group(backend='gloo') for checkpoints", seconds,
-                f"{type(exc).__name__}: {exc}. A rank did not reach its first checkpoint "
-                "(with this timeout) in time: it crashed, hung or is still working. Call "
-                "torchntk.distributed.setup() when starting the job to have it named.") from exc
-    return state.groups[seconds]
-
-
 def setup(backend: str | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT,
           process_group_timeout: timedelta | None = None,
           **init_kwargs: Any) -> torch.device:
@@ -299,7 +219,7 @@ def setup(backend: str | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT,
     made at the first checkpoint, which works the same, except that a rank missing there is
     reported after ``timeout`` as "new_group ... failed", without its rank number.
     """
-    seconds = _seconds(timeout)
+    seconds = checked_timeout(timeout, "torchntk.distributed.setup")
     if not dist.is_available():
         raise RuntimeError(
             "torchntk.distributed.setup: this PyTorch build has no torch.distributed")
@@ -317,103 +237,8 @@ def setup(backend: str | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT,
             init_kwargs["timeout"] = process_group_timeout
         dist.init_process_group(backend, **init_kwargs)
     if world()[1] > 1:
-        _gloo_group(seconds)
+        gloo_group(seconds)
     return device
-
-
-def _seconds(timeout: Timeout) -> float:
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise TypeError(f"timeout must be seconds (a number) or a timedelta, got {timeout!r}")
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(
-            f"timeout must be a positive finite number of seconds, got {timeout!r}")
-    return float(seconds)
-
-
-def _error(what: str, seconds: float, detail: str, cls: type = DistributedError,
-           **extra: Any) -> DistributedError:
-    rank, world_size = world()
-    message = (f"torchntk.distributed: {what} failed on rank {rank} of world size "
-               f"{world_size} (timeout {seconds:g} s): {detail}")
-    return cls(message, collective=what, rank=rank, world_size=world_size, timeout=seconds,
-               **extra)
-
-
-def _wait(what: str, seconds: float, start: Callable[[], Any]) -> None:
-    """Runs ``start()`` (an ``async_op=True`` collective) and waits at most ``seconds``."""
-    try:
-        work = start()
-        finished = work.wait(timeout=timedelta(seconds=seconds))
-    except Exception as exc:  # backend errors: timeouts, connection closed by a dead peer
-        raise _error(what, seconds, f"{type(exc).__name__}: {exc}".strip()) from exc
-    if finished is False:
-        raise _error(what, seconds, "the collective did not complete in time")
-
-
-def _describe_exception(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _run_checkpoint(kind: str, seconds: float, signature: int = 0,
-                    failure: BaseException | None = None) -> None:
-    """Steps 1 and 2 of NOTE: [Checkpoints]. Raises on every rank when one of them failed."""
-    rank, world_size = world()
-    state = _group_state()
-    state.counter += 1
-    what = f"{kind} (checkpoint {state.counter})"
-    group = _gloo_group(seconds)
-
-    try:
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=seconds),
-                               wait_all_ranks=True)
-    except Exception as exc:
-        if rank == 0:
-            hint = ("The ranks named did not reach this checkpoint in time: they crashed, "
-                    "hung, or are still working (raise the timeout if their share of the work "
-                    "is simply slower).")
-        else:
-            hint = ("Rank 0 did not answer in time: either rank 0 itself did not reach this "
-                    "checkpoint (crashed, hung or still working), or it found other ranks "
-                    "missing; rank 0's error names them.")
-        raise _error(f"monitored_barrier of {what}", seconds,
-                     f"{str(exc).strip()} {hint}") from exc
-
-    status = torch.zeros(world_size, _N_FIELDS + _MESSAGE_BYTES, dtype=torch.int64)
-    row = status[rank]
-    row[_COUNTER] = state.counter
-    row[_KIND] = _KINDS[kind]
-    row[_SIGNATURE] = signature
-    if failure is not None:
-        row[_FAILED] = 1
-        text = _describe_exception(failure).encode("utf-8", "replace")[:_MESSAGE_BYTES]
-        row[_N_FIELDS:_N_FIELDS + len(text)] = torch.tensor(list(text), dtype=torch.int64)
-    _wait(f"status all_reduce of {what}", seconds,
-          lambda: dist.all_reduce(status, group=group, async_op=True))
-
-    if failure is not None:
-        return  # the failed rank re-raises its own exception
-    failed = tuple(int(r) for r in torch.nonzero(status[:, _FAILED]).flatten())
-    if failed:
-        messages = {
-            r: bytes(status[r, _N_FIELDS:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
-            for r in failed}
-        listed = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
-        ranks = ", ".join(map(str, failed))
-        raise _error(what, seconds, f"rank {ranks} failed and reported it ({listed})",
-                     cls=RankFailedError, failed_ranks=failed, messages=messages)
-    for column, label in ((_COUNTER, "checkpoint counts"), (_KIND, "checkpoint kinds")):
-        values = status[:, column].tolist()
-        if len(set(values)) > 1:
-            shown = values if column == _COUNTER else [_KIND_NAMES.get(v, v) for v in values]
-            raise _error(what, seconds,
-                         f"the ranks are at different checkpoints ({label} by rank: {shown}); "
-                         "every rank must make the same sequence of checkpoint calls")
-    signatures = status[:, _SIGNATURE].tolist()
-    if len(set(signatures)) > 1:
-        raise _error(what, seconds,
-                     "the ranks passed pytrees with different structures, dtypes, shapes or "
-                     f"device types (hashes by rank: {signatures})")
 
 
 def checkpoint(*, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
@@ -422,25 +247,15 @@ def checkpoint(*, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
     Use it where ranks must synchronise without reducing anything, e.g. before reading
     results another rank wrote. A no-op without a process group.
     """
-    seconds = _seconds(timeout)
+    seconds = checked_timeout(timeout, "torchntk.distributed.checkpoint")
     if world()[1] > 1:
-        _run_checkpoint("checkpoint", seconds)
-
-
-def _leaf_signature(leaves: list, spec: Any) -> int:
-    parts = [str(spec)]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            parts.append(f"{leaf.dtype}/{tuple(leaf.shape)}/{leaf.device.type}")
-        else:
-            parts.append(type(leaf).__name__)
-    return zlib.crc32("|".join(parts).encode())
+        run_checkpoint("checkpoint", seconds)
 
 
 def all_reduce_sum(tree: Any, *, timeout: Timeout = DEFAULT_TIMEOUT) -> Any:
     """Sums every tensor leaf of ``tree`` over all ranks; a checkpoint (NOTE: [Checkpoints]).
 
-    The leaves (found with :mod:`torch.utils._pytree`, so tensors, tuples, lists, dicts and
+    The leaves (found with ``torch.utils._pytree``, so tensors, tuples, lists, dicts and
     namedtuples nest freely) are flattened into one contiguous buffer per dtype and device
     type, and each buffer is all-reduced with ``SUM``: gloo for CPU tensors, the default
     backend (normally NCCL) for CUDA tensors. The result has the structure, shapes, dtypes
@@ -460,7 +275,7 @@ def all_reduce_sum(tree: Any, *, timeout: Timeout = DEFAULT_TIMEOUT) -> Any:
     >>> all_reduce_sum({"ntk": torch.ones(2)})  # single process: unchanged
     {'ntk': tensor([1., 1.])}
     """
-    seconds = _seconds(timeout)
+    seconds = checked_timeout(timeout, "torchntk.distributed.all_reduce_sum")
     leaves, spec = pytree.tree_flatten(tree)
     buckets: dict[tuple[torch.dtype, str], list[int]] = {}
     devices: dict[str, torch.device] = {}
@@ -479,14 +294,14 @@ def all_reduce_sum(tree: Any, *, timeout: Timeout = DEFAULT_TIMEOUT) -> Any:
     if world()[1] == 1:
         return tree
 
-    _run_checkpoint("all_reduce_sum", seconds, _leaf_signature(leaves, spec))
-    gloo = _gloo_group(seconds)
+    run_checkpoint("all_reduce_sum", seconds, leaf_signature(leaves, spec))
+    gloo = gloo_group(seconds)
     out = list(leaves)
     for (dtype, kind), positions in buckets.items():  # insertion order, the same on all ranks
         parts = [leaves[p].detach().reshape(-1) for p in positions]
         buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         group = gloo if kind == "cpu" else None
-        _wait(f"all_reduce_sum of the {dtype} {kind} leaves", seconds,
+        wait(f"all_reduce_sum of the {dtype} {kind} leaves", seconds,
               lambda buffer=buffer, group=group: dist.all_reduce(
                   buffer, op=dist.ReduceOp.SUM, group=group, async_op=True))
         for position, piece in zip(positions, buffer.split([t.numel() for t in parts])):
@@ -507,9 +322,9 @@ def propagate_failure(exc: BaseException, *, timeout: Timeout = DEFAULT_TIMEOUT)
     """
     if isinstance(exc, DistributedError) or world()[1] == 1:
         return
-    seconds = _seconds(timeout)
+    seconds = checked_timeout(timeout, "torchntk.distributed.propagate_failure")
     try:
-        _run_checkpoint("failure report", seconds, failure=exc)
+        run_checkpoint("failure report", seconds, failure=exc)
     except Exception as report_error:  # noqa: BLE001 (reported as a note instead)
         if hasattr(exc, "add_note"):
             exc.add_note(f"torchntk.distributed: could not report this failure to the other "
@@ -547,13 +362,12 @@ def finalize(*, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
     :func:`all_reduce_sum`. Call it on every rank, after the last checkpoint; a no-op
     without a process group. The process group is destroyed even if the checkpoint raises.
     """
-    global _state
-    seconds = _seconds(timeout)
+    seconds = checked_timeout(timeout, "torchntk.distributed.finalize")
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
         if world()[1] > 1:
-            _run_checkpoint("finalize", seconds)
+            run_checkpoint("finalize", seconds)
     finally:
-        _state = None
+        forget_groups()
         dist.destroy_process_group()

@@ -25,9 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -35,271 +32,56 @@ from torch.func import jvp, vjp
 
 from . import _checks
 from ._block_source import BlockRequest, BlockSource
-from ._bounded_cache import BoundedCache
-from ._call import KernelCall, prepare_call
-from ._example_loop import ExampleLoops
-from ._fingerprint import structure_fingerprint
-from ._implementations import BLOCK_PLANS, IMPLEMENTATIONS
-from ._implementations.auto import AutoChoice, AutoSelector
+from ._call import prepare_call
 from ._implementations.nngp import nngp
-from ._implementations.structured import StructuredDerivatives, StructuredOptions
-from ._kernel_spec import KernelFnSpec, attach
+from ._kernel_function import KernelFnSpec, KernelFunction
 from ._model import functional_model, warn_training_mode
+from ._ntk_settings import FORWARD_RUN, NtkSettings, input_shape_key
 from ._outputs import canonical_get, combine, output_fn_argument
-from ._per_example import VmapLimitation
-from ._threads import FORWARD_MODE_LOCK, serialised
-from ._torch_errors import explained
+from ._threads import FORWARD_MODE_LOCK
 from ._tree import Flat, describe, is_all_none
 from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
 from ._unfused import forward_mode_kernels
-from ._vmap_axes import ParsedVmapAxes, parse_vmap_axes, split_kwargs
+from ._vmap_axes import parse_vmap_axes, split_kwargs
 
 DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
 """Jacobian contraction: exact, general, and the fastest of 1 and 2 for traced kernels."""
 
-KernelFn = Callable[..., PyTree]
 
-_CHECKED_SHAPES = 64
-"""Input shapes (and module structures) whose derivatives were checked, kept per kernel function."""
+_CALL_ARGS = """
+Args:
+    x1: inputs: a tensor or a pytree of tensors, ``N1`` examples.
+    x2: second inputs, ``N2`` examples; None means x1 (and reuses its work). Default: None.{get}
+    params: the parameters to differentiate (see the builder): for a module None, a mapping
+        ``name -> tensor``, a name pattern, a list of patterns or a predicate; for a function
+        ``f(params, x, **kwargs)``, its parameter pytree. Default: None.
+    **kwargs: passed to the model; a 2-tuple value is split between x1 and x2.
 
-_FORWARD_RUN = 256
-"""Examples per whole-batch forward pass of a batched call (``open_blocks``), at least the block
-size. A forward pass without gradients holds a small part of what an example's derivatives
-need, so runs this long bound memory without paying a model call per small block (32 calls of
-16 examples cost 10 ms more than 2 of 256 on the benchmark MLP)."""
-
-
-@dataclass(frozen=True)
-class _NtkSettings:
-    """Builder arguments, validated once when the kernel function is built."""
-
-    f: Model
-    trace_axes: tuple[int, ...]
-    diagonal_axes: tuple[int, ...]
-    vmap_axes: ParsedVmapAxes
-    implementation: NtkImplementation
-    chunk_size: Optional[int]
-    check_vmap_axes: bool
-    structured: StructuredDerivatives
-    auto: Optional[AutoSelector]
-    arguments: dict  # as given, to build the same kernel function around another copy of the model
-    derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
-    example_loops: ExampleLoops = field(default_factory=ExampleLoops)
-    output_fn: Optional[Callable] = None  # normalised by output_fn_argument
-
-    @classmethod
-    def validate(
-        cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
-        where,
-    ):
-        _checks.callable_model_argument(f, where)
-        chosen = _checks.implementation_argument(implementation, where)
-        arguments = dict(
-            trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
-            chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, output_fn=output_fn, **structured,
-        )
-        options = _structured_options(structured, chosen, where)
-        structured = StructuredDerivatives(options)
-        implementations = dict(IMPLEMENTATIONS)
-        implementations[NtkImplementation.STRUCTURED_DERIVATIVES] = structured
-        auto = AutoSelector(implementations) if chosen == NtkImplementation.AUTO else None
-        return cls(
-            f,
-            _checks.axes_argument(trace_axes, "trace_axes", where),
-            _checks.axes_argument(diagonal_axes, "diagonal_axes", where),
-            parse_vmap_axes(vmap_axes, where),
-            chosen,
-            _checks.chunk_size_argument(chunk_size, where),
-            _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where),
-            structured,
-            auto,
-            arguments,
-            output_fn=output_fn_argument(output_fn, where),
-        )
-
-    def prepare(
-        self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True,
-        computes_ntk: bool = True, forward_run_length: Optional[int] = None, shape_key: Optional[tuple] = None,
-    ) -> KernelCall:
-        """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK
-        (``for_ntk``), or for a batched NNGP (``computes_ntk=False``: the check cannot wait for
-        the structured pass, which will not run).
-
-        The derivative part of NOTE: [Checking vmap_axes] runs once per input shapes and module
-        structure: what it catches (a PyTorch vmap bug, coupling in the backward pass) does not
-        depend on the values, and it costs as much as a small kernel (about 4 ms on the benchmark
-        MLP). The output check runs on every call. ``shape_key``: the caller's
-        :func:`_shape_key` of these arguments, if it has one."""
-        key = loop_key = None
-        if for_ntk and self.maps_examples:
-            shape_key = shape_key or _shape_key(x1, x2, params, kwargs)
-            loop_key = shape_key
-            if self.check_vmap_axes:
-                key = (shape_key, _structure_key(self.f))
-
-        def prepare(example_loop: bool) -> KernelCall:
-            return prepare_call(
-                self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
-                diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
-                check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
-                defer_vmap_check=computes_ntk and self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
-                forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
-                check_derivatives=key is not None and key not in self.derivatives_checked,
-                example_loop=example_loop, output_fn=self.output_fn,
-            )
-
-        looped = loop_key is not None and self.example_loops.needed(loop_key)
-        try:
-            call = prepare(looped)
-        except VmapLimitation as error:  # NOTE: [Switching to example loops]
-            if loop_key is None or looped:
-                raise
-            self.example_loops.switch(loop_key, error, where)
-            call = prepare(True)
-        if key is not None:
-            self.derivatives_checked[key] = True
-        return call
-
-    def computed(self, call: KernelCall, key: tuple, compute: Callable[[KernelCall], Any]) -> Any:
-        """``compute(call)``, again with an example loop if vmap fails on the model (NOTE:
-        [Switching to example loops]); ``key`` is the call's shape key."""
-        try:
-            return compute(call)
-        except VmapLimitation as error:
-            if not call.side1.mapped or call.side1.loop:
-                raise
-            self.example_loops.switch(key, error, call.where)
-            return compute(call.looped())
-
-    def open_blocks(
-        self, request: BlockRequest, x1: Any, x2: Any, params: Any, kwargs: dict, names: tuple[str, ...], bare: bool,
-        where: str,
-    ) -> Optional[BlockSource]:
-        """The call as a :class:`BlockSource` for ``batch``, or None without ``vmap_axes`` (see
-        NOTE: [Prepared spans]); the NNGP's forward passes are mapped by ``vmap_axes`` too."""
-        if not self.maps_examples:
-            return None  # before any forward pass: without vmap_axes the model sees whole batches
-        forward_runs = None if request.block_size is None else max(request.block_size, _FORWARD_RUN)
-        shape_key = _shape_key(x1, x2, params, kwargs)
-        call = self.prepare(
-            x1, x2, params, kwargs, where, computes_ntk="ntk" in names, forward_run_length=forward_runs,
-            shape_key=shape_key,
-        )
-        if not call.side1.mapped:
-            return None
-        plan = None
-        if "ntk" in names:
-            key = ("blocks", shape_key)
-            chosen = self.implementation
-            if self.auto is not None:
-                n1 = call.side1.batch_size()
-                n2 = n1 if call.reuses_x1 else call.side2.batch_size()
-                block = (min(n1, request.block_size or n1), min(n2, request.block_size or n2))
-                first = call.narrow((0, block[0]), None if call.reuses_x1 else (0, block[1]))
-                chosen = self.auto.choice(first, key + (block,)).implementation
-            if chosen == NtkImplementation.STRUCTURED_DERIVATIVES:
-                plan = self.structured.block_plan(call, key, request.thorough)
-            else:
-                plan = BLOCK_PLANS[chosen](call)
-        return BlockSource(call, plan, names, bare, self.thread_safe)
-
-    @property
-    def maps_examples(self) -> bool:
-        """Whether ``vmap_axes`` can map anything (an axis for some input or keyword argument)."""
-        return not (is_all_none(self.vmap_axes.in_axes) and self.vmap_axes.kwargs_axes is None)
-
-    @property
-    def thread_safe(self) -> bool:
-        """See ``KernelFnSpec.thread_safe``: forward-mode AD is not thread-safe in PyTorch."""
-        forward_mode = self.implementation in (NtkImplementation.AUTO, NtkImplementation.NTK_VECTOR_PRODUCTS)
-        local = self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES and not self.structured.options.closed_form_rules
-        return not (forward_mode or local)
-
-    def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
-        if self.auto is not None:
-            return self.auto.choice(call, key)
-        if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
-            fallback = self.structured.fallback_parameters(call, key)  # the kernel call's cached plan
-            return AutoChoice(self.implementation, fallback_parameters=fallback)
-        return AutoChoice(self.implementation)
-
-    def ntk(self, call: KernelCall, key: tuple) -> PyTree:
-        shapes = call.kernel_shapes()
-        if all(math.prod(shape) == 0 for shape in shapes):
-            # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
-            return call.normalise([torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)])
-        def compute(call: KernelCall) -> PyTree:
-            if self.auto is not None:
-                return self.auto.compute(call, key)
-            if self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
-                return self.structured(call, key)
-            return IMPLEMENTATIONS[self.implementation](call)
-
-        with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
-            return call.normalise(self.computed(call, key, compute))
-
-    def publish(
-        self, kernel_fn: KernelFn, kind: str, builder: Callable[..., KernelFn], open_blocks: Callable[..., Any], where: str
-    ) -> KernelFn:
-        """Attaches the :class:`KernelFnSpec` (for ``batch``) and ``auto_choice`` to a kernel function."""
-        rebuild = functools.partial(builder, **self.arguments)
-        spec = KernelFnSpec(kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, self.thread_safe, open_blocks)
-        attach(kernel_fn, spec)
-        return self.attach_auto_choice(kernel_fn, where)
-
-    def attach_auto_choice(self, kernel_fn: KernelFn, where: str) -> KernelFn:
-        def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
-            key = _shape_key(x1, x2, params, kwargs)
-            return self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key), key)
-
-        auto_choice.__doc__ = _AUTO_CHOICE_DOC
-        kernel_fn.auto_choice = auto_choice  # type: ignore[attr-defined]
-        return kernel_fn
-
-
-_AUTO_CHOICE_DOC = """The implementation used for these inputs, as an :class:`~torchntk.AutoChoice`.
-
-Takes the arguments of the kernel function (without ``get``) and computes no kernel. With
-``implementation=0`` (AUTO) the choice is made from the cost model once per input shapes and
-cached; its ``estimates`` give the FLOPs and memory estimated for each candidate. With a fixed
-implementation it reports that one.
+Returns:
+    {returns}
 """
 
-
-def _structured_options(values: dict, chosen: NtkImplementation, where: str) -> StructuredOptions:
-    defaults = StructuredOptions()
-    for name in ("structure_rules", "closed_form_rules", "verify"):
-        _checks.bool_argument(values[name], name, where)
-    if values["local_jacobian"] not in ("auto", "forward", "reverse"):
-        raise ValueError(
-            f"{where}: `local_jacobian` must be 'auto', 'forward' or 'reverse', got {_checks.show(values['local_jacobian'])}."
-        )
-    changed = [name for name, value in values.items() if value != getattr(defaults, name)]
-    uses_them = (NtkImplementation.STRUCTURED_DERIVATIVES, NtkImplementation.AUTO)
-    if changed and chosen not in uses_them:
-        raise ValueError(
-            f"{where}: {', '.join(f'`{name}`' for name in changed)} only apply to implementation=3 "
-            f"(STRUCTURED_DERIVATIVES) or 0 (AUTO), but implementation={int(chosen)} ({chosen.name})."
-        )
-    return StructuredOptions(**values)
-
-
-def _structure_key(f: Model) -> Any:
-    """What of the model the derivative check depends on, besides the shapes."""
-    return structure_fingerprint(f) if isinstance(f, torch.nn.Module) else id(f)
-
-
-def _shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
-    """What AUTO's choice may depend on: the structure, shapes and dtypes of every argument."""
-    def describe_leaves(tree: Any) -> tuple:
-        flat = Flat.of(tree)
-        leaves = tuple(
-            (tuple(leaf.shape), leaf.dtype, leaf.device.type) if isinstance(leaf, torch.Tensor) else repr(leaf)
-            for leaf in flat.leaves
-        )
-        return (str(flat.spec), flat.none_positions, leaves)
-
-    return (describe_leaves(x1), is_all_none(x2), describe_leaves(x2), describe_leaves(params), describe_leaves(kwargs))
+_NTK_FN_DOC = (
+    "``ntk_fn(x1, x2=None, params=None, **kwargs)``: the empirical NTK of the model, laid out as\n"
+    "NOTE: [Kernel layout] says (built by :func:`torchntk.empirical_ntk_fn`, which documents every\n"
+    "option). ``ntk_fn.auto_choice(x1, x2=None, params=None, **kwargs)`` tells which implementation\n"
+    "computes it.\n"
+    + _CALL_ARGS.format(get="", returns="One kernel per output leaf, in the output's pytree structure.")
+)
+_NNGP_FN_DOC = (
+    "``nngp_fn(x1, x2=None, params=None, **kwargs)``: the empirical NNGP kernel of the model (built by\n"
+    ":func:`torchntk.empirical_nngp_fn`).\n"
+    + _CALL_ARGS.format(get="", returns="One kernel per output leaf, in the output's dtype.")
+)
+_KERNEL_FN_DOC = (
+    "``kernel_fn(x1, x2=None, get=None, params=None, **kwargs)``: the empirical NNGP and/or NTK of the\n"
+    "model in one call (built by :func:`torchntk.empirical_kernel_fn`).\n"
+    + _CALL_ARGS.format(
+        get="\n    get: ``\"ntk\"``, ``\"nngp\"`` (that kernel, bare), a tuple of them (an ``EmpiricalKernel``\n"
+        "        namedtuple in that order) or None (both). Default: None.",
+        returns="The kernels as ``get`` asks, per output leaf.",
+    )
+)
 
 
 def empirical_ntk_fn(
@@ -316,7 +98,7 @@ def empirical_ntk_fn(
     local_jacobian: str = "auto",
     verify: bool = False,
     output_fn: Optional[Callable[..., PyTree]] = None,
-) -> KernelFn:
+) -> KernelFunction:
     """Returns a function computing the empirical neural tangent kernel of ``f``.
 
     ``NTK(x1, x2) = sum_p J_p(x1) J_p(x2)^T`` over the differentiated parameters ``p``, where
@@ -426,24 +208,24 @@ def empirical_ntk_fn(
     structured = dict(
         structure_rules=structure_rules, closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify
     )
-    settings = _NtkSettings.validate(
+    settings = NtkSettings.validate(
         f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
         "empirical_ntk_fn",
     )
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
-        key = _shape_key(x1, x2, params, kwargs)
+        key = input_shape_key(x1, x2, params, kwargs)
         return settings.ntk(settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key), key)
 
     def open_blocks(request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any) -> Optional[BlockSource]:
         return settings.open_blocks(request, x1, x2, params, kwargs, ("ntk",), True, "ntk_fn")
 
-    return settings.publish(ntk_fn, "ntk", empirical_ntk_fn, open_blocks, "ntk_fn")
+    return settings.publish(ntk_fn, "ntk", empirical_ntk_fn, open_blocks, "ntk_fn", _NTK_FN_DOC)
 
 
 def empirical_nngp_fn(
     f: Model, trace_axes: Axes = (-1,), diagonal_axes: Axes = (), *, output_fn: Optional[Callable[..., PyTree]] = None
-) -> KernelFn:
+) -> KernelFunction:
     """Returns a function computing the empirical NNGP kernel ``f(x1) f(x2)^T`` of ``f``.
 
     The outputs themselves are contracted with the layout of NOTE: [Kernel layout]; no
@@ -483,10 +265,28 @@ def empirical_nngp_fn(
         )
         return call.normalise(nngp(call), dtypes=call.output_dtypes)
 
-    def rebuild(model: Model) -> KernelFn:
+    def open_blocks(request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any) -> Optional[BlockSource]:
+        """The call as prepared spans for ``batch`` (one forward pass per run of examples instead of
+        one per pair of blocks): ``batch`` puts every input's examples on axis 0. Keyword arguments
+        may or may not hold examples, which only ``vmap_axes`` says: with some, None (``batch``
+        then calls ``nngp_fn`` per pair of blocks)."""
+        if kwargs:
+            return None
+        call = prepare_call(
+            f, x1, x2, params, {}, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal,
+            vmap_axes=_EXAMPLES_ON_AXIS_0, check_vmap_axes=False, for_ntk=False, output_fn=selected,
+            forward_run_length=None if request.block_size is None else max(request.block_size, FORWARD_RUN),
+        )
+        return BlockSource(call, None, ("nngp",), True, True)
+
+    def rebuild(model: Model) -> KernelFunction:
         return empirical_nngp_fn(model, trace_axes, diagonal_axes, output_fn=output_fn)
 
-    return attach(nngp_fn, KernelFnSpec("nngp", f, traced, diagonal, rebuild))
+    spec = KernelFnSpec("nngp", f, traced, diagonal, rebuild, open_blocks=open_blocks)
+    return KernelFunction(nngp_fn, spec, _NNGP_FN_DOC)
+
+
+_EXAMPLES_ON_AXIS_0 = parse_vmap_axes(0, "empirical_nngp_fn")
 
 
 def empirical_kernel_fn(
@@ -503,7 +303,7 @@ def empirical_kernel_fn(
     local_jacobian: str = "auto",
     verify: bool = False,
     output_fn: Optional[Callable[..., PyTree]] = None,
-) -> KernelFn:
+) -> KernelFunction:
     """Returns a function computing the empirical NNGP and/or NTK of ``f`` in one call.
 
     Arguments are those of :func:`empirical_ntk_fn`; ``vmap_axes``, ``implementation``,
@@ -535,7 +335,7 @@ def empirical_kernel_fn(
     structured = dict(
         structure_rules=structure_rules, closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify
     )
-    settings = _NtkSettings.validate(
+    settings = NtkSettings.validate(
         f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
         "empirical_kernel_fn",
     )
@@ -545,7 +345,7 @@ def empirical_kernel_fn(
         params: Any = None, **kwargs: Any,
     ) -> Any:
         names, bare = canonical_get(get, "kernel_fn")
-        key = _shape_key(x1, x2, params, kwargs)
+        key = input_shape_key(x1, x2, params, kwargs)
         call = settings.prepare(x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names, shape_key=key)
         kernels = {}
         if "nngp" in names:
@@ -560,7 +360,7 @@ def empirical_kernel_fn(
         names, bare = canonical_get(get, "kernel_fn")
         return settings.open_blocks(request, x1, x2, params, kwargs, names, bare, "kernel_fn")
 
-    return settings.publish(kernel_fn, "kernel", empirical_kernel_fn, open_blocks, "kernel_fn")
+    return settings.publish(kernel_fn, "kernel", empirical_kernel_fn, open_blocks, "kernel_fn", _KERNEL_FN_DOC)
 
 
 def empirical_ntk_vp_fn(

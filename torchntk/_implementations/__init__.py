@@ -1,32 +1,86 @@
-"""The table from :class:`~torchntk.NtkImplementation` to the function computing the NTK.
+"""One table of the four NTK implementations, behind one small protocol.
 
-Each entry takes a validated :class:`~torchntk._call.KernelCall` and returns one unnormalised
-kernel per output leaf (see :meth:`KernelCall.normalise`). Structured derivatives (3) carry
-options and a plan cache per kernel function, so ``empirical.py`` adds them per builder
-(``structured.StructuredDerivatives``); AUTO (0) is ``auto.AutoSelector``.
+NOTE: [The implementation table]
+Every implementation answers three questions about a validated
+:class:`~torchntk._call.KernelCall` (``key`` is the call's shape key, under which an
+implementation may cache what it learnt about those shapes):
+
+* ``kernels(call, key)``: one unnormalised kernel per output leaf (see :meth:`KernelCall.normalise`);
+* ``blocks(call, key, thorough, block)``: the same computation as a
+  :class:`~torchntk._blocks.BlockPlan`, for ``chunk_size`` and ``batch`` (``thorough`` asks
+  structured derivatives for a plan probed on every example; ``block`` is the block size, which
+  AUTO chooses for);
+* ``choice(call, key)``: the :class:`~torchntk.AutoChoice` reported by ``ntk_fn.auto_choice``.
+
+Jacobian contraction (1) and NTK-vector products (2) keep no state; structured derivatives (3)
+keep a plan per input shapes and AUTO (0) a choice per input shapes, so :func:`implementation_table`
+builds a fresh table for every kernel function.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional, Protocol
 
 import torch
 
 from .._blocks import BlockPlan
 from .._call import KernelCall
 from .._types import NtkImplementation
+from ._choice import AutoChoice
+from .auto import AutoSelector
 from .jacobian_contraction import jacobian_contraction_blocks, jacobian_contraction_ntk
 from .ntk_vector_products import ntk_vector_products_blocks, ntk_vector_products_ntk
+from .structured import StructuredDerivatives, StructuredOptions
 
-NtkFunction = Callable[[KernelCall], list[torch.Tensor]]
 
-IMPLEMENTATIONS: dict[NtkImplementation, NtkFunction] = {
-    NtkImplementation.JACOBIAN_CONTRACTION: jacobian_contraction_ntk,
-    NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products_ntk,
-}
+class Implementation(Protocol):
+    """See NOTE: [The implementation table]."""
 
-BLOCK_PLANS: dict[NtkImplementation, Callable[[KernelCall], BlockPlan]] = {
-    NtkImplementation.JACOBIAN_CONTRACTION: jacobian_contraction_blocks,
-    NtkImplementation.NTK_VECTOR_PRODUCTS: ntk_vector_products_blocks,
-}
-"""The same implementations as :class:`~torchntk._blocks.BlockPlan` s, for ``batch``."""
+    def kernels(self, call: KernelCall, key: Hashable) -> list[torch.Tensor]: ...
+
+    def blocks(
+        self, call: KernelCall, key: Hashable, thorough: bool = False, block: Optional[tuple] = None
+    ) -> BlockPlan: ...
+
+    def choice(self, call: KernelCall, key: Hashable) -> AutoChoice: ...
+
+
+@dataclass(frozen=True)
+class _Stateless:
+    """Implementations 1 and 2: functions of the call alone."""
+
+    implementation: NtkImplementation
+    compute: Callable[[KernelCall], list[torch.Tensor]]
+    plan: Callable[[KernelCall], BlockPlan]
+
+    def kernels(self, call: KernelCall, key: Hashable) -> list[torch.Tensor]:
+        return self.compute(call)
+
+    def blocks(
+        self, call: KernelCall, key: Hashable, thorough: bool = False, block: Optional[tuple] = None
+    ) -> BlockPlan:
+        return self.plan(call)
+
+    def choice(self, call: KernelCall, key: Hashable) -> AutoChoice:
+        return AutoChoice(self.implementation)
+
+
+JACOBIAN_CONTRACTION = _Stateless(
+    NtkImplementation.JACOBIAN_CONTRACTION, jacobian_contraction_ntk, jacobian_contraction_blocks
+)
+NTK_VECTOR_PRODUCTS = _Stateless(
+    NtkImplementation.NTK_VECTOR_PRODUCTS, ntk_vector_products_ntk, ntk_vector_products_blocks
+)
+
+
+def implementation_table(options: StructuredOptions) -> dict[NtkImplementation, Any]:
+    """The four implementations for one kernel function; ``options`` configure structured
+    derivatives (AUTO prices and uses the same instance, so a plan made to price 3 is reused)."""
+    table: dict[NtkImplementation, Any] = {
+        NtkImplementation.JACOBIAN_CONTRACTION: JACOBIAN_CONTRACTION,
+        NtkImplementation.NTK_VECTOR_PRODUCTS: NTK_VECTOR_PRODUCTS,
+        NtkImplementation.STRUCTURED_DERIVATIVES: StructuredDerivatives(options),
+    }
+    table[NtkImplementation.AUTO] = AutoSelector(table)
+    return table

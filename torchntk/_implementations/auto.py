@@ -44,66 +44,21 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Hashable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from .._bounded_cache import BoundedCache
 from .._call import KernelCall
 from .._types import NtkImplementation
 from .._unfused import forward_mode_kernels
+from ._choice import AutoChoice, Estimate
 from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
-from .structured import StructuredDerivatives
 from .structured._cost import structured_cost
 from .structured._plan import Plan
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """The cost model's view of one implementation: FLOPs and peak extra memory in bytes.
-
-    Attributes:
-        flops: estimated multiply-add FLOPs.
-        memory_bytes: estimated peak extra memory in bytes.
-        note: how the implementation would run when not in its usual way, else ``""``; e.g.
-            ``"double VJP: no forward-mode derivative for aten::_weight_norm_interface"`` for
-            implementation 2 on a model PyTorch cannot run forward mode through.
-    """
-
-    flops: float
-    memory_bytes: float
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class AutoChoice:
-    """What AUTO picked for one set of input shapes, and why.
-
-    Attributes:
-        implementation: the implementation used.
-        estimates: the cost model's estimate per candidate (empty when ``implementation`` was
-            fixed by the caller rather than chosen).
-        memory_budget_bytes: candidates estimated above this were dropped (unless none fit).
-        fallback_parameters: ``{parameter name: reason}`` for every parameter whose share of the
-            kernel structured derivatives take from the Jacobian fallback (full per-parameter
-            Jacobians, exact but slower) instead of their rules: an operation without a rule
-            consumes it, it is written in place, or its rules disagreed with autograd when the
-            plan was checked (see ``docs/structured.md``). Filled when implementation 3 is used or
-            priced; empty otherwise.
-        excluded: ``{NtkImplementation: reason}`` for every candidate AUTO found it cannot run on
-            this model or could not price (NOTE: [AUTO's feasibility filter]); such a candidate is
-            never chosen and has no entry in ``estimates``. Empty when ``implementation`` was
-            fixed by the caller.
-    """
-
-    implementation: NtkImplementation
-    estimates: dict = field(default_factory=dict)
-    memory_budget_bytes: float = math.inf
-    fallback_parameters: dict = field(default_factory=dict)
-    excluded: dict = field(default_factory=dict)
 
 
 def choose(call: KernelCall, plan: Plan | BaseException) -> AutoChoice:
@@ -283,27 +238,40 @@ def _memory_budget(device: torch.device) -> float:
 
 
 class AutoSelector:
-    """Chooses per input shapes (cached) and runs the chosen implementation."""
+    """Implementation 0: chooses per input shapes (cached) and runs the chosen implementation.
 
-    def __init__(self, implementations: dict[NtkImplementation, Callable[[KernelCall], Any]]):
-        """``implementations[STRUCTURED_DERIVATIVES]`` is the :class:`StructuredDerivatives` whose
-        plans (cached per input shapes, under the same keys) AUTO prices and then uses."""
-        self._implementations = implementations
-        self._structured: StructuredDerivatives = implementations[NtkImplementation.STRUCTURED_DERIVATIVES]
-        self._choices: dict[tuple, AutoChoice] = {}
+    ``table`` is the kernel function's implementation table (NOTE: [The implementation table]); its
+    structured derivatives are priced from, and then compute with, the same cached plan.
+    """
 
-    def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
-        cache_key = (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
-        if cache_key not in self._choices:
+    def __init__(self, table: dict[NtkImplementation, Any]):
+        self._table = table
+        self._choices = BoundedCache(_REMEMBERED_CHOICES)
+
+    def choice(self, call: KernelCall, key: Hashable) -> AutoChoice:
+        cache_key = call.cache_key(key)
+        choice = self._choices.get(cache_key)
+        if choice is None:
             try:
-                plan: Plan | BaseException = self._structured.plan(call, key)
+                plan: Plan | BaseException = self._table[NtkImplementation.STRUCTURED_DERIVATIVES].plan(call, key)
             except Exception as error:  # noqa: BLE001 - excludes implementation 3, see choose()
                 plan = error
-            self._choices[cache_key] = choose(call, plan)
-        return self._choices[cache_key]
+            choice = choose(call, plan)
+            self._choices[cache_key] = choice
+        return choice
 
-    def compute(self, call: KernelCall, key: tuple) -> Any:
-        chosen = self.choice(call, key).implementation  # the structured plan cache extends the key itself
-        if chosen == NtkImplementation.STRUCTURED_DERIVATIVES:
-            return self._implementations[chosen](call, key)
-        return self._implementations[chosen](call)
+    def kernels(self, call: KernelCall, key: Hashable) -> Any:
+        return self._table[self.choice(call, key).implementation].kernels(call, key)
+
+    def blocks(self, call: KernelCall, key: Hashable, thorough: bool = False, block: Optional[tuple] = None) -> Any:
+        """The block plan of the implementation chosen for the first block (``block``: the block
+        sizes of x1 and x2), whose shapes every other block but the last shares."""
+        first, choice_key = call, key
+        if block is not None:
+            first = call.narrow((0, block[0]), None if call.reuses_x1 else (0, block[1]))
+            choice_key = (key, block)
+        chosen = self.choice(first, choice_key).implementation
+        return self._table[chosen].blocks(call, key, thorough, block)
+
+
+_REMEMBERED_CHOICES = 64

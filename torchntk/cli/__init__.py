@@ -3,6 +3,7 @@
 * ``torchntk [options]``: the demo (``demo.py``): a model's NTK with every implementation.
 * ``torchntk bench [options]``: the benchmarks (``bench.py``), side by side with
   neural-tangents when ``jax`` and ``neural_tangents`` are installed.
+* ``torchntk --version``: the installed version (``torchntk.__version__``).
 
 Exit statuses: 0 success; 1 two implementations disagree (the demo); 2 a bad argument, with one
 line on standard error; 3 a model failed in the demo (one line on standard error per failure, the

@@ -15,7 +15,18 @@ with some implementation). A failure outranks a disagreement."""
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line (``torchntk: error: ...``), exit status 2."""
+    """An ``ArgumentParser`` whose errors are one line (``torchntk: error: ...``), exit status 2.
+
+    Every command has ``--version``: it prints ``torchntk`` and ``torchntk.__version__`` and exits
+    with status 0.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from .. import __version__
+
+        self.add_argument("--version", action="version", version=f"torchntk {__version__}",
+                          help="print the version of torchntk and exit")
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")

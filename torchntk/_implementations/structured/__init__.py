@@ -24,10 +24,14 @@ from typing import Any, Optional
 import torch
 
 from ..._blocks import BlockPlan, Replan, assemble
+from ..._bounded_cache import BoundedCache
 from ..._call import KernelCall
 from ..._per_example import Side
+from ..._types import NtkImplementation
+from .._choice import AutoChoice
 from ._contract import contract_sides
 from ._plan import Plan, make_plan
+from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, probe, side_factors
 from ._verify import disagreements, verify
 
@@ -61,13 +65,16 @@ def plan_for(call: KernelCall, options: StructuredOptions, thorough: bool = Fals
     sides = [side for side in (call.side1, call.side2) if side is not None] if thorough else [call.side1]
     if not thorough:
         sides = [side.narrow(0, min(1, side.batch_size())) if side.mapped else side for side in sides]
-    calls, unruled, shapes, reasons = [], set(), [], {}
+    calls: list[RuleCall] = []
+    unruled: set[int] = set()
+    shapes: list[OutputSpec] = []
+    reasons: dict[int, str] = {}
     for side in sides:
-        recorder = probe(side, first_example_only=False)
-        calls.extend(recorder.calls)
-        unruled |= recorder.unruled
-        shapes.extend(recorder.shapes)
-        reasons = {**recorder.reasons, **reasons}
+        probed = probe(side, first_example_only=False)
+        calls.extend(probed.calls)
+        unruled |= probed.unruled
+        shapes.extend(probed.output_specs)
+        reasons = {**probed.reasons, **reasons}  # the first side's reason wins
     one_pass = len(sides) == 1 and local is None
 
     def build(demoted: dict[int, str]) -> Plan:
@@ -88,8 +95,13 @@ def plan_for(call: KernelCall, options: StructuredOptions, thorough: bool = Fals
     return _with_probe(build(demoted) if demoted else plan, calls, thorough)
 
 
-def _with_probe(plan: Plan, calls: list, thorough: bool) -> Plan:
+def _with_probe(plan: Plan, calls: list[RuleCall], thorough: bool) -> Plan:
+    """The plan, keeping the calls of a quick plan's probe for AUTO's pricing (``structured_cost``)."""
     return plan if thorough else dataclasses.replace(plan, first_example_calls=tuple(calls))
+
+
+_REMEMBERED_PLANS = 64
+"""Input shapes whose plans a kernel function keeps (the least recently used is dropped)."""
 
 
 def _nondeterministic(where: str) -> RuntimeError:
@@ -110,7 +122,7 @@ class StructuredDerivatives:
 
     def __init__(self, options: StructuredOptions = StructuredOptions()):
         self.options = options
-        self._plans: dict[Any, Plan] = {}
+        self._plans = BoundedCache(_REMEMBERED_PLANS)
 
     def __call__(self, call: KernelCall, key: Any = None) -> list[torch.Tensor]:
         try:
@@ -118,9 +130,21 @@ class StructuredDerivatives:
         except Replan:
             return assemble(call, self.block_plan(call, key, thorough=True))
 
+    # -- NOTE: [The implementation table] ------------------------------------------------------
+
+    def kernels(self, call: KernelCall, key: Any) -> list[torch.Tensor]:
+        return self(call, key)
+
+    def blocks(self, call: KernelCall, key: Any, thorough: bool = False, block: Optional[tuple] = None) -> BlockPlan:
+        return self.block_plan(call, key, thorough)
+
+    def choice(self, call: KernelCall, key: Any) -> AutoChoice:
+        fallback = self.fallback_parameters(call, key)  # from the plan the kernel itself uses
+        return AutoChoice(NtkImplementation.STRUCTURED_DERIVATIVES, fallback_parameters=fallback)
+
     def plan(self, call: KernelCall, key: Any = None, thorough: bool = False) -> Plan:
         """The cached plan for ``key`` (or a new one, cached; always new when ``thorough``)."""
-        key = self._plan_key(call, key)
+        key = call.cache_key(key)
         plan = None if thorough else self._plans.get(key)
         if plan is None:
             plan = plan_for(call, self.options, thorough=thorough)
@@ -133,13 +157,6 @@ class StructuredDerivatives:
         plan = self.plan(call, key)
         return {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
 
-    @staticmethod
-    def _plan_key(call: KernelCall, key: Any) -> Any:
-        if key is None:
-            return None
-        # which parameters are differentiated may change between calls
-        return (key, call.model.names, tuple(tuple(param.shape) for param in call.model.params))
-
     def block_plan(self, call: KernelCall, key: Any = None, thorough: bool = False) -> BlockPlan:
         """The :class:`BlockPlan` of ``call`` under the cached plan, or a ``thorough`` new one.
 
@@ -148,7 +165,7 @@ class StructuredDerivatives:
         that is a RuntimeError: the model runs different operations on the same inputs.
         """
         plan = self.plan(call, key, thorough)
-        key = self._plan_key(call, key)
+        key = call.cache_key(key)
         blocks = _block_plan(call, self.options, plan)
 
         def guarded(side: Side) -> SideFactors:

@@ -22,14 +22,15 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import string
 from typing import Optional, Sequence
 
 import opt_einsum
 import torch
 from opt_einsum.parser import convert_to_valid_einsum_chars
 
-from ..._blocks import index as block_index
 from ..._layout import KernelLayout
+from ..._tiles import Placement
 from ._roles import Role
 from ._side import SideFactors, Use
 
@@ -73,18 +74,16 @@ def _mirrored_halves(layout, out_axes, leaf, factors: SideFactors, dtype, param_
     runs = [(0, half), (half, examples - half)]
     parts = [factors.narrow(start, length, out_axes) for start, length in runs]
     out_axis = out_axes[leaf]
-    positions = layout.kernel_positions(out_axis)
+    placement = Placement.of(layout, out_axis)
     kernel = None
     jacobians: dict = {}
     for i, j in ((0, 0), (0, 1), (1, 1)):
         block = _contract_leaf(layout, out_axis, parts[i], parts[j], leaf, dtype, param_sizes, jacobians)
         if kernel is None:
             shape = list(block.shape)
-            shape[positions[0]] = shape[positions[1]] = examples
+            shape[placement.positions[0]] = shape[placement.positions[1]] = examples
             kernel = block.new_empty(shape)
-        kernel[block_index(positions, runs[i], runs[j])] = block
-        if i != j:
-            kernel[block_index(positions, runs[j], runs[i])] = block.permute(layout.swap_permutation())
+        placement.put(kernel, block, runs[i], runs[j], mirror=True)
     return kernel
 
 
@@ -123,7 +122,16 @@ def _pairs(uses1: list[Use], uses2: list[Use], symmetric: bool):
             yield first, second, symmetric and j > i
 
 
-def _pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes, jacobians: dict) -> Optional[torch.Tensor]:
+def _pair(
+    layout: KernelLayout,
+    out_axis: Optional[int],
+    first: Use,
+    second: Use,
+    leaf: int,
+    dtype: torch.dtype,
+    param_sizes: Sequence[int],
+    jacobians: dict,
+) -> Optional[torch.Tensor]:
     """One pair's term: through the einsum of NOTE: [Pair contraction] when opt_einsum's order
     starts across the sides (Gram order), else through each use's ``J`` (formed once per use and
     reused by every pair it is in; ``J J^T`` of a use with itself is a symmetric product)."""
@@ -140,10 +148,11 @@ def _pair(layout, out_axis, first: Use, second: Use, leaf, dtype, param_sizes, j
             scale = first.role.scale * second.role.scale
             return term if scale == 1.0 else term * scale
     out_symbols, _, _ = output_symbols(layout)
-    one, two = (
-        _cached(jacobians, use, lambda use=use: dense_jacobian(use, leaf, out_symbols, out_axis, param_sizes, scatter).to(dtype))
-        for use in (first, second)
-    )
+
+    def jacobian(use: Use) -> torch.Tensor:
+        return dense_jacobian(use, leaf, out_symbols, out_axis, param_sizes, scatter).to(dtype)
+
+    one, two = (_cached(jacobians, use, functools.partial(jacobian, use)) for use in (first, second))
     return layout.contract(one, two)
 
 
@@ -156,7 +165,9 @@ def _cached(cache: dict, use: Use, make) -> torch.Tensor:
 @functools.lru_cache(maxsize=1024)
 def _starts_within_a_side(equation: str, shapes: tuple, side1_operands: int) -> bool:
     """Whether opt_einsum's first step contracts two operands of the same side (``J`` first)."""
-    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="optimal", memory_limit=_MAX_INTERMEDIATE)
+    path, _ = opt_einsum.contract_path(
+        equation, *shapes, shapes=True, optimize="optimal", memory_limit=_MAX_INTERMEDIATE
+    )
     first, second = path[0][:2] if len(path[0]) >= 2 else (path[0][0], path[0][0])
     return (first < side1_operands) == (second < side1_operands)
 
@@ -171,11 +182,13 @@ def pair_kind(role1: Role, role2: Role) -> str:
     return "einsum" if same else "dense"
 
 
-def pair_equation(layout, out_axis, first: Use, second: Use, leaf) -> tuple[str, list[torch.Tensor]]:
+def pair_equation(
+    layout: KernelLayout, out_axis: Optional[int], first: Use, second: Use, leaf: int
+) -> tuple[str, list[torch.Tensor]]:
     """The einsum of NOTE: [Pair contraction] and its operands (which may be meta tensors)."""
     role1, role2 = first.role, second.role
     out1, out2, result = output_symbols(layout)
-    shared = {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(role1.param_labels)}
+    shared = _shared_symbols(role1.param_labels)
     shared2 = {letter: shared[other] for letter, other in zip(role2.param_labels, role1.param_labels)}
     terms1, tensors1 = _side_terms(first, leaf, out1, out_axis, shared, _SIDE1)
     terms2, tensors2 = _side_terms(second, leaf, out2, out_axis, shared2, _SIDE2)
@@ -207,6 +220,11 @@ def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float
     return summed + float(info.opt_cost), float(info.largest_intermediate)
 
 
+def _shared_symbols(param_labels: str) -> dict[str, str]:
+    """One symbol per parameter letter, the same on both sides of a pair (and beyond the rules')."""
+    return {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(param_labels)}
+
+
 def _side_terms(use: Use, leaf, out_symbols, out_axis, shared, offset):
     """Einsum terms and tensors of one side: ``G`` then the operands."""
     role = use.role
@@ -224,7 +242,14 @@ def _side_terms(use: Use, leaf, out_symbols, out_axis, shared, offset):
     return terms, tensors
 
 
-def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes, scatter: bool = True) -> torch.Tensor:
+def dense_jacobian(
+    use: Use,
+    leaf: int,
+    out_symbols: Sequence[str],
+    out_axis: Optional[int],
+    param_sizes: Sequence[int],
+    scatter: bool = True,
+) -> torch.Tensor:
     """``J`` of one use as ``(*output, entries)``: in the coordinates the op saw, or (``scatter``)
     scattered into the parameter's own."""
     role = use.role
@@ -241,27 +266,39 @@ def dense_jacobian(use: Use, leaf: int, out_symbols, out_axis, param_sizes, scat
         seen = _expression(equation, tuple(tuple(t.shape) for t in tensors))(*tensors, backend="torch")
     if role.scale != 1.0:
         seen = seen * role.scale
-    output_shape = seen.shape[: len(out_symbols)]
-    seen = seen.reshape(*output_shape, math.prod(role.param_shape))
+    seen = seen.reshape(*seen.shape[: len(out_symbols)], math.prod(role.param_shape))
     ref = role.refs[0]
-    if not scatter or ref.index is None:
-        return seen
-    full = seen.new_zeros(*output_shape, param_sizes[ref.param])
-    return full.index_add_(-1, ref.index.reshape(-1).to(seen.device), seen)
+    return ref.scatter(seen, param_sizes[ref.param]) if scatter else seen
 
 
-def jacobian_equation(use: Use, leaf: int, out_symbols, out_axis) -> tuple[str, list[torch.Tensor]]:
+def jacobian_equation(
+    use: Use, leaf: int, out_symbols: Sequence[str], out_axis: Optional[int]
+) -> tuple[str, list[torch.Tensor]]:
     """The einsum forming one use's ``J`` as ``(*output, *param_shape)``, and its operands."""
-    shared = {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(use.role.param_labels)}
+    shared = _shared_symbols(use.role.param_labels)
     terms, tensors = _side_terms(use, leaf, out_symbols, out_axis, shared, _SIDE1)
     return ",".join(terms) + "->" + "".join(out_symbols) + "".join(shared.values()), tensors
 
 
 @functools.lru_cache(maxsize=256)
 def output_symbols(layout: KernelLayout) -> tuple[list[str], list[str], list[str]]:
-    """The einsum symbols of side 1's output axes, side 2's, and the kernel's."""
-    one, two, result = layout._letters
-    return list(one), list(two), list(result)
+    """The einsum symbols of side 1's output axes, side 2's, and the kernel's.
+
+    A traced or diagonal axis has one symbol on both sides (summed, or kept once in the kernel);
+    a kept axis has one per side, both in the kernel. Any ASCII letters would do (the rules'
+    letters become symbols beyond them); these are the ones ``KernelLayout`` uses for its own
+    einsums, which the equations, and so opt_einsum's paths, have always been written with.
+    """
+    first, second, result = [], [], []
+    symbols = iter(string.ascii_letters[2:])
+    for axis in range(layout.ndim):
+        kind = layout.kind(axis)
+        one = next(symbols)
+        two = next(symbols) if kind == "kept" else one
+        first.append(one)
+        second.append(two)
+        result.extend({"trace": (), "diagonal": (one,), "kept": (one, two)}[kind])
+    return first, second, result
 
 
 @functools.lru_cache(maxsize=1024)

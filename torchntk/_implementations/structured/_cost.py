@@ -22,11 +22,21 @@ from ._side import Use, probe
 
 @dataclasses.dataclass(frozen=True)
 class StructuredCost:
+    """The priced work of implementation 3 for one call.
+
+    Attributes:
+        contraction_flops: the pair contractions', the Jacobians formed and the fallback's FLOPs.
+        memory_elements: elements held: the largest pair intermediate, the Jacobians formed,
+            the factors and the fallback's Jacobians.
+        fallback_params: parameter entries whose Jacobians are contracted directly.
+        contractions: einsum calls: pair contractions and Jacobians formed (AUTO prices each
+            call's overhead).
+    """
+
     contraction_flops: float
     memory_elements: float
     fallback_params: int
     contractions: int = 0
-    """einsum calls: pair contractions and Jacobians formed (AUTO prices each call's overhead)."""
 
 
 def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
@@ -70,7 +80,10 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
                 flops += 2.0 * kernel * size
     memory += sum(t.numel() for side_uses in (uses1, uses2) for use in side_uses for t in _tensors(use))
     fallback = sum(param_sizes[index] for index in plan.fallback)
-    kernel = sum(math.prod(s) * layout.trace_size(o.shape) for s, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1))
+    kernel = sum(
+        math.prod(shape) * layout.trace_size(output.shape)
+        for shape, layout, output in zip(call.kernel_shapes(), call.layouts, call.outputs1)
+    )
     flops += 2.0 * kernel * fallback
     memory += fallback * sum(o.numel() for o in call.outputs1 + call.outputs2)
     return StructuredCost(flops, memory, fallback, contractions)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import AbstractSet, Mapping, Optional, Sequence
 
-import torch
-
-from ._roles import Role, RuleCall
+from ._roles import OutputSpec, Role, RuleCall
 
 
 @dataclass(frozen=True)
@@ -37,9 +35,9 @@ class Plan:
     fallback: tuple[int, ...]
     joint: frozenset[tuple[int, ...]]
     local_jacobian: Optional[str]
-    perturbed_shapes: Optional[dict[int, tuple[tuple[int, ...], torch.dtype]]] = None
+    perturbed_shapes: Optional[dict[int, OutputSpec]] = None
     reasons: Mapping[int, str] = dataclasses.field(default_factory=dict)
-    first_example_calls: Optional[tuple] = dataclasses.field(default=None, compare=False)
+    first_example_calls: Optional[tuple[RuleCall, ...]] = dataclasses.field(default=None, compare=False)
     """The rule calls of the probe of x1's first example, when the plan comes from that probe alone
     (AUTO prices the plan from them without probing again)."""
 
@@ -50,17 +48,21 @@ class Plan:
             return [joint]
         return [role for role in separate if role.unit[0] in self.ruled]
 
-    def foresees(self, recorder) -> bool:
+    def foresees(self, calls: Sequence[RuleCall], unruled: AbstractSet[int]) -> bool:
         """Whether a recording pass used the parameters the way the plan's probe did.
 
         A parameter the plan calls ruled must not reach an op without a rule, and every parameter
         a rule call consumes must be known to the plan (ruled or in the fallback).
+
+        Args:
+            calls: the pass's rule calls.
+            unruled: the parameters the pass saw consumed by an op without an applicable rule.
         """
-        if recorder.unruled & self.ruled:
+        if unruled & self.ruled:
             return False
         known = self.ruled | set(self.fallback)
         paired = {index: unit for unit in self.joint for index in unit}
-        for call in recorder.calls:
+        for call in calls:
             separate, joint = call.roles()
             if any(role.unit[0] not in known for role in separate):
                 return False
@@ -78,7 +80,7 @@ def make_plan(
     *,
     structure_rules: bool,
     local_jacobian: Optional[str],
-    shapes: Optional[list[tuple[tuple[int, ...], torch.dtype]]] = None,
+    shapes: Optional[Sequence[OutputSpec]] = None,
     reasons: Optional[Mapping[int, str]] = None,
 ) -> Plan:
     """Builds the plan from the rule calls and unruled parameters of the probe passes.

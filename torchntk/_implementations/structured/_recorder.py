@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..._unfused import RECURRENT
-from ._roles import ParamRef, RuleCall
+from ._roles import OutputSpec, ParamRef, RuleCall
 from ._views import (
     CAST_OPS,
     VIEW_OPS,
@@ -59,7 +59,7 @@ from ._views import (
     positions,
     view_refs,
 )
-from .rules import RULES
+from .rules import rule_for
 
 
 class Recorder(TorchFunctionMode):
@@ -67,6 +67,8 @@ class Recorder(TorchFunctionMode):
 
     Attributes:
         calls: the rule calls, in order.
+        output_specs: the shape and dtype of each rule call's output (per example under ``vmap``),
+            read while the pass runs: the outputs' wrappers do not outlive its transforms.
         unruled: parameter indices consumed by an op without an applicable rule.
         reasons: why each unruled parameter is (the first reason met).
     """
@@ -81,10 +83,12 @@ class Recorder(TorchFunctionMode):
         self._depth = 0  # composites re-enter the mode (``with self``) while it is active
         self._inputs: list[tuple[str, set[int], list[tuple[torch.Tensor, int]]]] = []
         self.calls: list[RuleCall] = []
+        self.output_specs: list[OutputSpec] = []
         self.unruled: set[int] = set()
         self.reasons: dict[int, str] = {}
 
     def ref_of(self, value: Any) -> Optional[ParamRef]:
+        """The parameter ``value`` is (or is a tracked view, slice or cast of); ``None`` if none."""
         if not isinstance(value, torch.Tensor):
             return None
         position = self._index.get(id(value))
@@ -112,7 +116,7 @@ class Recorder(TorchFunctionMode):
                 result = decomposition(*args, **kwargs)
             if result is not NotImplemented:
                 return result
-        rule = RULES.get(func)
+        rule = rule_for(func)
         if rule is not None:
             call = rule(func, args, kwargs, self.ref_of)
             if call is not None and not call.output.is_complex():
@@ -189,6 +193,7 @@ class Recorder(TorchFunctionMode):
         position = self._count
         self._count += 1
         self.calls.append(call)
+        self.output_specs.append((tuple(call.output.shape), call.output.dtype))
         delta = None if self._deltas is None else self._deltas.get(position)
         if delta is None:
             return call.output

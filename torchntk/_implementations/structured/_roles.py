@@ -19,11 +19,30 @@ operand gains a leading example axis which shares its symbol with the output's b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+OutputSpec = tuple[tuple[int, ...], torch.dtype]
+"""The shape and dtype of a rule call's output, per example (where a perturbation is added)."""
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def letters(count: int, start: int = 0) -> str:
+    """``count`` distinct einsum letters from the ``start``-th on, for a role's labels.
+
+    Args:
+        count: how many letters (rules use at most a few dozen).
+        start: how many letters to skip (to keep clear of letters already used).
+
+    Returns:
+        The letters as one string, in a fixed order.
+    """
+    return _ALPHABET[start : start + count]
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,22 @@ class ParamRef:
             self.index.shape == other.index.shape and torch.equal(self.index, other.index)
         )
 
+    def scatter(self, values: torch.Tensor, size: int) -> torch.Tensor:
+        """Moves values over the seen entries into the parameter's own flat coordinates.
+
+        Args:
+            values: ``(..., seen entries)``, the last axis in the order of the flat ``index``.
+            size: the parameter's number of entries.
+
+        Returns:
+            ``(..., size)``: zero at entries not seen, summed over entries seen more than once
+            (a broadcast view). ``values`` itself when the parameter is seen whole.
+        """
+        if self.index is None:
+            return values
+        full = values.new_zeros(*values.shape[:-1], size)
+        return full.index_add_(-1, self.index.reshape(-1).to(values.device), values)
+
 
 @dataclass
 class Role:
@@ -97,12 +132,21 @@ class Role:
 
     @property
     def joint(self) -> bool:
+        """Whether the role states a weight and its bias together."""
         return len(self.refs) > 1
 
     @property
     def unit(self) -> tuple[int, ...]:
         """The parameter indices this role covers."""
         return tuple(ref.param for ref in self.refs)
+
+    def on_meta(self) -> "Role":
+        """A copy whose operands are meta tensors of the same shapes and dtypes, without ``local``
+        and ``seen``: all of it may leave the ``torch.func`` transforms of the pass that built it."""
+        operands = [
+            (torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), labels) for tensor, labels in self.operands
+        ]
+        return dataclasses.replace(self, operands=operands, local=None, seen=None)
 
 
 @dataclass
@@ -123,3 +167,12 @@ class RuleCall:
         if self._built is None:
             self._built = self.build()
         return self._built
+
+    def keep_shapes_only(self) -> None:
+        """Builds the roles now and keeps them on meta tensors (:meth:`Role.on_meta`).
+
+        A probe pass runs under ``torch.func`` transforms whose tensors must not outlive them; the
+        plan and AUTO only need the operands' shapes.
+        """
+        separate, joint = self.roles()
+        self._built = ([role.on_meta() for role in separate], None if joint is None else joint.on_meta())

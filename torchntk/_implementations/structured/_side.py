@@ -15,8 +15,9 @@ every output entry (which is what batch-coupled models such as BatchNorm in trai
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.func import jacfwd, jacrev, vjp, vmap
@@ -24,8 +25,7 @@ from torch.func import jacfwd, jacrev, vjp, vmap
 from ..._per_example import Side
 from ._plan import Plan
 from ._recorder import Recorder, ShapeMismatch
-from ._roles import Role
-from .rules._common import letters
+from ._roles import OutputSpec, Role, RuleCall, letters
 
 
 @dataclass
@@ -53,7 +53,8 @@ class SideFactors:
         uses = [
             Use(
                 dataclasses.replace(
-                    use.role, operands=[(tensor.narrow(0, start, length), labels) for tensor, labels in use.role.operands]
+                    use.role,
+                    operands=[(tensor.narrow(0, start, length), labels) for tensor, labels in use.role.operands],
                 ),
                 tuple(g.narrow(axis, start, length) for g, axis in zip(use.gradients, out_axes)),
             )
@@ -62,7 +63,8 @@ class SideFactors:
         fallback = None
         if self.fallback is not None:
             fallback = tuple(
-                tuple(j.narrow(axis, start, length) for j in per_leaf) for per_leaf, axis in zip(self.fallback, out_axes)
+                tuple(j.narrow(axis, start, length) for j in per_leaf)
+                for per_leaf, axis in zip(self.fallback, out_axes)
             )
         outputs = tuple(output.narrow(axis, start, length) for output, axis in zip(self.outputs, out_axes))
         return SideFactors(uses, fallback, outputs)
@@ -72,30 +74,51 @@ class PlanMismatch(Exception):
     """A pass met parameter uses the plan (from a probe of one example) did not foresee."""
 
 
-def probe(side: Side, first_example_only: bool = True) -> Recorder:
+@dataclass(frozen=True)
+class Probe:
+    """What a recording pass saw.
+
+    Attributes:
+        calls: the rule calls, in order; their roles' operands are meta tensors of the per-example
+            shapes (:meth:`RuleCall.keep_shapes_only`).
+        output_specs: the per-example shape and dtype of each call's output.
+        unruled: parameter indices consumed by an op without an applicable rule.
+        reasons: why each unruled parameter is.
+    """
+
+    calls: list[RuleCall]
+    output_specs: list[OutputSpec]
+    unruled: set[int]
+    reasons: dict[int, str]
+
+
+def probe(side: Side, first_example_only: bool = True) -> Probe:
     """One recording pass (per example, on the first example only by default): finds the rule calls.
 
-    The calls' roles hold meta tensors with the per-example operand shapes (for the plan and AUTO).
+    Args:
+        side: the examples to record.
+        first_example_only: narrow a mapped side to its first example first.
+
+    Returns:
+        The calls with their roles on meta tensors (for the plan and AUTO), and the unruled
+        parameters.
     """
     if side.mapped and first_example_only:
         side = side.narrow(0, min(1, side.batch_size()))
     recorder = Recorder(side.model.params)
 
-    def record(x_leaves, kwarg_leaves):
+    def record(x_leaves: tuple, kwarg_leaves: tuple) -> None:
         with torch.no_grad(), recorder:
             side.evaluate(side.model.params, x_leaves, kwarg_leaves)
-        recorder.shapes = [(tuple(call.output.shape), call.output.dtype) for call in recorder.calls]
         for call in recorder.calls:
-            # Only shapes may leave the transforms: the operands become meta tensors of the per-example shape.
-            separate, joint = call.roles()
-            call._built = ([_on_meta(role) for role in separate], joint and _on_meta(joint))
+            call.keep_shapes_only()
 
-    def run(x_leaves, kwarg_leaves):
+    def run(x_leaves: tuple, kwarg_leaves: tuple) -> torch.Tensor:
         under_a_transform(lambda: record(x_leaves, kwarg_leaves))
         return torch.zeros(())
 
     side.per_example(run)
-    return recorder
+    return Probe(recorder.calls, recorder.output_specs, recorder.unruled, recorder.reasons)
 
 
 def under_a_transform(function: Callable[[], Any]) -> Any:
@@ -107,24 +130,31 @@ def under_a_transform(function: Callable[[], Any]) -> Any:
     """
     if torch._C._are_functorch_transforms_active():
         return function()
-    found = []
+    results = []  # vjp returns tensors only: the result leaves through the closure
 
     def run(_unused: torch.Tensor) -> torch.Tensor:
-        found.append(function())
+        results.append(function())
         return _unused
 
     vjp(run, torch.zeros(()))
-    return found[0]
+    return results[0]
 
 
-def _zeros(spec: tuple[tuple[int, ...], torch.dtype], side: Side) -> torch.Tensor:
+def _zeros(spec: OutputSpec, side: Side) -> torch.Tensor:
     shape, dtype = spec
     return torch.zeros(shape, dtype=dtype, device=side.model.params[0].device)
 
 
-def _on_meta(role: Role) -> Role:
-    operands = [(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), labels) for tensor, labels in role.operands]
-    return dataclasses.replace(role, operands=operands, local=None, seen=None)
+@dataclass
+class _KeptRoles:
+    """The roles a perturbed pass keeps, each with the index of its ``G`` among the deltas.
+
+    Roles are not tensors, so they cannot be results of ``vmap``: the pass stores them here. When
+    a loop maps the examples this holds the last example's: every example's pass keeps the same
+    rule calls (the plan check and the positions check raise otherwise).
+    """
+
+    roles: list[tuple[int, Role]] = field(default_factory=list)
 
 
 def side_factors(
@@ -137,22 +167,22 @@ def side_factors(
     mapped), the ``G``-side of ``J^T v`` (used by ``verify``).
     """
     params = side.model.params
-    found: dict[str, list] = {}
+    kept_roles = _KeptRoles()
 
-    def run(x_leaves, kwarg_leaves, *cotangent_leaves):
-        def perturbed_model(deltas):
+    def run(x_leaves: tuple, kwarg_leaves: tuple, *cotangent_leaves: torch.Tensor) -> tuple:
+        def perturbed_model(deltas: tuple[torch.Tensor, ...]) -> tuple:
             # One pass records the rule calls, builds their operands and perturbs their outputs.
             recorder = Recorder(params, dict(zip(positions, deltas)))
             with recorder:
                 outputs = side.evaluate(params, x_leaves, kwarg_leaves)
-            if not plan.foresees(recorder):
+            if not plan.foresees(recorder.calls, recorder.unruled):
                 raise PlanMismatch
             kept = [(position, role) for position, call in enumerate(recorder.calls) for role in plan.roles(call)]
             if sorted({position for position, _ in kept}) != positions:
                 raise ShapeMismatch
             if plan.local_jacobian is not None:
                 kept = [(position, _dense_role(role, plan.local_jacobian)) for position, role in kept]
-            found["kept"] = [(positions.index(position), role) for position, role in kept]
+            kept_roles.roles = [(positions.index(position), role) for position, role in kept]
             return outputs, tuple(tensor.detach() for _, role in kept for tensor, _ in role.operands)
 
         if plan.perturbed_shapes is not None:
@@ -168,7 +198,7 @@ def side_factors(
             recorder = Recorder(params)
             with torch.no_grad(), recorder:
                 under_a_transform(lambda: side.evaluate(params, x_leaves, kwarg_leaves))
-            if not plan.foresees(recorder):
+            if not plan.foresees(recorder.calls, recorder.unruled):
                 raise PlanMismatch
             positions = [position for position, call in enumerate(recorder.calls) if plan.roles(call)]
             zeros = tuple(torch.zeros_like(recorder.calls[position].output) for position in positions)
@@ -178,32 +208,52 @@ def side_factors(
                 raise PlanMismatch from None
         basis = tuple(c.unsqueeze(0) for c in cotangent_leaves) if cotangent_leaves else _identity_basis(outputs)
         (gradients,) = vmap(pullback, chunk_size=chunk_size)(basis) if positions else ((),)
-        found["sizes"] = [output.numel() for output in outputs]
-        found["shapes"] = [tuple(output.shape) for output in outputs]
         return tuple(gradients), operands, tuple(outputs)
 
     extra = tuple(cotangents) if cotangents is not None else ()
     extra_dims = tuple(side.out_axes) if (cotangents is not None and side.mapped) else tuple(None for _ in extra)
     gradients, operands, outputs = side.per_example(run, extra, extra_dims)
+    # mapped results are stacked on a leading example axis; the rest is one example's shape
+    output_shapes = [tuple(output.shape[1:] if side.mapped else output.shape) for output in outputs]
     if side.mapped:
         outputs = tuple(output.movedim(0, axis) for output, axis in zip(outputs, side.out_axes))
-    uses = _uses(side, found, gradients, iter(operands), contracted=cotangents is not None)
-    fallback = side.jacobians(chunk_size=chunk_size, only=plan.fallback) if plan.fallback and cotangents is None else None
+    uses = _uses(side, kept_roles.roles, output_shapes, gradients, iter(operands), contracted=cotangents is not None)
+    fallback = None
+    if plan.fallback and cotangents is None:
+        fallback = side.jacobians(chunk_size=chunk_size, only=plan.fallback)
     return SideFactors(uses, fallback, outputs)
 
 
-def _uses(side: Side, found: dict, gradients: tuple, operands, contracted: bool) -> list[Use]:
+def _uses(
+    side: Side,
+    kept: list[tuple[int, Role]],
+    output_shapes: list[tuple[int, ...]],
+    gradients: tuple[torch.Tensor, ...],
+    operands: Iterator[torch.Tensor],
+    contracted: bool,
+) -> list[Use]:
+    """The kept roles with the pass's operands and their ``G`` laid out per output leaf.
+
+    Args:
+        side: the side of the pass.
+        kept: ``(index of G, role)`` of every kept role; the roles' operands are replaced, in order.
+        output_shapes: one example's shape of every output leaf.
+        gradients: ``G`` of every delta, ``([N,] B, *y)`` with ``B`` the basis size.
+        operands: the pass's operands, in the order of the kept roles' operands.
+        contracted: ``G`` was contracted with cotangents instead of a basis (``B`` is 1).
+    """
+    sizes = [math.prod(shape) for shape in output_shapes]
+    example_axes = 1 if side.mapped else 0
     uses = []
-    for gradient_index, role in found["kept"]:
+    for gradient_index, role in kept:
         role = dataclasses.replace(role, operands=[(next(operands), labels) for _, labels in role.operands])
         gradient = gradients[gradient_index]  # ([N,] B, *y)
-        example_axes = 1 if side.mapped else 0
         if contracted:
             per_leaf = (gradient.reshape(*gradient.shape[:example_axes], *role.y_shape),)
         else:
             per_leaf = tuple(
                 _place(part, shape, role.y_shape, side, leaf)
-                for leaf, (part, shape) in enumerate(zip(gradient.split(found["sizes"], dim=example_axes), found["shapes"]))
+                for leaf, (part, shape) in enumerate(zip(gradient.split(sizes, dim=example_axes), output_shapes))
             )
         uses.append(Use(role, per_leaf))
     return uses

@@ -23,6 +23,7 @@ examples that interact despite ``vmap_axes``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -119,9 +120,7 @@ def _transposed_product(use: Use, mapped: bool) -> tuple[torch.Tensor, torch.Ten
     batch = opt_einsum.get_symbol(5000) if mapped else ""
     terms = [batch + role.g_labels] + [batch + labels for _, labels in role.operands]
     tensors = [use.gradients[0]] + [tensor for tensor, _ in role.operands]
-    dtype = tensors[0].dtype
-    for tensor in tensors[1:]:
-        dtype = torch.promote_types(dtype, tensor.dtype)
+    dtype = functools.reduce(torch.promote_types, [tensor.dtype for tensor in tensors])
     tensors = [tensor.to(dtype) for tensor in tensors]
     equation = ",".join(terms) + "->" + role.param_labels
     value = opt_einsum.contract(equation, *tensors, backend="torch") * role.scale
@@ -130,7 +129,9 @@ def _transposed_product(use: Use, mapped: bool) -> tuple[torch.Tensor, torch.Ten
     return value.reshape(size), bound.reshape(size)
 
 
-def _per_parameter(role: Role, value: torch.Tensor, bound: torch.Tensor, params):
+def _per_parameter(
+    role: Role, value: torch.Tensor, bound: torch.Tensor, params: tuple[torch.Tensor, ...]
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """``(index, value, bound)`` per parameter, flat in the parameter's own coordinates."""
     if role.joint:  # see Role: the last entry of the last coordinate is the bias
         (weight, bias) = role.unit
@@ -142,11 +143,8 @@ def _per_parameter(role: Role, value: torch.Tensor, bound: torch.Tensor, params)
             parts.append((index, *pieces))
         return parts
     ref = role.refs[0]
-    if ref.index is None:
-        return [(ref.param, value, bound)]
-    positions = ref.index.reshape(-1).to(value.device)
     size = params[ref.param].numel()
-    return [(ref.param, *(tensor.new_zeros(size).index_add_(0, positions, tensor) for tensor in (value, bound)))]
+    return [(ref.param, ref.scatter(value, size), ref.scatter(bound, size))]
 
 
 def _compare(value: torch.Tensor, bound: torch.Tensor, expected: torch.Tensor) -> Optional[str]:

@@ -63,7 +63,9 @@ def view_refs(result: Any, index_result: Any, param: int) -> list[tuple[Tensor, 
         return [(result, ParamRef(param, index_result.contiguous()))]
     if isinstance(result, (tuple, list)):
         return [
-            (one, ParamRef(param, index.contiguous())) for one, index in zip(result, index_result) if isinstance(one, Tensor)
+            (one, ParamRef(param, index.contiguous()))
+            for one, index in zip(result, index_result)
+            if isinstance(one, Tensor)
         ]
     return []
 

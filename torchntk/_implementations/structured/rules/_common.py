@@ -1,4 +1,4 @@
-"""Helpers shared by the rules: argument binding, einsum letters, operands with a ones column."""
+"""Helpers shared by the rules: argument binding, hyper-parameters per axis, operands with a ones column."""
 
 from __future__ import annotations
 
@@ -33,12 +33,6 @@ def as_tuple(value: Any, length: int) -> tuple:
     if isinstance(value, (tuple, list)):
         return tuple(value) if len(value) == length else tuple(value) * length
     return (value,) * length
-
-
-def letters(count: int, start: int = 0) -> str:
-    """``count`` distinct einsum letters (rules use at most a few dozen)."""
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-    return alphabet[start : start + count]
 
 
 def append_ones(inputs: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -16,17 +16,22 @@ modes reach the op already padded (``nn.Conv*`` pads with ``F.pad`` first).
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
+import torch
 import torch.nn.functional as F
 
 from .._roles import Role, RuleCall
 from ._common import as_tuple, bind
+from ._registry import RefOf, rule
 
 _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
 
-def conv_rule(func, args, kwargs, ref_of):
+@rule(torch.conv1d, torch.conv2d, torch.conv3d)
+def conv_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """A convolution's weight and bias; declines a parameter as the input."""
     x, weight, bias, stride, padding, dilation, groups = bind(args, kwargs, _NAMES, _DEFAULTS)
     weight_ref, bias_ref = ref_of(weight), ref_of(bias)
     if ref_of(x) is not None:
@@ -44,7 +49,9 @@ def conv_rule(func, args, kwargs, ref_of):
         inputs = x.detach().unsqueeze(0) if unbatched else x.detach()
         patches = _patches(inputs, kernel, as_tuple(stride, spatial), padding, as_tuple(dilation, spatial))
         if tuple(patches.shape[2 : 2 + spatial]) != tuple(batched_output.shape[2:]):
-            raise AssertionError(f"patches {tuple(patches.shape)} do not match the output {tuple(batched_output.shape)}")
+            raise AssertionError(
+                f"patches {tuple(patches.shape)} do not match the output {tuple(batched_output.shape)}"
+            )
         # (b, C_in, *out, *taps) -> (b, g, C_in / g * taps, positions), copied once
         order = (0, 1, *range(2 + spatial, 2 + 2 * spatial), *range(2, 2 + spatial))
         taps = inputs.shape[1] // groups * math.prod(kernel)
@@ -52,7 +59,8 @@ def conv_rule(func, args, kwargs, ref_of):
         roles = []
         if weight_ref is not None:
             roles.append(Role(
-                (weight_ref,), "weight", y_shape, "bgod", [(patches, "bgqd")], "goq", (groups, channels // groups, taps),
+                (weight_ref,), "weight", y_shape, "bgod", [(patches, "bgqd")], "goq",
+                (groups, channels // groups, taps),
                 local=lambda w: func(x, w, bias, stride, padding, dilation, groups), seen=weight,
             ))
         if bias_ref is not None:

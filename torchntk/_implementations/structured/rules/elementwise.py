@@ -14,38 +14,50 @@ division are not linear in ``p`` and go to the Jacobian fallback.
 from __future__ import annotations
 
 import numbers
+from typing import Callable, Optional
 
 import torch
 
-from .._roles import Role, RuleCall
-from ._common import letters
+from .._roles import Role, RuleCall, letters
+from ._registry import RefOf, rule
+
+Tensor = torch.Tensor
 
 
-def mul_rule(func, args, kwargs, ref_of):
+@rule(torch.mul, Tensor.mul, Tensor.__mul__)
+def mul_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``x * p`` or ``p * x``."""
     return _product(func, args, kwargs, ref_of, divide=False)
 
 
-def div_rule(func, args, kwargs, ref_of):
+@rule(torch.div, Tensor.div, Tensor.__truediv__)
+def div_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``p / x`` (true division only)."""
     if kwargs.get("rounding_mode") is not None or len(args) > 2:
         return None
     return _product(func, args, kwargs, ref_of, divide=True)
 
 
-def add_rule(func, args, kwargs, ref_of):
+@rule(torch.add, Tensor.add, Tensor.__add__)
+def add_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``x + p`` or ``p + x``, with ``alpha``."""
     return _sum(func, args, kwargs, ref_of, sign=1.0)
 
 
-def sub_rule(func, args, kwargs, ref_of):
+@rule(torch.sub, Tensor.sub, Tensor.__sub__)
+def sub_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``x - p`` or ``p - x``, with ``alpha``."""
     return _sum(func, args, kwargs, ref_of, sign=-1.0)
 
 
-def _operands(args, kwargs):
+def _operands(args: tuple, kwargs: dict) -> Optional[tuple]:
+    """The two operands, or ``None`` for a call this family does not cover (``out=`` and the like)."""
     if len(args) != 2 or set(kwargs) - {"alpha"}:
         return None
     return args
 
 
-def _product(func, args, kwargs, ref_of, divide):
+def _product(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf, divide: bool) -> Optional[RuleCall]:
     operands = _operands(args, kwargs)
     if operands is None or kwargs:
         return None
@@ -67,13 +79,16 @@ def _product(func, args, kwargs, ref_of, divide):
             factor = other.detach().to(output.dtype).reciprocal() if divide else other.detach().clone()
             scale, operands_ = 1.0, [(torch.broadcast_to(factor, output.shape), g_labels)]
         local = (lambda p: func(p, other)) if param is first else (lambda p: func(other, p))
-        role = Role((ref,), "elementwise factor", tuple(output.shape), g_labels, operands_, param_labels, param_shape, scale, local, param)
+        role = Role(
+            (ref,), "elementwise factor", tuple(output.shape), g_labels, operands_, param_labels, param_shape, scale,
+            local, param,
+        )
         return [role], None
 
     return RuleCall(output, build)
 
 
-def _sum(func, args, kwargs, ref_of, sign):
+def _sum(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf, sign: float) -> Optional[RuleCall]:
     operands = _operands(args, kwargs)
     if operands is None:
         return None
@@ -91,7 +106,11 @@ def _sum(func, args, kwargs, ref_of, sign):
     def build():
         g_labels, param_labels, param_shape = _broadcast_labels(param, output)
         local = (lambda p: func(p, second, **kwargs)) if param is first else (lambda p: func(first, p, **kwargs))
-        return [Role((ref,), "elementwise term", tuple(output.shape), g_labels, [], param_labels, param_shape, scale, local, param)], None
+        role = Role(
+            (ref,), "elementwise term", tuple(output.shape), g_labels, [], param_labels, param_shape, scale, local,
+            param,
+        )
+        return [role], None
 
     return RuleCall(output, build)
 

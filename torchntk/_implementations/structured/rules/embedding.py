@@ -12,16 +12,22 @@ fallback.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
+import torch.nn.functional as F
 
 from .._roles import Role, RuleCall
 from ._common import bind
+from ._registry import RefOf, rule
 
 _NAMES = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 _DEFAULTS = {"padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False, "sparse": False}
 
 
-def embedding_rule(func, args, kwargs, ref_of):
+@rule(F.embedding)
+def embedding_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """A 2-D embedding table; declines ``max_norm`` and ``scale_grad_by_freq``."""
     indices, weight, padding_idx, max_norm, _, scale_grad_by_freq, _ = bind(args, kwargs, _NAMES, _DEFAULTS)
     weight_ref = ref_of(weight)
     if weight_ref is None or ref_of(indices) is not None or max_norm is not None or scale_grad_by_freq:
@@ -47,7 +53,7 @@ def embedding_rule(func, args, kwargs, ref_of):
     return RuleCall(output, build)
 
 
-def _padding_row_constant(weight: torch.Tensor, padding_idx) -> torch.Tensor:
+def _padding_row_constant(weight: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
     """The weight with its padding row cut from differentiation.
 
     Reverse mode gives the padding row no gradient, but forward mode lets its tangent through;

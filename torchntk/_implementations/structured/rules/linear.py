@@ -12,11 +12,18 @@ order and forming ``J`` first. Weight and bias together are one factor with the 
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
+import torch.nn.functional as F
+
 from .._roles import Role, RuleCall
 from ._common import append_ones, bind
+from ._registry import RefOf, rule
 
 
-def linear_rule(func, args, kwargs, ref_of):
+@rule(F.linear)
+def linear_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``F.linear(x, W, b)`` with a 2-D weight; declines a parameter as ``x``."""
     x, weight, bias = bind(args, kwargs, ("input", "weight", "bias"), {"bias": None})
     weight_ref, bias_ref = ref_of(weight), ref_of(bias)
     if ref_of(x) is not None or weight.ndim != 2:

@@ -15,18 +15,25 @@ operand ``[x_hat, 1]`` stacked on a last axis.
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .._roles import Role, RuleCall
 from ._common import bind
+from ._registry import RefOf, rule
+
+Tensor = torch.Tensor
+
+_AFFINE = ("weight", "bias", "eps")
+_AFFINE_DEFAULTS = {"weight": None, "bias": None, "eps": 1e-5}
 
 
-def layer_norm_rule(func, args, kwargs, ref_of):
-    x, shape, weight, bias, eps = bind(
-        args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"), {"weight": None, "bias": None, "eps": 1e-5}
-    )
+@rule(F.layer_norm)
+def layer_norm_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``F.layer_norm(x, normalized_shape, weight, bias, eps)``: ``y`` viewed as ``(S, C)``."""
+    x, shape, weight, bias, eps = bind(args, kwargs, ("input", "normalized_shape", *_AFFINE), _AFFINE_DEFAULTS)
     if ref_of(x) is not None:
         return None
     output = func(*args, **kwargs)
@@ -38,10 +45,10 @@ def layer_norm_rule(func, args, kwargs, ref_of):
     ))
 
 
-def group_norm_rule(func, args, kwargs, ref_of):
-    x, groups, weight, bias, eps = bind(
-        args, kwargs, ("input", "num_groups", "weight", "bias", "eps"), {"weight": None, "bias": None, "eps": 1e-5}
-    )
+@rule(F.group_norm)
+def group_norm_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``F.group_norm(x, num_groups, weight, bias, eps)``: ``y`` viewed as ``(B, C, D)``."""
+    x, groups, weight, bias, eps = bind(args, kwargs, ("input", "num_groups", *_AFFINE), _AFFINE_DEFAULTS)
     if ref_of(x) is not None:
         return None
     output = func(*args, **kwargs)
@@ -51,7 +58,9 @@ def group_norm_rule(func, args, kwargs, ref_of):
     ))
 
 
-def batch_norm_rule(func, args, kwargs, ref_of):
+@rule(F.batch_norm)
+def batch_norm_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``F.batch_norm`` with running statistics (eval) or batch statistics (training)."""
     names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
     defaults = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
     x, mean, var, weight, bias, training, momentum, eps = bind(args, kwargs, names, defaults)
@@ -73,14 +82,22 @@ def batch_norm_rule(func, args, kwargs, ref_of):
     return RuleCall(output, _affine_roles(ref_of, weight, bias, _channels_view(output), "bcd", normalised, local))
 
 
-def _channels_view(output: torch.Tensor) -> tuple[int, int, int]:
+def _channels_view(output: Tensor) -> tuple[int, int, int]:
     """``(B, C, *spatial) -> (B, C, D)``; an unbatched ``(C, *spatial)`` input has ``B = 1``."""
     if output.ndim == 1:
         return (1, output.shape[0], 1)
     return (output.shape[0], output.shape[1], math.prod(output.shape[2:]))
 
 
-def _affine_roles(ref_of, weight, bias, view, labels, normalised, local):
+def _affine_roles(
+    ref_of: RefOf,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    view: tuple[int, ...],
+    labels: str,
+    normalised: Callable[[], Tensor],
+    local: Callable[[Optional[Tensor], Optional[Tensor]], Tensor],
+) -> Callable[[], tuple[list[Role], Optional[Role]]]:
     """Roles of ``gamma`` (letter ``c`` of ``labels``) and ``beta``; ``y`` viewed as ``view``."""
     weight_ref = ref_of(weight) if weight is not None else None
     bias_ref = ref_of(bias) if bias is not None else None
@@ -98,10 +115,14 @@ def _affine_roles(ref_of, weight, bias, view, labels, normalised, local):
                 local=lambda w: local(w, bias), seen=weight,
             ))
         if bias_ref is not None:
-            roles.append(Role((bias_ref,), "bias", view, labels, [], "c", (channels,), local=lambda b: local(weight, b), seen=bias))
+            roles.append(Role(
+                (bias_ref,), "bias", view, labels, [], "c", (channels,), local=lambda b: local(weight, b), seen=bias
+            ))
         joint = None
         if stacked is not None:
-            joint = Role((weight_ref, bias_ref), "weight+bias", view, labels, [(stacked, labels + "r")], "cr", (channels, 2))
+            joint = Role(
+                (weight_ref, bias_ref), "weight+bias", view, labels, [(stacked, labels + "r")], "cr", (channels, 2)
+            )
         return roles, joint
 
     return build

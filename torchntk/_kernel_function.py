@@ -1,9 +1,10 @@
-"""What the batcher and Monte Carlo need to know about a kernel function of this library.
+"""The object every builder returns: :class:`KernelFunction`.
 
-Every builder in ``empirical.py`` attaches a :class:`KernelFnSpec` to the function it returns
-(attribute ``_torchntk_spec``): the call signature, the axes that decide where the batch axis
-lands in the kernel, and how to build the same kernel function around a copy of the model on
-another device (a replica, refreshed by :func:`sync_replica` and rebuilt when
+A kernel function is called like a function (``ntk_fn(x1, x2, params, **kwargs)``) and carries
+what ``batch``, Monte Carlo and ``torch.distributed`` need about it, in its :class:`KernelFnSpec`:
+the call signature, the axes that decide where the batch axis lands in the kernel, the block
+source of NOTE: [Prepared spans], and how to build the same kernel function around a copy of the
+model on another device (a replica, refreshed by :func:`sync_replica` and rebuilt when
 ``_fingerprint.structure_fingerprint`` changes).
 """
 
@@ -17,16 +18,15 @@ import torch
 
 from ._types import Model
 
-SPEC_ATTRIBUTE = "_torchntk_spec"
-
 
 @dataclass(frozen=True)
 class KernelFnSpec:
-    """Attributes:
+    """What a kernel function is, for the code that tiles, replicates or distributes it.
+
+    Attributes:
         kind: ``"ntk"``, ``"nngp"`` or ``"kernel"`` (the last takes ``get`` after ``x2``).
         f: the model the kernel function was built for.
         trace_axes, diagonal_axes: as given to the builder.
-        batch_axis_mapped: whether ``vmap_axes`` maps a batch axis (only axis 0 can be batched).
         rebuild: ``rebuild(model) -> kernel_fn`` with every other builder argument unchanged.
         thread_safe: whether blocks may run in several threads at once. Forward-mode AD keeps its
             nesting level in a process-wide variable (``torch.autograd.forward_ad``), so kernel
@@ -57,13 +57,64 @@ class KernelFnSpec:
         return self.rebuild(copy.deepcopy(self.f).to(device))
 
 
+class KernelFunction:
+    """A kernel function built by torchntk (``empirical_ntk_fn``, ``batch``, ...).
+
+    Call it as its builder's documentation says (``help(kernel_fn)`` shows that signature).
+
+    Attributes:
+        spec: the :class:`KernelFnSpec` behind it.
+
+    Example:
+        >>> import torch, torchntk
+        >>> ntk_fn = torchntk.empirical_ntk_fn(torch.nn.Linear(3, 2), vmap_axes=0)
+        >>> isinstance(ntk_fn, torchntk.KernelFunction), ntk_fn(torch.randn(4, 3)).shape
+        (True, torch.Size([4, 4]))
+        >>> ntk_fn.auto_choice(torch.randn(4, 3)).implementation
+        <NtkImplementation.JACOBIAN_CONTRACTION: 1>
+    """
+
+    def __init__(
+        self, function: Callable[..., Any], spec: KernelFnSpec, doc: str,
+        auto_choice: Optional[Callable[..., Any]] = None,
+    ):
+        self._function = function
+        self._auto_choice = auto_choice
+        self.spec = spec
+        self.__doc__ = doc
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._function(*args, **kwargs)
+
+    def auto_choice(self, *args: Any, **kwargs: Any) -> Any:
+        """The implementation used for these inputs, as an :class:`~torchntk.AutoChoice`.
+
+        Takes the arguments of the kernel function (without ``get``) and computes no kernel. With
+        ``implementation=0`` (AUTO) the choice is made from the cost model once per input shapes
+        and cached; its ``estimates`` give the FLOPs and memory estimated for each candidate. With
+        a fixed implementation it reports that one.
+
+        Raises:
+            TypeError: the kernel function computes no NTK (``empirical_nngp_fn``, ``batch``).
+        """
+        if self._auto_choice is None:
+            raise TypeError(
+                f"auto_choice: this {self.spec.kind!r} kernel function chooses no NTK implementation "
+                f"(empirical_nngp_fn computes no NTK; ask the kernel function given to `batch`)."
+            )
+        return self._auto_choice(*args, **kwargs)
+
+    def replicate(self, device: torch.device) -> "KernelFunction":
+        """The same kernel function around a private copy of the module on ``device``."""
+        return self.spec.replicate(device)
+
+    def __repr__(self) -> str:
+        return f"<torchntk {self.spec.kind} kernel function of {type(self.spec.f).__name__}>"
+
+
 def spec_of(kernel_fn: Any) -> Optional[KernelFnSpec]:
-    return getattr(kernel_fn, SPEC_ATTRIBUTE, None)
-
-
-def attach(kernel_fn: Callable[..., Any], spec: KernelFnSpec) -> Callable[..., Any]:
-    setattr(kernel_fn, SPEC_ATTRIBUTE, spec)
-    return kernel_fn
+    """The spec of a :class:`KernelFunction`, None for anything else."""
+    return kernel_fn.spec if isinstance(kernel_fn, KernelFunction) else None
 
 
 def sync_replica(original: Model, replica: Model) -> bool:

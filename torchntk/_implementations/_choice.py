@@ -1,0 +1,57 @@
+"""What ``ntk_fn.auto_choice`` reports: :class:`AutoChoice` and the cost model's :class:`Estimate`.
+
+Kept apart from ``auto.py`` because every implementation reports an :class:`AutoChoice` (NOTE:
+[The implementation table]), and AUTO imports the implementations it prices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .._types import NtkImplementation
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's view of one implementation: FLOPs and peak extra memory in bytes.
+
+    Attributes:
+        flops: estimated multiply-add FLOPs.
+        memory_bytes: estimated peak extra memory in bytes.
+        note: how the implementation would run when not in its usual way, else ``""``; e.g.
+            ``"double VJP: no forward-mode derivative for aten::_weight_norm_interface"`` for
+            implementation 2 on a model PyTorch cannot run forward mode through.
+    """
+
+    flops: float
+    memory_bytes: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What AUTO picked for one set of input shapes, and why.
+
+    Attributes:
+        implementation: the implementation used.
+        estimates: the cost model's estimate per candidate (empty when ``implementation`` was
+            fixed by the caller rather than chosen).
+        memory_budget_bytes: candidates estimated above this were dropped (unless none fit).
+        fallback_parameters: ``{parameter name: reason}`` for every parameter whose share of the
+            kernel structured derivatives take from the Jacobian fallback (full per-parameter
+            Jacobians, exact but slower) instead of their rules: an operation without a rule
+            consumes it, it is written in place, or its rules disagreed with autograd when the
+            plan was checked (see ``docs/structured.md``). Filled when implementation 3 is used or
+            priced; empty otherwise.
+        excluded: ``{NtkImplementation: reason}`` for every candidate AUTO found it cannot run on
+            this model or could not price (NOTE: [AUTO's feasibility filter]); such a candidate is
+            never chosen and has no entry in ``estimates``. Empty when ``implementation`` was
+            fixed by the caller.
+    """
+
+    implementation: NtkImplementation
+    estimates: dict = field(default_factory=dict)
+    memory_budget_bytes: float = math.inf
+    fallback_parameters: dict = field(default_factory=dict)
+    excluded: dict = field(default_factory=dict)

@@ -1,0 +1,245 @@
+"""The validated arguments of an NTK kernel function, and what its calls share.
+
+:class:`NtkSettings` is built once per kernel function by ``empirical_ntk_fn`` and
+``empirical_kernel_fn``: it validates the builder's arguments, prepares each call (with the
+``vmap_axes`` checks and the switch to example loops, NOTE: [Switching to example loops]),
+dispatches to the implementation table (NOTE: [The implementation table]) and publishes the
+:class:`~torchntk.KernelFunction`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import _checks
+from ._block_source import BlockRequest, BlockSource
+from ._bounded_cache import BoundedCache
+from ._call import KernelCall, prepare_call
+from ._example_loop import ExampleLoops
+from ._fingerprint import structure_fingerprint
+from ._implementations import implementation_table
+from ._implementations._choice import AutoChoice
+from ._implementations.structured import StructuredOptions
+from ._kernel_function import KernelFnSpec, KernelFunction
+from ._outputs import output_fn_argument
+from ._per_example import VmapLimitation
+from ._threads import serialised
+from ._torch_errors import explained
+from ._tree import Flat, is_all_none
+from ._types import Model, NtkImplementation, PyTree
+from ._vmap_axes import ParsedVmapAxes, parse_vmap_axes
+
+KernelFn = Callable[..., PyTree]
+
+_CHECKED_SHAPES = 64
+"""Input shapes (and module structures) whose derivatives were checked, kept per kernel function."""
+
+FORWARD_RUN = 256
+"""Examples per whole-batch forward pass of a batched call (``open_blocks``), at least the block
+size. A forward pass without gradients holds a small part of what an example's derivatives
+need, so runs this long bound memory without paying a model call per small block (32 calls of
+16 examples cost 10 ms more than 2 of 256 on the benchmark MLP)."""
+
+
+@dataclass(frozen=True)
+class NtkSettings:
+    """Builder arguments, validated once when the kernel function is built."""
+
+    f: Model
+    trace_axes: tuple[int, ...]
+    diagonal_axes: tuple[int, ...]
+    vmap_axes: ParsedVmapAxes
+    implementation: NtkImplementation
+    chunk_size: Optional[int]
+    check_vmap_axes: bool
+    options: StructuredOptions
+    table: dict  # NOTE: [The implementation table], one per kernel function
+    arguments: dict  # as given, to build the same kernel function around another copy of the model
+    derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
+    example_loops: ExampleLoops = field(default_factory=ExampleLoops)
+    output_fn: Optional[Callable] = None  # normalised by output_fn_argument
+
+    @classmethod
+    def validate(
+        cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
+        where,
+    ):
+        _checks.callable_model_argument(f, where)
+        chosen = _checks.implementation_argument(implementation, where)
+        arguments = dict(
+            trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
+            chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, output_fn=output_fn, **structured,
+        )
+        options = structured_options(structured, chosen, where)
+        return cls(
+            f,
+            _checks.axes_argument(trace_axes, "trace_axes", where),
+            _checks.axes_argument(diagonal_axes, "diagonal_axes", where),
+            parse_vmap_axes(vmap_axes, where),
+            chosen,
+            _checks.chunk_size_argument(chunk_size, where),
+            _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where),
+            options,
+            implementation_table(options),
+            arguments,
+            output_fn=output_fn_argument(output_fn, where),
+        )
+
+    def prepare(
+        self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True,
+        computes_ntk: bool = True, forward_run_length: Optional[int] = None, shape_key: Optional[tuple] = None,
+    ) -> KernelCall:
+        """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK
+        (``for_ntk``), or for a batched NNGP (``computes_ntk=False``: the check cannot wait for
+        the structured pass, which will not run).
+
+        The derivative part of NOTE: [Checking vmap_axes] runs once per input shapes and module
+        structure: what it catches (a PyTorch vmap bug, coupling in the backward pass) does not
+        depend on the values, and it costs as much as a small kernel (about 4 ms on the benchmark
+        MLP). The output check runs on every call. ``shape_key``: the caller's
+        :func:`input_shape_key` of these arguments, if it has one."""
+        key = loop_key = None
+        if for_ntk and self.maps_examples:
+            shape_key = shape_key or input_shape_key(x1, x2, params, kwargs)
+            loop_key = shape_key
+            if self.check_vmap_axes:
+                key = (shape_key, _structure_key(self.f))
+
+        def prepare(example_loop: bool) -> KernelCall:
+            return prepare_call(
+                self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
+                diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
+                check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
+                defer_vmap_check=computes_ntk and self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
+                forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
+                check_derivatives=key is not None and key not in self.derivatives_checked,
+                example_loop=example_loop, output_fn=self.output_fn,
+            )
+
+        looped = loop_key is not None and self.example_loops.needed(loop_key)
+        try:
+            call = prepare(looped)
+        except VmapLimitation as error:  # NOTE: [Switching to example loops]
+            if loop_key is None or looped:
+                raise
+            self.example_loops.switch(loop_key, error, where)
+            call = prepare(True)
+        if key is not None:
+            self.derivatives_checked[key] = True
+        return call
+
+    def computed(self, call: KernelCall, key: tuple, compute: Callable[[KernelCall], Any]) -> Any:
+        """``compute(call)``, again with an example loop if vmap fails on the model (NOTE:
+        [Switching to example loops]); ``key`` is the call's shape key."""
+        try:
+            return compute(call)
+        except VmapLimitation as error:
+            if not call.side1.mapped or call.side1.loop:
+                raise
+            self.example_loops.switch(key, error, call.where)
+            return compute(call.looped())
+
+    def open_blocks(
+        self, request: BlockRequest, x1: Any, x2: Any, params: Any, kwargs: dict, names: tuple[str, ...], bare: bool,
+        where: str,
+    ) -> Optional[BlockSource]:
+        """The call as a :class:`BlockSource` for ``batch``, or None without ``vmap_axes`` (see
+        NOTE: [Prepared spans]); the NNGP's forward passes are mapped by ``vmap_axes`` too."""
+        if not self.maps_examples:
+            return None  # before any forward pass: without vmap_axes the model sees whole batches
+        forward_runs = None if request.block_size is None else max(request.block_size, FORWARD_RUN)
+        shape_key = input_shape_key(x1, x2, params, kwargs)
+        call = self.prepare(
+            x1, x2, params, kwargs, where, computes_ntk="ntk" in names, forward_run_length=forward_runs,
+            shape_key=shape_key,
+        )
+        if not call.side1.mapped:
+            return None
+        plan = None
+        if "ntk" in names:
+            n1 = call.side1.batch_size()
+            n2 = n1 if call.reuses_x1 else call.side2.batch_size()
+            block = (min(n1, request.block_size or n1), min(n2, request.block_size or n2))
+            plan = self.table[self.implementation].blocks(call, ("blocks", shape_key), request.thorough, block)
+        return BlockSource(call, plan, names, bare, self.thread_safe)
+
+    @property
+    def maps_examples(self) -> bool:
+        """Whether ``vmap_axes`` can map anything (an axis for some input or keyword argument)."""
+        return not (is_all_none(self.vmap_axes.in_axes) and self.vmap_axes.kwargs_axes is None)
+
+    @property
+    def thread_safe(self) -> bool:
+        """See ``KernelFnSpec.thread_safe``: forward-mode AD is not thread-safe in PyTorch."""
+        forward_mode = self.implementation in (NtkImplementation.AUTO, NtkImplementation.NTK_VECTOR_PRODUCTS)
+        local = self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES and not self.options.closed_form_rules
+        return not (forward_mode or local)
+
+    def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
+        return self.table[self.implementation].choice(call, key)
+
+    def ntk(self, call: KernelCall, key: tuple) -> PyTree:
+        shapes = call.kernel_shapes()
+        if all(math.prod(shape) == 0 for shape in shapes):
+            # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
+            return call.normalise([torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)])
+        implementation = self.table[self.implementation]
+        with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
+            return call.normalise(self.computed(call, key, lambda call: implementation.kernels(call, key)))
+
+    def publish(
+        self, kernel_fn: KernelFn, kind: str, builder: Callable[..., KernelFn], open_blocks: Callable[..., Any],
+        where: str, doc: str,
+    ) -> KernelFunction:
+        """The :class:`KernelFunction` of ``kernel_fn``: its spec (for ``batch``), ``auto_choice`` and ``doc``."""
+        rebuild = functools.partial(builder, **self.arguments)
+        spec = KernelFnSpec(kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, self.thread_safe, open_blocks)
+
+        def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
+            key = input_shape_key(x1, x2, params, kwargs)
+            return self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key), key)
+
+        return KernelFunction(kernel_fn, spec, doc, auto_choice)
+
+
+def structured_options(values: dict, chosen: NtkImplementation, where: str) -> StructuredOptions:
+    defaults = StructuredOptions()
+    for name in ("structure_rules", "closed_form_rules", "verify"):
+        _checks.bool_argument(values[name], name, where)
+    if values["local_jacobian"] not in ("auto", "forward", "reverse"):
+        raise ValueError(
+            f"{where}: `local_jacobian` must be 'auto', 'forward' or 'reverse', got {_checks.show(values['local_jacobian'])}."
+        )
+    changed = [name for name, value in values.items() if value != getattr(defaults, name)]
+    uses_them = (NtkImplementation.STRUCTURED_DERIVATIVES, NtkImplementation.AUTO)
+    if changed and chosen not in uses_them:
+        raise ValueError(
+            f"{where}: {', '.join(f'`{name}`' for name in changed)} only apply to implementation=3 "
+            f"(STRUCTURED_DERIVATIVES) or 0 (AUTO), but implementation={int(chosen)} ({chosen.name})."
+        )
+    return StructuredOptions(**values)
+
+
+def _structure_key(f: Model) -> Any:
+    """What of the model the derivative check depends on, besides the shapes."""
+    return structure_fingerprint(f) if isinstance(f, torch.nn.Module) else id(f)
+
+
+def input_shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
+    """What AUTO's choice may depend on: the structure, shapes and dtypes of every argument."""
+    def describe_leaves(tree: Any) -> tuple:
+        flat = Flat.of(tree)
+        leaves = tuple(
+            (tuple(leaf.shape), leaf.dtype, leaf.device.type) if isinstance(leaf, torch.Tensor) else repr(leaf)
+            for leaf in flat.leaves
+        )
+        return (str(flat.spec), flat.none_positions, leaves)
+
+    return (describe_leaves(x1), is_all_none(x2), describe_leaves(x2), describe_leaves(params), describe_leaves(kwargs))
+
+

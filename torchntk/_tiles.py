@@ -1,0 +1,79 @@
+"""Where a block of examples goes in a kernel: the one tiler of the library.
+
+NOTE: [Tiles]
+Kernels are computed in blocks. The examples of x1 and of x2 are cut into *runs*
+(``(start, length)``, see ``_per_example.runs``); a pair of runs gives one *block* per output leaf.
+A block lands where the :class:`~torchntk._layout.KernelLayout` puts the batch axis, by its kind:
+
+* kept: at rows ``run1`` and columns ``run2``; when the kernel is symmetric (x2 None) and only
+  the pair ``(run1, run2)`` was computed, its mirror image (every x1/x2 axis pair swapped) goes to
+  ``(run2, run1)``;
+* diagonal: at entries ``run1`` of the single batch axis (only a run paired with itself exists);
+* traced: added into the whole kernel, with a weight when the blocks are means over their runs.
+
+``chunk_size`` (``_blocks.assemble``), ``batch`` (``_batch_output.KernelOutput``) and structured
+derivatives' symmetric halves (``structured/_contract.py``) all place blocks through
+:class:`Placement`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ._layout import KernelLayout
+
+Run = tuple[int, int]
+"""``(start, length)``: consecutive examples of one side."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the blocks of one output leaf go, given the batch axis of that leaf.
+
+    Attributes:
+        kind: ``"kept"``, ``"diagonal"`` or ``"trace"``: the batch axis's kind in the layout.
+        positions: the kernel axes of the batch axis (two when kept: x1 then x2; one when diagonal).
+        swap: the permutation exchanging every x1 axis with its x2 axis (for mirror images).
+
+    Example:
+        >>> from torchntk._layout import make_layout
+        >>> layout = make_layout(2, (-1,), (), "example", "the output")  # traced logits: (N1, N2)
+        >>> placement = Placement.of(layout, 0)
+        >>> kernel = torch.zeros(4, 4)
+        >>> placement.put(kernel, torch.ones(2, 2), (0, 2), (2, 2), mirror=True)
+        >>> kernel.sum().item(), kernel[2:, :2].sum().item()
+        (8.0, 4.0)
+    """
+
+    kind: str
+    positions: tuple[int, ...]
+    swap: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: KernelLayout, batch_axis: int) -> "Placement":
+        positions = tuple(layout.kernel_positions(batch_axis))
+        return cls(layout.kind(batch_axis), positions, tuple(layout.swap_permutation()))
+
+    def index(self, run1: Run, run2: Run) -> tuple:
+        """The kernel index of the block of ``run1`` x ``run2`` (kept or diagonal batch axes)."""
+        index: list[Any] = [slice(None)] * (self.positions[-1] + 1)
+        index[self.positions[0]] = slice(run1[0], run1[0] + run1[1])
+        if len(self.positions) == 2:
+            index[self.positions[1]] = slice(run2[0], run2[0] + run2[1])
+        return tuple(index)
+
+    def put(
+        self, kernel: torch.Tensor, block: torch.Tensor, run1: Run, run2: Run, mirror: bool = False,
+        weight: Optional[float] = None,
+    ) -> None:
+        """Writes ``block`` (or adds it, weighted, for a traced batch axis) into ``kernel``; with
+        ``mirror``, also its mirror image at ``(run2, run1)`` (kept batch axes, ``run1 != run2``)."""
+        if self.kind == "trace":
+            kernel += block if weight is None else block * weight
+            return
+        kernel[self.index(run1, run2)] = block
+        if mirror and self.kind == "kept" and run1 != run2:
+            kernel[self.index(run2, run1)] = block.permute(self.swap)
