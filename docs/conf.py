@@ -66,18 +66,7 @@ _EXTERNAL_MODULES = ("torch", "numpy", "datetime", "collections", "typing")
 nitpick_ignore_regex = [(r"py:.*", rf"({'|'.join(_EXTERNAL_MODULES)})(\..+)?")] if OFFLINE else []
 
 nitpick_ignore = [
-    # TODO(owner): torchntk/monte_carlo.py (monte_carlo_kernel_fn's docstring) links
-    # :func:`torchntk.batching.batch`; the documented name is torchntk.batch.
-    ("py:func", "torchntk.batching.batch"),
-    # TODO(owner): torchntk/distributed.py (all_reduce_sum's docstring) links
-    # :mod:`torch.utils._pytree`, a private module that PyTorch's inventory does not list.
-    ("py:mod", "torch.utils._pytree"),
-    # TODO(owner): torchntk/distributed.py: DEFAULT_TIMEOUT's docstring "Default per-checkpoint
-    # timeout in seconds; see NOTE: [Timeouts]." reads to napoleon as "<type>: <description>", so
-    # the page shows that sentence as its type; a docstring without "word: " fixes it.
-    ("py:class", "Default per-checkpoint timeout in seconds; see NOTE"),
-    # TODO(owner): torchntk/_kernel_function.py: KernelFunction's docstring (Attributes: spec)
-    # links :class:`KernelFnSpec`, which is private and not documented.
+    # KernelFunction's constructor (which only the library calls) takes the private KernelFnSpec.
     ("py:class", "KernelFnSpec"),
 ]
 

@@ -14,9 +14,9 @@ from torch import nn
 
 import torchntk
 from tests.ntk_param import NtkDense, arccos_kernels, closed_form, one_hidden_relu
+from torchntk._monte_carlo_estimates import sampled_kernel_fn
 from torchntk.monte_carlo import (
     MonteCarloKernel,
-    _monte_carlo_kernel_fn,
     monte_carlo_kernel_fn,
     monte_carlo_kernel_type,
     sample_seed,
@@ -225,24 +225,29 @@ def test_generator_is_lazy_but_checks_get_at_the_call():
         mc(x1, None, "cov")
 
 
-def test_owned_samples_only_with_identity_reduce():
-    x1, x2 = _data()
-    model = _small_model()
-    estimate = _monte_carlo_kernel_fn(model, 4, seed=6, owned=lambda s: s % 2 == 0)(x1, x2, "ntk")
-    kernels = _by_hand(_small_model, 6, [0, 2], x1, x2, "ntk")
-    torch.testing.assert_close(estimate, sum(kernels) / 4, atol=1e-12, rtol=0)
+def _with_hooks(model, counts, seed, owned, reduce=None):
+    """``monte_carlo_kernel_fn(model, counts, seed)`` with the private sharding hooks."""
+    batched = torchntk.batch(torchntk.empirical_kernel_fn(model), distributed="off")
+    generator_mode = not isinstance(counts, int)
+    counts = tuple(counts) if generator_mode else (counts,)
+    return sampled_kernel_fn(model, batched, init_fn=None, seed=seed, counts=counts, generator_mode=generator_mode,
+                             owned=owned, reduce=reduce)
 
 
 def test_the_sharding_hooks_are_private():
-    """The public signature is the builder's without the hooks, and the builder checks them."""
-    public = inspect.signature(monte_carlo_kernel_fn).parameters
-    builder = inspect.signature(_monte_carlo_kernel_fn).parameters
-    assert not [name for name in public if name.startswith("_")]
-    assert list(builder) == list(public) + ["owned", "reduce"]
-    assert all(builder[name].default == public[name].default for name in public)
+    """Not in the public signature; the private builder checks them."""
+    assert not [name for name in inspect.signature(monte_carlo_kernel_fn).parameters if name.startswith("_")]
     for hook in ("owned", "reduce"):
         with pytest.raises(TypeError, match=f"monte_carlo_kernel_fn: `{hook}` must be None or a callable"):
-            _monte_carlo_kernel_fn(_small_model(), 2, **{hook: 3})
+            _with_hooks(_small_model(), 2, 0, **{"owned": None, hook: 3})
+
+
+def test_owned_samples_only_with_identity_reduce():
+    x1, x2 = _data()
+    model = _small_model()
+    estimate = _with_hooks(model, 4, 6, owned=lambda s: s % 2 == 0)(x1, x2, "ntk")
+    kernels = _by_hand(_small_model, 6, [0, 2], x1, x2, "ntk")
+    torch.testing.assert_close(estimate, sum(kernels) / 4, atol=1e-12, rtol=0)
 
 
 def test_two_simulated_processes_sum_to_the_single_process_estimates():
@@ -263,7 +268,7 @@ def test_two_simulated_processes_sum_to_the_single_process_estimates():
             return total
 
         try:
-            mc = _monte_carlo_kernel_fn(copy.deepcopy(model), [1, 3, 4], seed=2, owned=lambda s: s % 2 == rank, reduce=reduce)
+            mc = _with_hooks(copy.deepcopy(model), [1, 3, 4], 2, owned=lambda s: s % 2 == rank, reduce=reduce)
             results[rank] = list(mc(x1, x2))
         except BaseException as error:  # noqa: BLE001
             errors.append(error)

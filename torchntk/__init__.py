@@ -5,6 +5,7 @@ from ._example_loop import ExampleLoopWarning as ExampleLoopWarning
 from ._implementations._choice import AutoChoice as AutoChoice
 from ._implementations._choice import Estimate as Estimate
 from ._kernel_function import KernelFunction as KernelFunction
+from ._precision import precision as precision
 from ._types import NtkImplementation as NtkImplementation
 from .batching import batch as batch
 from .empirical import empirical_kernel_fn as empirical_kernel_fn
@@ -34,6 +35,7 @@ __all__ = [
     "Estimate",
     "ExampleLoopWarning",
     "KernelFunction",
+    "precision",
     # batching and Monte Carlo
     "batch",
     "monte_carlo_kernel_fn",

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._precision import kernel_precision
 from ._types import Model
 
 
@@ -63,7 +64,7 @@ class KernelFunction:
     Call it as its builder's documentation says (``help(kernel_fn)`` shows that signature).
 
     Attributes:
-        spec: the :class:`KernelFnSpec` behind it.
+        spec: the ``KernelFnSpec`` behind it (what `batch` and replicas need).
 
     Example:
         >>> import torch, torchntk
@@ -84,7 +85,8 @@ class KernelFunction:
         self.__doc__ = doc
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._function(*args, **kwargs)
+        with kernel_precision():  # NOTE: [Kernel precision]
+            return self._function(*args, **kwargs)
 
     def auto_choice(self, *args: Any, **kwargs: Any) -> Any:
         """The implementation used for these inputs, as an :class:`~torchntk.AutoChoice`.

@@ -305,8 +305,8 @@ def make_layout(
     """
     if ndim > _MAX_NDIM:
         raise ValueError(f"{where}: {leaf} has {ndim} axes; at most {_MAX_NDIM} are supported.")
-    traced = _canonical(trace_axes, ndim, "trace_axes", where, leaf)
-    diagonal = _canonical(diagonal_axes, ndim, "diagonal_axes", where, leaf)
+    traced = canonical_axes(trace_axes, ndim, "trace_axes", where, leaf)
+    diagonal = canonical_axes(diagonal_axes, ndim, "diagonal_axes", where, leaf)
     overlap = sorted(set(traced) & set(diagonal))
     if overlap:
         raise ValueError(
@@ -316,7 +316,13 @@ def make_layout(
     return KernelLayout(ndim, traced, diagonal)
 
 
-def _canonical(axes: tuple[int, ...], ndim: int, name: str, where: str, leaf: str) -> tuple[int, ...]:
+def canonical_axes(axes: tuple[int, ...], ndim: int, name: str, where: str, leaf: str) -> tuple[int, ...]:
+    """``axes`` of an array of ``ndim`` axes as sorted non-negative axes; ``name`` and ``leaf``
+    name the argument and the array in the errors.
+
+    Raises:
+        ValueError: an axis out of range, or one axis listed twice (also as ``-1`` and ``ndim-1``).
+    """
     canonical = []
     for axis in axes:
         if not -ndim <= axis < ndim:

@@ -1,10 +1,15 @@
-"""The running Monte Carlo estimates of :mod:`torchntk.monte_carlo`, and their result types.
+"""The sample loop of :mod:`torchntk.monte_carlo`: the running estimates and their result types.
+
+:func:`sampled_kernel_fn` is the private builder behind :func:`torchntk.monte_carlo_kernel_fn`:
+given the checked arguments and the batched empirical kernel function, it returns the Monte Carlo
+kernel function, which draws each sample (``torchntk/_monte_carlo_draws.py``) and adds its kernel
+to a running sum (:func:`estimates`).
 
 NOTE: [Monte Carlo sharding hooks]
 The sample loop is written for several processes (``torchntk.distributed``). Two private
-keyword-only arguments of ``torchntk.monte_carlo._monte_carlo_kernel_fn`` (the builder behind
-:func:`~torchntk.monte_carlo_kernel_fn`, whose public signature does not have them) change it; by
-default this process computes every sample and the reduction is the identity:
+keyword-only arguments of :func:`sampled_kernel_fn` (not of the public
+:func:`~torchntk.monte_carlo_kernel_fn`) change it; by default this process computes every sample
+and the reduction is the identity:
 
 * ``owned(s) -> bool``: whether this process computes global sample ``s``. The samples are
   walked in order ``0 .. max(n_samples) - 1`` and the owned ones are added to a local running
@@ -16,24 +21,102 @@ default this process computes every sample and the reduction is the identity:
   shapes. Every process calls it at every checkpoint: a process that owns no sample below ``n``
   passes zeros, shaped by one extra kernel evaluation (sample 0's network), computed once.
 
-Under ``torch.distributed`` the builder itself passes ``owned_samples`` and an
-``all_reduce_sum`` as these hooks (NOTE: [Sharing] in ``torchntk/monte_carlo.py``); the hooks let
-tests play several ranks with threads, and other schedulers share the samples their own way.
+Without hooks, under ``torch.distributed`` with ``distributed="auto"`` or ``"samples"``, the
+builder uses ``torchntk.distributed.owned_samples`` and ``all_reduce_sum`` as these hooks (NOTE:
+[Sharing] in ``torchntk/monte_carlo.py``). Passing hooks lets tests play several ranks with
+threads, and lets another scheduler share the samples its own way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ._outputs import KERNEL_NAMES, empirical_kernel_type, results_type
+from ._checks import show
+from ._monte_carlo_draws import Sampler
+from ._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type, results_type
 from ._tree import Flat
-from .distributed import failure_guard
+from ._types import Model, PyTree
+from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, owned_samples, world
 
 Leaves = list[torch.Tensor]
 """The flattened kernel leaves of one sample, or of a running sum."""
+
+
+def sampled_kernel_fn(
+    f: Model,
+    batched: Callable[..., Any],
+    *,
+    init_fn: Optional[Callable[..., Any]],
+    seed: int,
+    counts: tuple[int, ...],
+    generator_mode: bool,
+    progress: bool = False,
+    distributed: str = "off",
+    timeout: float = DEFAULT_TIMEOUT,
+    owned: Optional[Callable[[int], bool]] = None,
+    reduce: Optional[Callable[[Leaves], Leaves]] = None,
+) -> Callable[..., Any]:
+    """The Monte Carlo kernel function ``mc_kernel_fn`` of :func:`torchntk.monte_carlo_kernel_fn`.
+
+    Args:
+        f: the model, as given to ``monte_carlo_kernel_fn``.
+        batched: the empirical kernel function of ``f``, batched with
+            :func:`torchntk.batch`; it is called with a tuple ``get`` and each sample's ``params``.
+        init_fn, seed, progress, distributed, timeout: the checked arguments of
+            ``monte_carlo_kernel_fn``.
+        counts: the sample counts to emit an estimate at, ascending, without duplicates.
+        generator_mode: whether ``mc_kernel_fn`` returns a generator of the estimates (else the
+            one estimate).
+        owned, reduce: the private hooks of NOTE: [Monte Carlo sharding hooks]; either one
+            replaces the sharing of ``distributed``.
+
+    Returns:
+        ``mc_kernel_fn(x1, x2=None, get=None, **kwargs)``, documented by ``monte_carlo_kernel_fn``.
+
+    Raises:
+        TypeError: a hook that is neither None nor a callable.
+    """
+    for name, hook in (("owned", owned), ("reduce", reduce)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"monte_carlo_kernel_fn: `{name}` must be None or a callable, got {show(hook)}.")
+
+    def strategy() -> tuple[Callable[[int], bool], Callable[[Leaves], Leaves], bool]:
+        """This process's samples and the reduction, decided at call time (see NOTE: [Sharing])."""
+        rank, world_size = world()
+        if owned is not None or reduce is not None or world_size == 1 or distributed in ("blocks", "off"):
+            return (owned or (lambda s: True)), (reduce or (lambda total: total)), False
+        return owned_samples(rank, world_size), lambda total: all_reduce_sum(total, timeout=timeout), True
+
+    def mc_kernel_fn(
+        x1: PyTree, x2: Optional[PyTree] = None, get: Union[None, str, Sequence[str]] = None, **kwargs: Any
+    ) -> Any:
+        call_where = "mc_kernel_fn"
+        names, bare = canonical_get(get, call_where)
+        if "params" in kwargs:
+            raise TypeError(
+                f"{call_where}: got a `params` argument, but the parameters of every sample are drawn "
+                f"by the Monte Carlo kernel function (see `init_fn` of monte_carlo_kernel_fn)."
+            )
+        sampler = Sampler.for_model(f, init_fn, seed, x1, call_where)
+        structure = Structure(names, bare)
+
+        def sample_kernel(s: int) -> Leaves:
+            # Always a tuple `get`: every leaf is an EmpiricalKernel, renamed when emitted.
+            return structure.flatten(batched(x1, x2, names, params=sampler.draw(s), **kwargs))
+
+        owns, reduction, sharing = strategy()
+        results = estimates(sample_kernel, counts, owns, reduction, progress, structure.rebuild)
+        if sharing:  # an exception on this rank reaches the others at their next all-reduce
+            results = guarded(results, timeout)
+        if generator_mode:
+            return results
+        (estimate,) = results
+        return estimate
+
+    return mc_kernel_fn
 
 
 def guarded(estimates: Iterator[Any], timeout: float) -> Iterator[Any]:

@@ -27,7 +27,7 @@ from . import _checks
 from ._batch_jobs import Job, run_blocks, run_spans
 from ._block_source import BlockRequest
 from ._blocks import Replan
-from ._devices import device_count_argument, devices_argument, resolve
+from ._devices import device_count_argument, devices_argument, move, resolve
 from ._fingerprint import structure_fingerprint
 from ._kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
 from ._tree import Flat, is_all_none
@@ -228,7 +228,7 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict) -> Py
 
 
 def _finish(result: PyTree, store_on_device: bool) -> PyTree:
-    return result if store_on_device else _move(result, torch.device("cpu"))
+    return result if store_on_device else move(result, torch.device("cpu"))
 
 
 def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwargs: dict):
@@ -239,7 +239,7 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
 
     def open_source(function: Callable, device: torch.device, thorough: bool):
         request = BlockRequest(settings.batch_size or None, thorough)
-        moved = _move((x1, x2, args, kwargs), device)
+        moved = move((x1, x2, args, kwargs), device)
         return spec_of(function).open_blocks(request, moved[0], moved[1], *moved[2], **moved[3])
 
     for thorough in (False, True):
@@ -266,7 +266,7 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
 
     def compute(function: Callable, device: torch.device, run1, run2) -> PyTree:
         if device not in moved_args:
-            moved_args[device] = _move(args, device)
+            moved_args[device] = move(args, device)
         one = _slice(flat1, *run1, device)
         two = None if run2 is None else _slice(flat2, *run2, device)
         cut = {key: _cut(key, value, run1, run2 or run1, n1, n2, device) for key, value in kwargs.items()}
@@ -278,7 +278,7 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
 def _cut(key: str, value: Any, run1, run2, n1: int, n2: int, device: torch.device) -> Any:
     """A keyword argument for one block: tensor 2-tuples are cut like x1 and x2."""
     if key in _NOT_SPLIT or not (isinstance(value, tuple) and len(value) == 2):
-        return _move(value, device)
+        return move(value, device)
     halves = []
     for half, (start, length), size, name in ((value[0], run1, n1, "x1"), (value[1], run2, n2, "x2")):
         flat = Flat.of(half)
@@ -303,8 +303,3 @@ def _model_device(spec: KernelFnSpec) -> Optional[torch.device]:
 def _slice(flat: Flat, start: int, length: int, device: torch.device) -> Any:
     return flat.rebuild([leaf.narrow(0, start, length).to(device, non_blocking=True) for leaf in flat.leaves])
 
-
-def _move(tree: Any, device: torch.device) -> Any:
-    flat = Flat.of(tree)
-    leaves = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat.leaves]
-    return flat.rebuild(leaves)

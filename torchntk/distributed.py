@@ -4,7 +4,9 @@ The batcher and the Monte Carlo estimator run unchanged in every process of a
 ``torchrun`` job. This module gives them the few collective pieces they need, and nothing
 else: it does not import them, and they use whatever process group the caller started
 (with :func:`setup` or ``dist.init_process_group``). The checkpoint protocol described below
-runs in the private ``torchntk/_checkpoint_protocol.py``.
+runs in the private ``torchntk/_checkpoint_protocol.py``; this module, longer than most because
+it carries the reference documentation of the API page (these notes and every function's
+docstring), keeps only the public functions.
 
 * :func:`setup` starts the process group (gloo on CPU, NCCL on ``cuda:LOCAL_RANK``), if
   the caller has not, and returns this rank's device.
@@ -118,7 +120,8 @@ from ._checkpoint_protocol import (
     gloo_group,
     leaf_signature,
     run_checkpoint,
-    wait,
+    sum_buckets,
+    tensor_buckets,
 )
 from ._checkpoint_protocol import world as world
 
@@ -180,9 +183,22 @@ def owned_samples(rank: int, world_size: int) -> Callable[[int], bool]:
     sample; the sample itself must depend on ``(seed, s)`` alone, so the result does not
     depend on the world size beyond float rounding of the final sum.
 
-    >>> owned = owned_samples(1, 3)
-    >>> [s for s in range(8) if owned(s)]
-    [1, 4, 7]
+    Args:
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: the number of ranks, at least 1.
+
+    Returns:
+        ``owned(s) -> bool``, true for ``s % world_size == rank``. It takes ints (numpy and 0-d
+        tensor integers too) and raises TypeError for others, ValueError for a negative ``s``.
+
+    Raises:
+        TypeError: ``rank`` or ``world_size`` is not an int (bools included).
+        ValueError: ``world_size < 1`` or ``rank`` out of ``[0, world_size)``.
+
+    Example:
+        >>> owned = owned_samples(1, 3)
+        >>> [s for s in range(8) if owned(s)]
+        [1, 4, 7]
     """
     return _RoundRobin("sample", *_check_rank(rank, world_size))
 
@@ -195,9 +211,17 @@ def owned_blocks(rank: int, world_size: int) -> Callable[[int], bool]:
     every sample for its blocks; :func:`all_reduce_sum` of zero-initialised full buffers then
     acts as a gather, bitwise equal to the single-process result.
 
-    >>> owned = owned_blocks(0, 2)
-    >>> [k for k in range(6) if owned(k)]
-    [0, 2, 4]
+    Args:
+        rank, world_size: as in :func:`owned_samples`, which checks them the same way.
+
+    Returns:
+        ``owned(k) -> bool``, true for ``k % world_size == rank``; it checks ``k`` as the
+        predicate of :func:`owned_samples` checks ``s``.
+
+    Example:
+        >>> owned = owned_blocks(0, 2)
+        >>> [k for k in range(6) if owned(k)]
+        [0, 2, 4]
     """
     return _RoundRobin("block", *_check_rank(rank, world_size))
 
@@ -218,6 +242,22 @@ def setup(backend: str | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT,
     [Backends]) while all ranks are known to be together. Without this call the group is
     made at the first checkpoint, which works the same, except that a rank missing there is
     reported after ``timeout`` as "new_group ... failed", without its rank number.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, or ``None`` to pick one; ignored when the group exists.
+        timeout: seconds (or a ``timedelta``) that checkpoints wait; see NOTE: [Timeouts].
+        process_group_timeout: the ``timeout`` of ``dist.init_process_group``, or ``None`` for
+            its default.
+        **init_kwargs: passed to ``dist.init_process_group``.
+
+    Returns:
+        The device this rank should compute on.
+
+    Raises:
+        TypeError: ``timeout`` is neither a number nor a ``timedelta``.
+        ValueError: ``timeout`` is not positive or not finite.
+        RuntimeError: this PyTorch build has no ``torch.distributed``.
+        DistributedError: the checkpoint group could not be made within ``timeout``.
     """
     seconds = checked_timeout(timeout, "torchntk.distributed.setup")
     if not dist.is_available():
@@ -246,6 +286,16 @@ def checkpoint(*, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
 
     Use it where ranks must synchronise without reducing anything, e.g. before reading
     results another rank wrote. A no-op without a process group.
+
+    Args:
+        timeout: seconds (or a ``timedelta``) to wait for the others; see NOTE: [Timeouts].
+
+    Raises:
+        TypeError: ``timeout`` is neither a number nor a ``timedelta``.
+        ValueError: ``timeout`` is not positive or not finite.
+        RankFailedError: another rank reported a failure.
+        DistributedError: a rank did not arrive in time, or the ranks are at different
+            checkpoints.
     """
     seconds = checked_timeout(timeout, "torchntk.distributed.checkpoint")
     if world()[1] > 1:
@@ -267,46 +317,33 @@ def all_reduce_sum(tree: Any, *, timeout: Timeout = DEFAULT_TIMEOUT) -> Any:
     match (checked, via a hash in the status table). Without a process group, or with world
     size 1, ``tree`` is returned unchanged, so single-process callers need no special case.
 
-    ``timeout`` (seconds or a ``timedelta``) bounds the wait for the other ranks; see NOTE:
-    [Timeouts]. Raises :class:`RankFailedError` if another rank reported a failure, and
-    :class:`DistributedError` on timeouts, backend errors or mismatched trees. Input errors
-    (``TypeError``/``ValueError``) are raised before any communication.
+    Args:
+        tree: a pytree whose tensor leaves are summed.
+        timeout: seconds (or a ``timedelta``) to wait for the other ranks; see NOTE:
+            [Timeouts].
 
-    >>> all_reduce_sum({"ntk": torch.ones(2)})  # single process: unchanged
-    {'ntk': tensor([1., 1.])}
+    Returns:
+        The summed tree (``tree`` itself in a single process).
+
+    Raises:
+        TypeError: a bool tensor leaf, or a ``timeout`` that is neither a number nor a
+            ``timedelta``; raised before any communication.
+        ValueError: tensor leaves of one device type on two devices, or a ``timeout`` that is
+            not positive or not finite; raised before any communication.
+        RankFailedError: another rank reported a failure.
+        DistributedError: timeouts, backend errors or mismatched trees.
+
+    Example:
+        >>> all_reduce_sum({"ntk": torch.ones(2)})  # single process: unchanged
+        {'ntk': tensor([1., 1.])}
     """
     seconds = checked_timeout(timeout, "torchntk.distributed.all_reduce_sum")
     leaves, spec = pytree.tree_flatten(tree)
-    buckets: dict[tuple[torch.dtype, str], list[int]] = {}
-    devices: dict[str, torch.device] = {}
-    for position, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        if leaf.dtype == torch.bool:
-            raise TypeError(f"all_reduce_sum cannot sum a bool tensor (leaf {position})")
-        kind = leaf.device.type
-        if devices.setdefault(kind, leaf.device) != leaf.device:
-            raise ValueError(
-                f"all_reduce_sum needs the tensor leaves of one device type on one device; "
-                f"found {devices[kind]} and {leaf.device}")
-        buckets.setdefault((leaf.dtype, kind), []).append(position)
-
+    buckets = tensor_buckets(leaves)
     if world()[1] == 1:
         return tree
-
     run_checkpoint("all_reduce_sum", seconds, leaf_signature(leaves, spec))
-    gloo = gloo_group(seconds)
-    out = list(leaves)
-    for (dtype, kind), positions in buckets.items():  # insertion order, the same on all ranks
-        parts = [leaves[p].detach().reshape(-1) for p in positions]
-        buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        group = gloo if kind == "cpu" else None
-        wait(f"all_reduce_sum of the {dtype} {kind} leaves", seconds,
-              lambda buffer=buffer, group=group: dist.all_reduce(
-                  buffer, op=dist.ReduceOp.SUM, group=group, async_op=True))
-        for position, piece in zip(positions, buffer.split([t.numel() for t in parts])):
-            out[position] = piece.view(leaves[position].shape)
-    return pytree.tree_unflatten(out, spec)
+    return pytree.tree_unflatten(sum_buckets(leaves, buckets, seconds), spec)
 
 
 def propagate_failure(exc: BaseException, *, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
@@ -319,6 +356,14 @@ def propagate_failure(exc: BaseException, *, timeout: Timeout = DEFAULT_TIMEOUT)
     for a :class:`DistributedError` (the others already know). If the report itself fails
     (the others exited, or time out), that is added to ``exc`` as a note and not raised, so
     the caller's ``raise`` shows the original error. A no-op without a process group.
+
+    Args:
+        exc: the exception this rank is about to raise.
+        timeout: seconds (or a ``timedelta``) to wait for the others; see NOTE: [Timeouts].
+
+    Raises:
+        TypeError: ``timeout`` is neither a number nor a ``timedelta``.
+        ValueError: ``timeout`` is not positive or not finite.
     """
     if isinstance(exc, DistributedError) or world()[1] == 1:
         return
@@ -343,6 +388,12 @@ def failure_guard(*, timeout: Timeout = DEFAULT_TIMEOUT) -> Iterator[None]:
     reported with :func:`propagate_failure` and then re-raised unchanged. The other ranks
     fail at their next checkpoint with :class:`RankFailedError` instead of waiting for the
     timeout. ``KeyboardInterrupt`` and ``SystemExit`` pass straight through.
+
+    Args:
+        timeout: passed to :func:`propagate_failure`.
+
+    Yields:
+        Nothing; the block runs inside the guard.
     """
     try:
         yield
@@ -361,6 +412,16 @@ def finalize(*, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
     exception". It also surfaces a failure another rank reported after the last
     :func:`all_reduce_sum`. Call it on every rank, after the last checkpoint; a no-op
     without a process group. The process group is destroyed even if the checkpoint raises.
+
+    Args:
+        timeout: bounds the final checkpoint, as the ``timeout`` of :func:`checkpoint`.
+
+    Raises:
+        TypeError: a ``timeout`` of the wrong type, checked even without a process group.
+        ValueError: a ``timeout`` that is not a positive finite number of seconds.
+        RankFailedError: another rank reported a failure after the last checkpoint.
+        DistributedError: a rank did not reach the final checkpoint in time, or reached
+            another checkpoint; the process group is destroyed all the same.
     """
     seconds = checked_timeout(timeout, "torchntk.distributed.finalize")
     if not (dist.is_available() and dist.is_initialized()):

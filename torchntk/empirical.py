@@ -7,6 +7,9 @@ return take ``(x1, x2=None, params=None, **kwargs)``; ``x2=None`` means ``x2 = x
 x1 work. Keyword arguments given as a 2-tuple are split: the first element goes with x1, the
 second with x2.
 
+The module holds the four public builders and little else (the shared machinery is in
+``_ntk_settings.py``); it is over 400 lines because of their docstrings.
+
 Kernel shapes follow NOTE: [Kernel layout] in ``torchntk/_layout.py`` and the "Kernel layout"
 page of the documentation: output axes in order, kept axes doubled (x1 then x2), diagonal axes
 once, traced axes averaged away. Pytree outputs give one kernel per output leaf.

@@ -64,15 +64,13 @@ from torch import nn
 
 from . import _checks
 from ._checks import show
-from ._monte_carlo_draws import Sampler
 from ._monte_carlo_draws import sample_seed as sample_seed
-from ._monte_carlo_estimates import Leaves, Structure, estimates, guarded
 from ._monte_carlo_estimates import MonteCarloKernel as MonteCarloKernel
 from ._monte_carlo_estimates import monte_carlo_kernel_type as monte_carlo_kernel_type
-from ._outputs import canonical_get
-from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
+from ._monte_carlo_estimates import sampled_kernel_fn
+from ._types import Axes, Model, NtkImplementation, VMapAxes
 from .batching import batch
-from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, owned_samples, world
+from .distributed import DEFAULT_TIMEOUT
 from .empirical import DEFAULT_NTK_IMPLEMENTATION, empirical_kernel_fn
 
 
@@ -175,45 +173,6 @@ def monte_carlo_kernel_fn(
         >>> [k.shape for k in gen(x1, None, "nngp")]          # for 1, 2 then 4 samples
         [torch.Size([4, 4]), torch.Size([4, 4]), torch.Size([4, 4])]
     """
-    return _monte_carlo_kernel_fn(
-        f, n_samples, seed, init_fn=init_fn, batch_size=batch_size, device_count=device_count,
-        store_on_device=store_on_device, devices=devices, trace_axes=trace_axes, diagonal_axes=diagonal_axes,
-        vmap_axes=vmap_axes, implementation=implementation, progress=progress, distributed=distributed,
-        timeout=timeout,
-    )
-
-
-def _monte_carlo_kernel_fn(
-    f: Model,
-    n_samples: Union[int, Sequence[int]],
-    seed: int = 0,
-    *,
-    init_fn: Optional[Callable[..., Any]] = None,
-    batch_size: int = 0,
-    device_count: int = -1,
-    store_on_device: bool = True,
-    devices: Optional[Sequence[Union[str, torch.device]]] = None,
-    trace_axes: Axes = (-1,),
-    diagonal_axes: Axes = (),
-    vmap_axes: VMapAxes = None,
-    implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
-    progress: bool = False,
-    distributed: str = "auto",
-    timeout: float = DEFAULT_TIMEOUT,
-    owned: Optional[Callable[[int], bool]] = None,
-    reduce: Optional[Callable[[Leaves], Leaves]] = None,
-) -> Callable[..., Any]:
-    """:func:`monte_carlo_kernel_fn` with the private sharding hooks ``owned`` and ``reduce``.
-
-    The hooks and their protocol are NOTE: [Monte Carlo sharding hooks] in
-    ``torchntk/_monte_carlo_estimates.py``; without them this is :func:`monte_carlo_kernel_fn`,
-    whose docstring documents the other arguments, the result and the errors. Errors name
-    ``monte_carlo_kernel_fn``, the function the user called.
-
-    Raises:
-        TypeError: as :func:`monte_carlo_kernel_fn`, and a hook that is neither None nor callable.
-        ValueError: as :func:`monte_carlo_kernel_fn`.
-    """
     where = "monte_carlo_kernel_fn"
     _checks.callable_model_argument(f, where)
     counts, generator_mode = _canonical_n_samples(n_samples, where)
@@ -228,9 +187,6 @@ def _monte_carlo_kernel_fn(
             f"own reset_parameters()."
         )
     _checks.bool_argument(progress, "progress", where)
-    for name, hook in (("owned", owned), ("reduce", reduce)):
-        if hook is not None and not callable(hook):
-            raise TypeError(f"{where}: `{name}` must be None or a callable, got {show(hook)}.")
     if distributed not in ("auto", "samples", "blocks", "off"):
         raise ValueError(
             f"{where}: `distributed` must be 'auto', 'samples', 'blocks' or 'off', got {show(distributed)}."
@@ -243,40 +199,10 @@ def _monte_carlo_kernel_fn(
         devices=devices, progress=False, distributed="auto" if distributed == "blocks" else "off", timeout=timeout,
     )
 
-    def strategy() -> tuple[Callable[[int], bool], Callable[[Leaves], Leaves], bool]:
-        """This process's samples and the reduction, decided at call time (see NOTE: [Sharing])."""
-        rank, world_size = world()
-        if owned is not None or reduce is not None or world_size == 1 or distributed in ("blocks", "off"):
-            return (owned or (lambda s: True)), (reduce or (lambda total: total)), False
-        return owned_samples(rank, world_size), lambda total: all_reduce_sum(total, timeout=timeout), True
-
-    def mc_kernel_fn(
-        x1: PyTree, x2: Optional[PyTree] = None, get: Union[None, str, Sequence[str]] = None, **kwargs: Any
-    ) -> Any:
-        call_where = "mc_kernel_fn"
-        names, bare = canonical_get(get, call_where)
-        if "params" in kwargs:
-            raise TypeError(
-                f"{call_where}: got a `params` argument, but the parameters of every sample are drawn "
-                f"by the Monte Carlo kernel function (see `init_fn` of monte_carlo_kernel_fn)."
-            )
-        sampler = Sampler.for_model(f, init_fn, seed, x1, call_where)
-        structure = Structure(names, bare)
-
-        def sample_kernel(s: int) -> Leaves:
-            # Always a tuple `get`: every leaf is an EmpiricalKernel, renamed when emitted.
-            return structure.flatten(batched(x1, x2, names, params=sampler.draw(s), **kwargs))
-
-        owns, reduction, sharing = strategy()
-        results = estimates(sample_kernel, counts, owns, reduction, progress, structure.rebuild)
-        if sharing:  # an exception on this rank reaches the others at their next all-reduce
-            results = guarded(results, timeout)
-        if generator_mode:
-            return results
-        (estimate,) = results
-        return estimate
-
-    return mc_kernel_fn
+    return sampled_kernel_fn(
+        f, batched, init_fn=init_fn, seed=seed, counts=counts, generator_mode=generator_mode, progress=progress,
+        distributed=distributed, timeout=timeout,
+    )
 
 
 # ------------------------------------------------------------------------------------------------

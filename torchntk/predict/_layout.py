@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .._checks import axes_argument, finite_tensor_argument, show
-from .._layout import paired_matrix
+from .._layout import canonical_axes, paired_matrix
 
 
 @dataclass(frozen=True)
@@ -48,16 +48,9 @@ class TargetLayout:
         finite_tensor_argument(y_train, "y_train", where)
         axes = axes_argument(trace_axes, "trace_axes", where)
         ndim = y_train.ndim
-        traced = []
-        for axis in axes:
-            if not -ndim <= axis < ndim:
-                raise ValueError(f"{where}: `trace_axes` has axis {axis}, out of range for `y_train` of shape {tuple(y_train.shape)}.")
-            traced.append(axis % ndim)
-        if len(set(traced)) != len(traced):
-            raise ValueError(f"{where}: `trace_axes` {axes} names an axis twice for `y_train` of shape {tuple(y_train.shape)}.")
+        traced = canonical_axes(axes, ndim, "trace_axes", where, f"`y_train` of shape {tuple(y_train.shape)}")
         if 0 in traced:
             raise ValueError(f"{where}: `trace_axes` {axes} traces the batch axis 0 of `y_train`; the kernel must keep it.")
-        traced = tuple(sorted(traced))
         return cls(tuple(y_train.shape), traced, tuple(a for a in range(ndim) if a not in traced))
 
     @property
