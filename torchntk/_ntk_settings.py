@@ -127,8 +127,8 @@ class NtkSettings:
         except VmapLimitation as error:  # NOTE: [Switching to example loops]
             if loop_key is None or looped:
                 raise
+            call = prepare(True)  # a model that also fails in the loop raises its own error, unwarned
             self.example_loops.switch(loop_key, error, where)
-            call = prepare(True)
         if key is not None:
             self.derivatives_checked[key] = True
         return call
@@ -141,8 +141,9 @@ class NtkSettings:
         except VmapLimitation as error:
             if not call.side1.mapped or call.side1.loop:
                 raise
+            result = compute(call.looped())
             self.example_loops.switch(key, error, call.where)
-            return compute(call.looped())
+            return result
 
     def open_blocks(
         self, request: BlockRequest, x1: Any, x2: Any, params: Any, kwargs: dict, names: tuple[str, ...], bare: bool,
