@@ -417,3 +417,20 @@ def test_batched_nngp_fn_evaluates_each_example_once():
     with_kwargs = torchntk.batch(nngp_fn, 3)(x1, x2, params, scale=2.0)
     assert_kernels_close(with_kwargs, 4 * expected, rtol=1e-10, atol=1e-12)
     assert sum(calls) > 13 + 8  # per pair of blocks
+
+
+def test_timeouts_are_checked_as_in_torch_distributed():
+    """One check for every ``timeout`` (``_checks.timeout_argument``): a number or a timedelta,
+    positive and finite."""
+    import datetime
+
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0)
+    with pytest.raises(TypeError, match="batch: `timeout` must be seconds \\(a number\\) or a timedelta"):
+        torchntk.batch(ntk_fn, 2, timeout="60")
+    with pytest.raises(ValueError, match="batch: `timeout` must be a finite number of seconds"):
+        torchntk.batch(ntk_fn, 2, timeout=float("inf"))
+    with pytest.raises(ValueError, match="monte_carlo_kernel_fn: `timeout` must be a positive number"):
+        torchntk.monte_carlo_kernel_fn(_model(), 2, timeout=0)
+    x = _inputs(5, 3)[0]
+    batched = torchntk.batch(ntk_fn, 2, timeout=datetime.timedelta(seconds=30))
+    assert_kernels_close(batched(x), ntk_fn(x), rtol=1e-10, atol=1e-12)

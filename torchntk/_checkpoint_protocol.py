@@ -9,7 +9,6 @@ checkpoints use, the status table every rank all-reduces, and the bounded waits.
 from __future__ import annotations
 
 import dataclasses
-import math
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from . import _checks
-from ._checks import show
 
 Timeout = Union[float, int, timedelta]
 """A timeout in seconds, or a ``timedelta``."""
@@ -78,22 +76,8 @@ def world() -> tuple[int, int]:
 
 
 def checked_timeout(timeout: Timeout, where: str) -> float:
-    """``timeout`` in seconds, checked by :func:`torchntk._checks.timeout_argument`.
-
-    A ``timedelta`` is accepted and an infinite timeout is not, unlike the other functions'
-    ``timeout``: a checkpoint turns it into a ``timedelta``, which cannot be infinite.
-
-    Raises:
-        TypeError: neither a number nor a ``timedelta`` (bools included).
-        ValueError: not positive, or not finite.
-    """
-    value = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: `timeout` must be seconds (a number) or a timedelta, got {show(timeout)}.")
-    value = _checks.timeout_argument(value, where)
-    if not math.isfinite(value):
-        raise ValueError(f"{where}: `timeout` must be a finite number of seconds, got {show(timeout)}.")
-    return value
+    """``timeout`` in seconds: :func:`torchntk._checks.timeout_argument`, the package's one check."""
+    return _checks.timeout_argument(timeout, where)
 
 
 @dataclasses.dataclass

@@ -6,6 +6,7 @@ received and says what was expected, so a user can fix the call from the message
 
 from __future__ import annotations
 
+import datetime
 import math
 import numbers
 import os
@@ -149,10 +150,23 @@ def bool_argument(value: Any, name: str, where: str) -> bool:
 
 
 def timeout_argument(value: Any, where: str) -> float:
-    """A positive number of seconds (for collectives across processes)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    """A timeout for collectives across processes, in seconds: a number or a ``timedelta``.
+
+    The one check of every ``timeout`` argument (``batch``, Monte Carlo, ``torchntk.distributed``):
+    collectives take a ``timedelta``, which cannot be infinite.
+
+    Raises:
+        TypeError: neither a number nor a ``timedelta`` (bools included).
+        ValueError: not positive, or not finite.
+    """
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"{where}: `timeout` must be seconds (a number) or a timedelta, got {show(value)}.")
+    if not seconds > 0:
         raise ValueError(f"{where}: `timeout` must be a positive number of seconds, got {show(value)}.")
-    return float(value)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{where}: `timeout` must be a finite number of seconds, got {show(value)}.")
+    return float(seconds)
 
 
 def non_negative_int_argument(value: Any, name: str, where: str, zero_means: str = "") -> int:

@@ -79,8 +79,8 @@ def batch(
             initialised, the work is shared out round-robin across the ranks and summed with one
             all-reduce, so every rank returns the whole kernel, equal to one process's up to
             rounding; ``"off"``: every rank computes everything. Default: ``"auto"``.
-        timeout: seconds a rank waits for the others at the all-reduce before raising (see
-            ``torchntk.distributed``). Default: 300.
+        timeout: seconds (or a ``datetime.timedelta``) a rank waits for the others at the
+            all-reduce before raising (see ``torchntk.distributed``); positive and finite. Default: 300.
         cache_bytes: per worker, the memory for prepared derivatives (Jacobians, structured
             factors) when ``kernel_fn`` has ``vmap_axes``: spans of several blocks are prepared
             at once in half of it, and prepared x2 spans are kept for reuse in the other half.

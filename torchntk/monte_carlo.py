@@ -132,8 +132,9 @@ def monte_carlo_kernel_fn(
             work: ``"auto"`` or ``"samples"`` (samples round-robin, one all-reduce per estimate),
             ``"blocks"`` (kernel blocks shared out, one all-reduce per sample), ``"off"``.
             Ignored in a single process. See NOTE: [Sharing]. Default: ``"auto"``.
-        timeout: seconds a rank waits for the others at a collective before raising
-            ``torchntk.distributed.DistributedError``. Default: 300.
+        timeout: seconds (or a ``datetime.timedelta``) a rank waits for the others at a
+            collective before raising ``torchntk.distributed.DistributedError``; positive and
+            finite. Default: 300.
 
     Returns:
         ``mc_kernel_fn(x1, x2=None, get=None, **kwargs)``; ``x2=None`` means x1 and ``kwargs``
