@@ -422,7 +422,7 @@ def test_auto_with_every_candidate_excluded_runs_jacobian_contraction():
 
 @pytest.mark.parametrize("implementation", [0, 2], ids=["AUTO", "NVP"])
 def test_batched_kernels_without_forward_mode(implementation):
-    """``torchntk.batch`` builds implementation 2's block plan directly (``BLOCK_PLANS``)."""
+    """``torchntk.batch`` builds implementation 2's block plan through the implementation table."""
     build, shape, _ = _NO_FORWARD_MODE["custom_function"]
     generator = torch.Generator().manual_seed(2)
     x1, x2 = (torch.randn(n, *shape, generator=generator, dtype=torch.float64) for n in (7, 5))
