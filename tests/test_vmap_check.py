@@ -9,6 +9,8 @@ computes that kernel and compares it with the reference too.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -54,32 +56,23 @@ def _prelu_model() -> nn.Module:
 @X2_GIVEN
 @TRACE
 @pytest.mark.parametrize("sizes", [(5, 3), (1, 3), (3, 2)], ids=["5-3", "1-3", "3-2"])
-def test_prelu_kernel_is_right_or_the_error_names_the_vmap_bug(implementation, x2_given, trace_axes, sizes):
+def test_prelu_kernel_is_right_through_an_example_loop(implementation, x2_given, trace_axes, sizes):
     """The forward pass of PReLU under vmap is right, its derivative is not (PyTorch 2.x): the
-    per-example Jacobians mix examples up; with N2 = O = 3 that was a silently wrong kernel."""
+    per-example Jacobians mix examples up; with N2 = O = 3 that was a silently wrong kernel. The
+    derivative check sees the bug (the same examples without vmap agree with the batch), and the
+    kernel function evaluates the examples in a loop instead (NOTE: [Switching to example loops])."""
     model = _prelu_model()
     x1, x2 = _inputs(*sizes, 4)
     x2 = x2 if x2_given else None
     reference = reference_ntk(model, x1, x2, trace_axes=trace_axes)
     ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=implementation)
-    if sizes[0] == 1 and not x2_given:
-        # A batch of one cannot mix examples up, and the probe (the example twice) sees nothing
-        # wrong: implementations 1 and 2 are right; implementation 3 meets the bug as a vmap
-        # error in its own per-example pass, which must say so.
-        try:
-            assert_kernels_close(ntk_fn(x1, x2), reference)
-        except RuntimeError as error:
-            assert implementation == 3
-            assert "under torch.func.vmap" in str(error) and "pass vmap_axes=None" in str(error)
-    else:
-        error = _kernel_or_error(ntk_fn, reference, x1, x2)
-        assert error is not None, "the vmap bug of PReLU should be reported for batches of more than one"
-        message = str(error)
-        assert "bug of PyTorch's torch.func.vmap" in message and "Pass vmap_axes=None" in message
-        assert "check_vmap_axes=False" not in message and "couples" not in message
-    # The message's promise: without vmap_axes the kernel is right.
-    without = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, implementation=implementation)(x1, x2)
-    assert_kernels_close(without, reference)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kernel = ntk_fn(x1, x2)
+    assert_kernels_close(kernel, reference)
+    loops = [str(w.message) for w in caught if issubclass(w.category, torchntk.ExampleLoopWarning)]
+    if not (sizes[0] == 1 and not x2_given):  # a batch of one cannot mix examples up
+        assert len(loops) == 1 and "bug of PyTorch's torch.func.vmap" in loops[0], loops
 
 
 # -- per-example keyword arguments left unmapped ----------------------------------------------------
@@ -296,11 +289,13 @@ def test_the_check_leaves_the_global_random_stream_alone():
 
 
 def test_batched_kernels_run_the_derivative_check_too():
-    """``batch`` prepares the whole call once (by runs): the probe check runs there as well."""
+    """``batch`` prepares the whole call once (by runs): the probe check runs there as well, and
+    the blocks are computed by example loops."""
     model = _prelu_model()
     x1, x2 = _inputs(6, 4, 4)
-    with pytest.raises(ValueError, match="bug of PyTorch's torch.func.vmap"):
-        torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2)(x1, x2)
+    with pytest.warns(torchntk.ExampleLoopWarning, match="bug of PyTorch's torch.func.vmap"):
+        kernel = torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2)(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2))
 
 
 def test_running_out_of_memory_is_not_blamed_on_vmap():

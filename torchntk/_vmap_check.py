@@ -141,8 +141,9 @@ class VmapAxesCheck:
     A failure is explained by its cause, in this order: NaN/Inf in the outputs (which input or
     parameter holds them; checked before comparing anything); keyword arguments left unmapped
     although an axis has the batch size (with the ``vmap_axes`` to pass); a vmap bug, when the
-    same example differentiated (or evaluated) without vmap agrees with the whole batch (then
-    ``vmap_axes=None`` gives the right kernel); otherwise a genuine coupling of the examples.
+    same example differentiated (or evaluated) without vmap agrees with the whole batch (a
+    :class:`VmapUnsupported`, on which kernel functions evaluate the examples in a loop instead,
+    NOTE: [Switching to example loops]); otherwise a genuine coupling of the examples.
     ``check_vmap_axes=False`` is offered only when the difference may be rounding.
     """
 
@@ -233,7 +234,7 @@ class VmapAxesCheck:
             worst = int(gaps.max(dim=1).values.argmax())
             plain = self._plain_outputs(run, worst)
             if plain is not None and _agrees(want.narrow(axis, worst, 1), plain[index]):
-                raise ValueError(
+                raise VmapUnsupported(
                     f"{self.where}: `vmap_axes` gives wrong outputs for this model, from a bug of PyTorch's "
                     f"torch.func.vmap in one of its operations: {symptom}, but the same example evaluated "
                     f"without vmap agrees with the whole batch. Pass vmap_axes=None, which gives the right kernel."
@@ -286,7 +287,7 @@ class VmapAxesCheck:
         self._raise_unmapped_kwargs(side, symptom)
         plain = self._plain_products(probe, cotangents)
         if plain is not None and self._worst_parameter(whole, plain) is None:
-            raise ValueError(
+            raise VmapUnsupported(
                 f"{self.where}: `vmap_axes` gives wrong derivatives for this model, from a bug of PyTorch's "
                 f"torch.func.vmap in the derivative of one of its operations (nn.PReLU is one): {symptom} when "
                 f"computed under vmap, while the outputs agree and the same per-example derivatives computed "
