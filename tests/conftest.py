@@ -2,7 +2,6 @@
 
 import pathlib
 import sys
-import types
 
 import pytest
 import torch
@@ -12,8 +11,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 # torchvision's PyPI wheel is built against CUDA torch; beside the CPU wheel its import fails while
 # registering its detection ops, and transformers and timm import it. The models use none of those
 # ops (see tests/zoo.py), so the registrations are skipped for every test, docs examples included.
-if torch.version.cuda is None and "torchvision" not in sys.modules:
-    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+from tests.zoo import skip_torchvision_op_registrations  # noqa: E402 - needs the repository root on sys.path
+
+skip_torchvision_op_registrations()
 
 # The test models are tiny: one thread avoids OpenMP start-up and, on a busy 2-core machine,
 # spinning threads that made single small ops a hundred times slower.

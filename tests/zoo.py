@@ -5,9 +5,10 @@ they are installed). PyPI's torchvision wheel for x86_64 is built against the CU
 beside the CPU wheel its compiled ops library does not load, and its import then fails while
 registering fake kernels for those ops (``operator torchvision::nms does not exist``). The model
 definitions are pure Python and use none of those ops, so the registrations are skipped (an empty
-``torchvision._meta_registrations`` module) when torch is a CPU build: ``tests/conftest.py`` does it
-for the test run (timm and transformers import torchvision themselves) and :func:`import_torchvision`
-for scripts such as ``benchmarks/bench_zoo.py``.
+``torchvision._meta_registrations`` module) when torch is a CPU build, by
+:func:`skip_torchvision_op_registrations`: ``tests/conftest.py`` calls it for the test run (timm and
+transformers import torchvision themselves) and :func:`import_torchvision` for scripts such as
+``benchmarks/bench_zoo.py``.
 
 Every builder returns ``(module, x1, x2, kwargs, vmap_axes, output_fn)``; ``kwargs`` values are
 ``(for x1, for x2)`` pairs as kernel functions take them. ``reference_module`` turns the same
@@ -27,9 +28,14 @@ from torch import nn
 from torchntk._outputs import output_fn_argument
 
 
-def import_torchvision():
+def skip_torchvision_op_registrations() -> None:
+    """Lets torchvision's CUDA-built wheel import beside a CPU torch (see the module docstring)."""
     if torch.version.cuda is None and "torchvision" not in sys.modules:
         sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+
+
+def import_torchvision():
+    skip_torchvision_op_registrations()
     import torchvision
 
     return torchvision
@@ -186,7 +192,9 @@ def bert() -> Case:
 
 def gpt2() -> Case:
     transformers = import_transformers()
-    config = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     ids1, ids2, masks = _tokens(50)
     model = transformers.GPT2LMHeadModel(config).eval()
     return Case(model, ids1, ids2, {"attention_mask": masks}, (0, 0, {"attention_mask": 0}), last_token_logits)

@@ -44,9 +44,7 @@ def output_fn_argument(output_fn: Any, where: str) -> Optional[Callable[[Any, An
         )
     try:
         inspect.signature(output_fn).bind_partial(None, None)
-    except TypeError:
-        return lambda output, x, kwargs: output_fn(output)
-    except ValueError:  # no signature to read (some builtins): the documented one-argument form
+    except (TypeError, ValueError):  # ValueError: no signature to read (some builtins)
         return lambda output, x, kwargs: output_fn(output)
     return lambda output, x, kwargs: output_fn(output, x, **kwargs)
 

@@ -144,7 +144,7 @@ def batch(
         )
 
     batched_spec = KernelFnSpec(spec.kind, spec.f, spec.trace_axes, spec.diagonal_axes, rebuild, spec.thread_safe)
-    result = KernelFunction(batched, batched_spec, kernel_fn.__doc__, kernel_fn._auto_choice)
+    result = KernelFunction(batched, batched_spec, kernel_fn.__doc__, kernel_fn.auto_choice)
     result._batch_settings = plan  # for tests (_settings_of)
     return result
 
