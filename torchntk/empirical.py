@@ -87,6 +87,21 @@ _KERNEL_FN_DOC = (
 )
 
 
+def _ntk_settings(builder: Callable[..., KernelFunction], arguments: dict[str, Any]) -> NtkSettings:
+    """The validated settings of ``empirical_ntk_fn`` or ``empirical_kernel_fn`` from their arguments.
+
+    The two builders spell out the same signature on purpose (``help()``, IDEs and type checkers
+    see every option); everything behind the signature is shared from here.
+    """
+    structured_options = ("structure_rules", "closed_form_rules", "local_jacobian", "verify")
+    structured = {name: arguments[name] for name in structured_options}
+    return NtkSettings.validate(
+        arguments["f"], arguments["trace_axes"], arguments["diagonal_axes"], arguments["vmap_axes"],
+        arguments["implementation"], arguments["chunk_size"], arguments["check_vmap_axes"], structured,
+        arguments["output_fn"], builder.__name__,
+    )
+
+
 def empirical_ntk_fn(
     f: Model,
     trace_axes: Axes = (-1,),
@@ -208,19 +223,15 @@ def empirical_ntk_fn(
         >>> auto.auto_choice(x1, x2).implementation in tuple(torchntk.NtkImplementation)[1:]
         True
     """
-    structured = dict(
-        structure_rules=structure_rules, closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify
-    )
-    settings = NtkSettings.validate(
-        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
-        "empirical_ntk_fn",
-    )
+    settings = _ntk_settings(empirical_ntk_fn, locals())
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         key = input_shape_key(x1, x2, params, kwargs)
         return settings.ntk(settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key), key)
 
-    def open_blocks(request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any) -> Optional[BlockSource]:
+    def open_blocks(
+        request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any
+    ) -> Optional[BlockSource]:
         return settings.open_blocks(request, x1, x2, params, kwargs, ("ntk",), True, "ntk_fn")
 
     return settings.publish(ntk_fn, "ntk", empirical_ntk_fn, open_blocks, "ntk_fn", _NTK_FN_DOC)
@@ -268,7 +279,9 @@ def empirical_nngp_fn(
         )
         return call.normalise(nngp(call), dtypes=call.output_dtypes)
 
-    def open_blocks(request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any) -> Optional[BlockSource]:
+    def open_blocks(
+        request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any
+    ) -> Optional[BlockSource]:
         """The call as prepared spans for ``batch`` (one forward pass per run of examples instead of
         one per pair of blocks): ``batch`` puts every input's examples on axis 0. Keyword arguments
         may or may not hold examples, which only ``vmap_axes`` says: with some, None (``batch``
@@ -335,13 +348,7 @@ def empirical_kernel_fn(
         >>> kernel_fn(x1, None, "ntk").shape
         torch.Size([4, 4])
     """
-    structured = dict(
-        structure_rules=structure_rules, closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify
-    )
-    settings = NtkSettings.validate(
-        f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
-        "empirical_kernel_fn",
-    )
+    settings = _ntk_settings(empirical_kernel_fn, locals())
 
     def kernel_fn(
         x1: PyTree, x2: Optional[PyTree] = None, get: Union[None, str, Sequence[str]] = None,
