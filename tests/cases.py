@@ -4,6 +4,10 @@ Nothing is built at import time. ``CASES`` maps an id to a factory; calling the 
 :class:`ModelCase` with a seeded, float64 module in eval mode. Draw inputs with
 :func:`make_x1_x2`, which gives ``N1 = 3`` and ``N2 = 2`` examples.
 
+On the device of the test run (``pytest --device cuda``, see ``tests/conftest.py``): the modules
+are moved there when built and the inputs when drawn, from the same CPU generator, so every device
+sees the same numbers.
+
 Example::
 
     case = CASES["cnn"]()
@@ -18,10 +22,13 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 N1 = 3
 N2 = 2
 DEFAULT_SEED = 0
+DEVICE = torch.device("cpu")
+"""Where the cases' modules and inputs live; ``tests/conftest.py`` sets it from ``--device``."""
 
 PyTree = Any
 InputMaker = Callable[[int, torch.Generator], PyTree]
@@ -50,6 +57,14 @@ class ModelCase:
     batch_independent: bool
     output_shapes: tuple[tuple[int, ...], ...]
 
+    def __post_init__(self) -> None:
+        draw = self.make_inputs
+
+        def on_device(n: int, generator: torch.Generator) -> PyTree:
+            return to_device(draw(n, generator))
+
+        object.__setattr__(self, "make_inputs", on_device)
+
 
 def make_x1_x2(case: ModelCase, seed: int = DEFAULT_SEED) -> tuple[PyTree, PyTree]:
     """Inputs with ``N1`` and ``N2`` examples from one seeded generator (x1 drawn first)."""
@@ -62,7 +77,12 @@ def _build(module_fn: Callable[[], nn.Module], seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = module_fn()
-    return module.to(torch.float64).eval()
+    return module.to(torch.float64).to(DEVICE).eval()
+
+
+def to_device(tree: PyTree) -> PyTree:
+    """The tensors of ``tree`` moved to :data:`DEVICE` (the test run's device)."""
+    return pytree.tree_map(lambda leaf: leaf.to(DEVICE) if isinstance(leaf, Tensor) else leaf, tree)
 
 
 def _normal(*shape: int) -> InputMaker:

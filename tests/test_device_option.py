@@ -1,0 +1,36 @@
+"""The suite's ``--device`` option (``tests/conftest.py``): where the shared cases live, and its errors."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from tests._processes import run_python
+from tests.cases import CASES, make_x1_x2
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_cases_live_on_the_run_device(device: torch.device) -> None:
+    case = CASES["cnn"]()
+    x1, x2 = make_x1_x2(case)
+    assert {p.device.type for p in case.module.parameters()} == {device.type}
+    assert x1.device.type == x2.device.type == device.type
+    # The same numbers on every device: inputs are drawn from a CPU generator, then moved.
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(x1.cpu(), case.make_inputs(3, generator).cpu())
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("bogus", "'bogus' is not a torch device"), ("cuda:99", "CUDA device")],
+)
+def test_an_unusable_device_is_a_usage_error(value: str, message: str) -> None:
+    done = run_python(
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", value,
+        f"{ROOT / 'tests' / 'test_device_option.py'}::test_cases_live_on_the_run_device", timeout=120,
+    )
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
+    assert message in done.stderr
