@@ -186,9 +186,10 @@ def probe_torchntk() -> Tuple[bool, str, str]:
     return True, "", getattr(torchntk, "__version__", "?")
 
 
-def prepare_data(name: str, tmpdir: str) -> Tuple[str, str]:
-    """Build the seeded model + inputs once; save weights, inputs and the
-    torch forward output for the workers.  Returns (path, description)."""
+def prepare_data(name: str, tmpdir: str, n: Optional[int] = None) -> Tuple[str, str]:
+    """Build the seeded model + inputs once (``n`` examples per side instead of
+    the model's N1, N2 when given); save weights, inputs and the torch forward
+    output for the workers.  Returns (path, description)."""
     import numpy as np
     import torch
 
@@ -196,11 +197,11 @@ def prepare_data(name: str, tmpdir: str) -> Tuple[str, str]:
     import _models
 
     model = _models.build_torch_model(name)
-    x1, x2 = _models.make_inputs(name)
+    x1, x2 = _models.make_inputs(name, n)
     with torch.no_grad():  # plain forward for the cross-check, no NTK here
         y1 = model(x1).numpy()
     arrays = {"p:" + k: v for k, v in _models.state_to_numpy(model).items()}
-    path = os.path.join(tmpdir, f"{name}.npz")
+    path = os.path.join(tmpdir, f"{name}.npz" if n is None else f"{name}-{n}.npz")
     np.savez(path, x1=x1.numpy(), x2=x2.numpy(), y1=y1, **arrays)
     desc = (f"{_models.MODEL_SPECS[name][3]}; {_models.num_params(model):,} parameters; "
             f"output {tuple(y1.shape)}")
@@ -219,8 +220,9 @@ def launch_worker(script: str, spec: dict, stem: str, timeout: float,
     with open(stem + ".spec.json", "w") as fh:
         json.dump(spec, fh)
     env = dict(os.environ)
+    root = spec.get("torchntk_root") or REPO_ROOT  # another checkout's torchntk (before/after tables)
     env["PYTHONPATH"] = os.pathsep.join(
-        [REPO_ROOT, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        [root, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     cmd = [sys.executable, os.path.abspath(script), "--_worker", stem + ".spec.json"]
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,10 +1,12 @@
 """Benchmark models shared by ``bench_core.py`` and ``bench_structured.py``.
 
-``mlp`` and ``cnn`` exist twice: as a ``torch.nn.Module`` (what torchntk sees)
-and as a plain JAX ``apply(params, x)`` function (what neural-tangents sees).
-The JAX parameters are the torch weights converted to arrays, kept under the
-same names and in the same layouts (Linear weights ``(out, in)``, Conv2d
-weights ``OIHW``), so both libraries differentiate exactly the same function.
+``mlp``, ``wide`` and ``cnn`` exist twice: as a ``torch.nn.Module`` (what
+torchntk sees) and as a plain JAX ``apply(params, x)`` function (what
+neural-tangents sees). The JAX parameters are the torch weights converted to
+arrays, kept under the same names; dense weights are stored ``(in, out)``
+(``h @ W``, the layout neural-tangents' structured derivatives analyse best)
+or, with ``layout="out-in"``, in torch's ``(out, in)`` (``h @ W.T``); Conv2d
+weights stay ``OIHW``. Both libraries differentiate exactly the same function.
 ``resnet`` and ``transformer`` are torch-only (``JAX_MODELS`` lists the
 others).
 
@@ -14,13 +16,13 @@ lazily so that the torch-only workers never load it.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from torchntk.cli._models import BENCH_MODELS
+from torchntk.cli._models import BENCH_MODELS, mlp, seeded
 
 MODEL_SEED = 0
 INPUT_SEED = 1
@@ -28,6 +30,7 @@ INPUT_SEED = 1
 # name -> (N1, N2, per-example input shape, human-readable description)
 MODEL_SPECS: Dict[str, Tuple[int, int, Tuple[int, ...], str]] = {
     "mlp": (64, 64, (784,), "MLP 784-512-512-10 (ReLU), N1=N2=64"),
+    "wide": (32, 32, (256,), "wide MLP 256-2048-2048-2048-10 (ReLU), N1=N2=32"),
     "cnn": (16, 16, (3, 16, 16),
             "CNN 3x[Conv2d 3x3 32ch pad 1 + ReLU] -> Linear(8192,10), "
             "NCHW 16x3x16x16, N1=N2=16"),
@@ -48,7 +51,11 @@ MODEL_SPECS: Dict[str, Tuple[int, int, Tuple[int, ...], str]] = {
 TOKEN_VOCAB: Dict[str, int] = {"transformer": 50}
 
 # Models that also have a JAX version (``jax_apply_fn``), for neural-tangents.
-JAX_MODELS = ("mlp", "cnn")
+JAX_MODELS = ("mlp", "wide", "cnn")
+
+# Dense weight layouts of the JAX twins: "in-out" stores W as (in, out) and computes h @ W;
+# "out-in" keeps torch's (out, in) and computes h @ W.T.
+JAX_LAYOUTS = ("in-out", "out-in")
 
 
 class BasicBlock(nn.Module):
@@ -137,6 +144,8 @@ def build_torch_model(name: str) -> nn.Module:
     """Deterministically initialised float32 model, in eval mode."""
     if name in BENCH_MODELS:  # the same seeded models as `python -m torchntk bench`
         return BENCH_MODELS[name].build().float().eval()
+    if name == "wide":  # a torchntk checkout older than the "wide" bench model (--torchntk-root)
+        return seeded(lambda: mlp(256, 2048, 3, 10))().float().eval()
     torch.manual_seed(MODEL_SEED)
     if name == "resnet":
         model = SmallResNet()
@@ -150,10 +159,13 @@ def build_torch_model(name: str) -> nn.Module:
     return model.float().eval()
 
 
-def make_inputs(name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def make_inputs(name: str, n: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Two different standard-normal float32 batches ``x1`` and ``x2`` (uniform
-    int64 token ids for the models in ``TOKEN_VOCAB``)."""
+    int64 token ids for the models in ``TOKEN_VOCAB``), of the model's N1, N2 or
+    of ``n`` examples each."""
     n1, n2, shape, _ = MODEL_SPECS[name]
+    if n is not None:
+        n1 = n2 = n
     gen = torch.Generator().manual_seed(INPUT_SEED)
     if name in TOKEN_VOCAB:
         vocab = TOKEN_VOCAB[name]
@@ -177,28 +189,33 @@ def state_to_numpy(model: nn.Module) -> Dict[str, np.ndarray]:
 # JAX side
 # --------------------------------------------------------------------------
 
-def jax_params(state: Dict[str, np.ndarray]):
+def jax_params(state: Dict[str, np.ndarray], layout: str = "in-out"):
     """Torch ``state_dict`` arrays -> dict of ``jnp`` arrays (same names and values).
 
-    Dense weights are stored transposed, ``(in, out)``, the layout JAX models use, so
-    that the JAX model computes ``h @ W`` with no transpose in front of the product:
-    neural-tangents' structured derivatives only analyse a parameter's first consumer,
-    and a transpose there makes them as slow as Jacobian contraction (4.6 s instead of
-    18 ms on the benchmark MLP). Conv filters keep PyTorch's OIHW layout.
+    With ``layout="in-out"`` dense weights are stored transposed, ``(in, out)``, the
+    layout JAX models use, so that the JAX model computes ``h @ W`` with no transpose
+    in front of the product: neural-tangents' structured derivatives only analyse a
+    parameter's first consumer, and a transpose there makes them as slow as Jacobian
+    contraction (4.6 s instead of 18 ms on the benchmark MLP). ``"out-in"`` keeps
+    torch's ``(out, in)`` (the model then computes ``h @ W.T``). Conv filters keep
+    PyTorch's OIHW layout.
     """
     import jax.numpy as jnp
+    if layout not in JAX_LAYOUTS:
+        raise ValueError(f"layout must be one of {JAX_LAYOUTS}, got {layout!r}")
     params = {}
     for name, value in state.items():
-        if name.endswith(".weight") and value.ndim == 2:
+        if name.endswith(".weight") and value.ndim == 2 and layout == "in-out":
             value = value.T.copy()
         params[name] = jnp.asarray(value, dtype=jnp.float32)
     return params
 
 
-def _dense(p, prefix: str, h):
+def _dense(p, prefix: str, h, layout: str = "in-out"):
     import jax.numpy as jnp
-    # torch Linear: y = h W^T + b; the JAX copy of W is already (in, out)
-    return jnp.dot(h, p[prefix + ".weight"]) + p[prefix + ".bias"]
+    # torch Linear: y = h W^T + b; the "in-out" JAX copy of W is already (in, out)
+    weight = p[prefix + ".weight"]
+    return jnp.dot(h, weight if layout == "in-out" else weight.T) + p[prefix + ".bias"]
 
 
 def _conv_same(p, prefix: str, h):
@@ -212,27 +229,34 @@ def _conv_same(p, prefix: str, h):
     return y + p[prefix + ".bias"][None, :, None, None]
 
 
-def _mlp_apply(params, x):
+def _mlp_apply(params, x, layers: int = 3, layout: str = "in-out"):
     import jax
-    h = jax.nn.relu(_dense(params, "0", x))
-    h = jax.nn.relu(_dense(params, "2", h))
-    return _dense(params, "4", h)
+    h = x
+    for k in range(layers - 1):  # Linear, ReLU pairs: modules 0, 2, 4, ...
+        h = jax.nn.relu(_dense(params, str(2 * k), h, layout))
+    return _dense(params, str(2 * (layers - 1)), h, layout)
 
 
-def _cnn_apply(params, x):
+def _cnn_apply(params, x, layout: str = "in-out"):
     import jax
     h = jax.nn.relu(_conv_same(params, "0", x))
     h = jax.nn.relu(_conv_same(params, "2", h))
     h = jax.nn.relu(_conv_same(params, "4", h))
     h = h.reshape(h.shape[0], -1)  # same C-major order as nn.Flatten on NCHW
-    return _dense(params, "7", h)
+    return _dense(params, "7", h, layout)
 
 
-def jax_apply_fn(name: str) -> Callable:
+def jax_apply_fn(name: str, layout: str = "in-out") -> Callable:
+    """``apply(params, x)`` of ``name`` for parameters from ``jax_params(state, layout)``."""
+    import functools
+    if layout not in JAX_LAYOUTS:
+        raise ValueError(f"layout must be one of {JAX_LAYOUTS}, got {layout!r}")
     if name == "mlp":
-        return _mlp_apply
+        return functools.partial(_mlp_apply, layers=3, layout=layout)
+    if name == "wide":
+        return functools.partial(_mlp_apply, layers=4, layout=layout)
     if name == "cnn":
-        return _cnn_apply
+        return functools.partial(_cnn_apply, layout=layout)
     raise ValueError(f"model {name!r} has no JAX version (those that do: {JAX_MODELS})")
 
 

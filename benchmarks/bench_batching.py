@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Cost of ``torchntk.batch`` tiling, and Monte Carlo kernel throughput against neural-tangents.
 
-Two parts (``--parts tiling,mc``):
+Three parts (``--parts tiling,mc``, or ``--parts disk``):
 
 * **tiling**: ``torchntk.batch(kernel_fn, batch_size=b)`` against the unbatched ``kernel_fn`` for
   a 256 x 256 traced NTK (``trace_axes=(-1,)``, ``vmap_axes=0``, float32, x1 and x2 of 256
@@ -22,6 +22,15 @@ Two parts (``--parts tiling,mc``):
   its first call, with compilation, is the warm-up). The networks differ between the libraries
   (different RNGs), so the estimates are only compared loosely (within 20 %), and both against
   neural-tangents' analytic infinite-width kernels.
+
+* **disk** (issue 14): one call of ``torchntk.batch`` computing the traced NTK (``x2=None``) of
+  the MLP 784-512-512-10 for ``--disk-n`` examples (20,000) and of the small ResNet on 3x32x32
+  inputs for ``--disk-resnet-n`` (5,000), implementation 3 (MLP) or 1 (ResNet), into a float32 memmap with a
+  progress file, or into host memory (``store_on_device=False``). Reported: the wall and CPU
+  time, the peak RSS growth and, for the MLP, the ratios to the FLOP bound: the symmetric half's
+  multiply-adds at the rate of a 4096 x 4096 float32 matrix product measured before and after the
+  call, per second of wall time and per CPU second (the latter is less disturbed by other
+  processes on a shared machine: time a thread waits for a core is not counted).
 
 Every configuration runs in its own worker subprocess, one at a time: a warm-up call, then the
 median of ``--repeats`` calls. A configuration that raises (e.g. ``torchntk.monte_carlo`` not
@@ -44,10 +53,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from _common import (HERE, REPO_ROOT, add_common_arguments, current_rss_mb, fmt_diff, hwm_rss_mb,
-                     import_neural_tangents, launch_worker, limit_threads,
-                     parse_list, peak_rss_mb, rel_diff, render, reset_peak_rss,
-                     run_header, time_calls, worker_entry, write_markdown)
+from _common import (
+    HERE,
+    REPO_ROOT,
+    add_common_arguments,
+    current_rss_mb,
+    fmt_diff,
+    hwm_rss_mb,
+    import_neural_tangents,
+    launch_worker,
+    limit_threads,
+    parse_list,
+    peak_rss_mb,
+    rel_diff,
+    render,
+    reset_peak_rss,
+    run_header,
+    time_calls,
+    worker_entry,
+    write_markdown,
+)
 
 TILING_MODELS = ("mlp", "cnn")
 DEFAULT_IMPLS = {"mlp": "3", "cnn": "1"}
@@ -76,8 +101,8 @@ class _Memory:
 
 
 def _tiling_inputs(name: str, n: int):
-    import torch
     import _models
+    import torch
     shape = _models.MODEL_SPECS[name][2]
     gen = torch.Generator().manual_seed(_models.INPUT_SEED)
     x1 = torch.randn((n,) + shape, generator=gen, dtype=torch.float32)
@@ -86,8 +111,8 @@ def _tiling_inputs(name: str, n: int):
 
 
 def tiling_worker(spec: dict, res: dict) -> None:
-    import numpy as np
     import _models
+    import numpy as np
 
     lib, name, impl, b, workers = (spec["lib"], spec["model"], spec["impl"], spec["batch_size"],
                                    spec["workers"])
@@ -95,6 +120,7 @@ def tiling_worker(spec: dict, res: dict) -> None:
     res["stage"] = "build"
     if lib == "torchntk":
         import torch
+
         import torchntk
         if spec["threads"]:
             torch.set_num_threads(spec["threads"])
@@ -146,8 +172,8 @@ def _torchntk_mc_api():
 
 
 def mc_worker(spec: dict, res: dict) -> None:
-    import numpy as np
     import _models
+    import numpy as np
 
     data = np.load(spec["data"])
     x1_np, x2_np = data["x1"], data["x2"]
@@ -211,12 +237,117 @@ def mc_worker(spec: dict, res: dict) -> None:
                shape=list(arrays["ntk"].shape))
 
 
+# ===========================================================================
+# Kernels on disk (issue 14): one long call per worker.
+# ===========================================================================
+
+# Per-example shape and implementation: the ResNet's structured factors take 7.9 MiB per example
+# (activations and cotangents of every convolution), its Jacobians 0.76 MiB (20k parameters x 10).
+DISK_MODELS = {"mlp": ((784,), 3), "resnet": ((3, 32, 32), 1)}
+
+
+def _matmul_gflops(repeats: int = 5) -> tuple[float, float]:
+    """The rate of a float32 4096 x 4096 matrix product, the machine's practical peak: GFLOP per
+    second of wall time and per CPU second (all threads), each the median of ``repeats``."""
+    import torch
+    a = torch.randn(4096, 4096)
+    a @ a
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        a @ a
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    flop = 2 * 4096 ** 3 / 1e9
+    return flop / statistics.median(walls), flop / statistics.median(cpus)
+
+
+def disk_worker(spec: dict, res: dict) -> None:
+    """A traced NTK of ``spec["n"]`` examples (x2 None) into a memmap (``target="memmap"``, with a
+    progress file) or into host memory (``target="host"``: ``store_on_device=False``)."""
+    import _models
+    import numpy as np
+    import torch
+
+    import torchntk
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    name, n, target = spec["model"], spec["n"], spec["target"]
+    shape, implementation = DISK_MODELS[name]
+    model = _models.build_torch_model(name)
+    x = torch.randn((n,) + shape, generator=torch.Generator().manual_seed(_models.INPUT_SEED))
+    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=TRACE_AXES, vmap_axes=0, implementation=implementation)
+    batched = torchntk.batch(ntk_fn, spec["batch_size"], store_on_device=target != "host",
+                             cache_bytes=spec["cache_bytes"], progress=spec["progress"])
+    res["threads"] = torch.get_num_threads()
+    res["matmul_before"] = _matmul_gflops()
+    mem = _Memory()
+    start, cpu = time.perf_counter(), time.process_time()
+    if target == "memmap":
+        path = os.path.join(spec["scratch"], f"{name}-{n}.npy")
+        out = np.lib.format.open_memmap(path, "w+", np.float32, (n, n))
+        batched(x, out=out, progress_file=path + ".progress.json")
+        del out
+    else:
+        batched(x)
+    res["seconds"], res["cpu_seconds"] = time.perf_counter() - start, time.process_time() - cpu
+    res["peak_growth_mb"] = mem.growth()
+    res["matmul_after"] = _matmul_gflops()
+    res["load"] = os.getloadavg()[0]
+    if target == "memmap":
+        os.unlink(path)
+        os.unlink(path + ".progress.json")
+    res.update(ok=True)
+
+
+def _mlp_flops(n: int) -> float:
+    """Multiply-adds of the traced structured NTK of the 784-512-512-10 MLP, symmetric half: per
+    pair of examples one Gram entry of each layer's inputs (784, 512, 512) and of the cotangents of
+    the two hidden layers' outputs (10 logits x 512; the last layer's are the identity)."""
+    return 2 * n * (n + 1) / 2 * (784 + 512 + 512 + 2 * 10 * 512)
+
+
+def disk_main(args) -> int:
+    scratch = args.disk_dir or tempfile.mkdtemp(prefix="bench_disk_")
+    rows = []
+    for name in parse_list(args.disk_models, set(DISK_MODELS)):
+        n = args.disk_n if name == "mlp" else args.disk_resnet_n
+        for target in parse_list(args.disk_targets, {"memmap", "host"}):
+            spec = {"part": "disk", "model": name, "n": n, "target": target, "batch_size": args.disk_batch_size,
+                    "cache_bytes": args.disk_cache_bytes, "threads": args.threads, "progress": args.verbose,
+                    "scratch": scratch}
+            stem = os.path.join(scratch, f"{name}-{n}-{target}")
+            spec["result_out"] = stem + ".result.json"
+            res, why = launch_worker(__file__, spec, stem, args.timeout, args.verbose)
+            if res is None or not res.get("ok"):
+                rows.append([name, str(n), target, "FAILED: " + (why or res.get("error", ""))] + [""] * 7)
+                continue
+            wall_rate = (res["matmul_before"][0] + res["matmul_after"][0]) / 2
+            cpu_rate = (res["matmul_before"][1] + res["matmul_after"][1]) / 2
+            if name == "mlp":
+                wall_bound, cpu_bound = _mlp_flops(n) / wall_rate / 1e9, _mlp_flops(n) / cpu_rate / 1e9
+                bounds = (f"{wall_bound:.1f} s ({res['seconds'] / wall_bound:.2f}x)",
+                          f"{cpu_bound:.1f} s ({res['cpu_seconds'] / cpu_bound:.2f}x)")
+            else:
+                bounds = ("—", "—")
+            rows.append([name, str(n), target, str(res["threads"]), f"{res['seconds']:.1f}",
+                         f"{res['cpu_seconds']:.1f}",
+                         f"{res['peak_growth_mb'] / 1024:.2f}", f"{wall_rate:.0f} / {cpu_rate:.0f}", *bounds,
+                         f"{res['load']:.1f}"])
+            print(rows[-1], flush=True)
+    headers = ["model", "N", "target", "threads", "wall [s]", "CPU [s]", "peak RSS growth [GiB]",
+               "matmul GFLOP per s / per CPU s", "FLOP bound, wall (ratio)", "FLOP bound, CPU (ratio)", "load"]
+    print(render(headers, rows, False))
+    return 0
+
+
 def worker_main(spec_path: str) -> int:
     def run(spec: dict, res: dict) -> None:
         limit_threads(spec["threads"])
         sys.path.insert(0, HERE)
         sys.path.insert(0, REPO_ROOT)
-        (tiling_worker if spec["part"] == "tiling" else mc_worker)(spec, res)
+        {"tiling": tiling_worker, "mc": mc_worker, "disk": disk_worker}[spec["part"]](spec, res)
 
     return worker_entry(spec_path, run)
 
@@ -336,7 +467,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description="Time torchntk.batch tiling against the unbatched kernel function, and "
                     "Monte Carlo kernel throughput against neural-tangents.")
-    ap.add_argument("--parts", default="tiling,mc", help="comma list of tiling, mc (default: both)")
+    ap.add_argument("--parts", default="tiling,mc",
+                    help="comma list of tiling, mc (default: both), or disk (alone: kernels on disk)")
+    ap.add_argument("--disk-models", default="mlp,resnet", help="disk: comma list of mlp, resnet")
+    ap.add_argument("--disk-n", type=int, default=20000, help="disk: examples for the mlp (default 20000)")
+    ap.add_argument("--disk-resnet-n", type=int, default=5000, help="disk: examples for the resnet (default 5000)")
+    ap.add_argument("--disk-targets", default="memmap,host",
+                    help="disk: comma list of memmap (out= a np.memmap, with a progress file), host "
+                         "(store_on_device=False)")
+    ap.add_argument("--disk-batch-size", type=int, default=1000, help="disk: batch_size (default 1000)")
+    ap.add_argument("--disk-cache-bytes", type=int, default=2**31, help="disk: cache_bytes (default 2 GiB)")
+    ap.add_argument("--disk-dir", default=None, help="disk: folder of the memmaps (default: a new temporary one)")
     ap.add_argument("--models", default=",".join(TILING_MODELS),
                     help="tiling: comma list of mlp, cnn (default: both)")
     ap.add_argument("--mlp-impls", default=DEFAULT_IMPLS["mlp"],
@@ -377,6 +518,8 @@ def main(argv=None) -> int:
 
     if args._worker:
         return worker_main(args._worker)
+    if "disk" in args.parts:
+        return disk_main(args)
 
     parts = parse_list(args.parts, {"tiling", "mc"})
     models = parse_list(args.models, set(TILING_MODELS))

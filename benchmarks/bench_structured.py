@@ -20,6 +20,10 @@ RSS just before the first kernel call.  A configuration that raises (e.g.
 ``NotImplementedError`` for an implementation that is not there yet), times
 out or runs out of memory is reported in the tables, not fatal.
 
+``--versus-nt`` makes the issue-16 table instead (``_versus_nt.py``): implementation 3
+against neural-tangents' per model (``mlp``, ``wide``, ``cnn``), kernel, N and JAX weight
+layout, the libraries alternating in their own processes.
+
 Run ``python benchmarks/bench_structured.py --help`` for the options.
 """
 
@@ -43,12 +47,13 @@ from _common import (HERE, REPO_ROOT, add_common_arguments, current_rss_mb, fmt_
                      parse_list, peak_rss_mb, prepare_data, rel_diff, render,
                      reset_peak_rss, run_header, time_calls, worker_entry, write_markdown)
 
-MODELS = ("mlp", "cnn", "resnet", "transformer")
+MODELS = ("mlp", "cnn", "resnet", "transformer", "wide")
+DEFAULT_MODELS = ("mlp", "cnn", "resnet", "transformer")
 # Kernel each model is measured with unless --kernels says otherwise.
-DEFAULT_KERNEL = {"mlp": "full", "cnn": "full", "resnet": "full", "transformer": "traced"}
+DEFAULT_KERNEL = {"mlp": "full", "cnn": "full", "resnet": "full", "transformer": "traced", "wide": "traced"}
 KERNELS = {"full": (), "traced": (-1,)}
 # x2 variants each model is measured with unless --x2 says otherwise.
-DEFAULT_X2 = {"mlp": ("given", "none"), "cnn": ("given",), "resnet": ("given",),
+DEFAULT_X2 = {"mlp": ("given", "none"), "cnn": ("given",), "resnet": ("given",), "wide": ("given",),
               "transformer": ("given",)}
 IMPL_ORDER = (1, 2, 3, 0)
 IMPL_NAMES = {0: "AUTO", 1: "Jacobian contraction", 2: "NTK-vector products",
@@ -128,7 +133,7 @@ def run_worker(spec: dict, res: dict) -> dict:
     import numpy as np
 
     sys.path.insert(0, HERE)
-    sys.path.insert(0, REPO_ROOT)
+    sys.path.insert(0, spec.get("torchntk_root") or REPO_ROOT)
     import _models
 
     lib, name, impl = spec["lib"], spec["model"], spec["impl"]
@@ -178,8 +183,9 @@ def run_worker(spec: dict, res: dict) -> dict:
         import jax.numpy as jnp
         nt = import_neural_tangents()
         res["version"] = f"jax {jax.__version__}"
-        params = _models.jax_params(state)
-        f = _models.jax_apply_fn(name)
+        layout = spec.get("layout", "in-out")
+        params = _models.jax_params(state, layout)
+        f = _models.jax_apply_fn(name, layout)
         x1 = jnp.asarray(x1_np)
         x2 = jnp.asarray(x2_np) if x2_given else None
         y1 = np.asarray(jax.jit(f)(params, x1))
@@ -248,14 +254,21 @@ class Run:
         return f"{lib} {self.model} {self.kernel} x2={self.x2} impl {self.impl}"
 
 
+def run_config_spec(spec: dict, stem: str, args) -> Tuple[Optional[dict], str]:
+    """Runs one worker for ``spec`` (``lib``, ``model``, ``kernel``, ``x2``, ``impl``, ``data``
+    and optionally ``layout``, ``torchntk_root``); returns ``launch_worker``'s result."""
+    spec = dict(spec, trace_axes=list(KERNELS[spec["kernel"]]), repeats=args.repeats,
+                threads=args.threads, native_attention=getattr(args, "native_attention", False),
+                kernel_out=stem + ".npy", result_out=stem + ".json")
+    return launch_worker(__file__, spec, stem, args.timeout, args.verbose)
+
+
 def run_config(run: Run, data_path: str, tmpdir: str, args) -> Run:
     stem = os.path.join(tmpdir, f"{run.lib}-{run.model}-{run.kernel}-{run.x2}-{run.impl}")
-    spec = dict(lib=run.lib, model=run.model, kernel=run.kernel,
-                trace_axes=list(KERNELS[run.kernel]), x2=run.x2, impl=run.impl,
-                repeats=args.repeats, threads=args.threads, data=data_path,
-                native_attention=args.native_attention,
-                kernel_out=stem + ".npy", result_out=stem + ".json")
-    res, why = launch_worker(__file__, spec, stem, args.timeout, args.verbose)
+    spec = dict(lib=run.lib, model=run.model, kernel=run.kernel, x2=run.x2, impl=run.impl,
+                data=data_path, torchntk_root=args.torchntk_root)
+    res, why = run_config_spec(spec, stem, args)
+    spec["kernel_out"] = stem + ".npy"
     if res is None:
         run.error, run.error_type = why, "timeout" if why.startswith("timeout") else "crash"
         return run
@@ -341,8 +354,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description="Time torchntk's structured derivatives (3) and AUTO (0) against "
                     "implementations 1 and 2 and neural-tangents' implementation 3.")
-    ap.add_argument("--models", default=",".join(MODELS),
-                    help=f"comma list of {','.join(MODELS)} (default: all)")
+    ap.add_argument("--models", default=None,
+                    help=f"comma list of {','.join(MODELS)} (default: {','.join(DEFAULT_MODELS)}; "
+                         f"with --versus-nt: mlp,wide,cnn)")
     ap.add_argument("--impls", default="1,2,3,0",
                     help="torchntk implementations to run, comma list of 0,1,2,3 "
                          "(default: all; 0 = AUTO)")
@@ -368,13 +382,35 @@ def main(argv=None) -> int:
                     help="leave nn.MultiheadAttention's fused fast path and the default SDPA "
                          "kernel on (neither supports forward-mode AD); default: fast path off, "
                          "SDPA math kernel, in the transformer's workers")
+    ap.add_argument("--versus-nt", action="store_true",
+                    help="the issue-16 table instead: implementation 3 against neural-tangents' 3 "
+                         "per model, kernel, N and JAX weight layout, x2 given, the libraries "
+                         "alternating in their own processes for --rounds rounds")
+    ap.add_argument("--sizes", default=None,
+                    help="--versus-nt: comma list of N (N1 = N2 = N; default 16,64,256)")
+    ap.add_argument("--jax-layouts", default="in-out,out-in",
+                    help="--versus-nt: dense weight layouts of the JAX twins, comma list of "
+                         "in-out (h @ W, W stored (in, out)) and out-in (h @ W.T, torch's layout); "
+                         "default both")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="--versus-nt: rounds of (torchntk, NT) workers; the median is over all "
+                         "timed calls of all rounds (default 2)")
+    ap.add_argument("--max-jacobian", type=float, default=5e8,
+                    help="--versus-nt: skip the out-in layout where N * outputs * parameters (the "
+                         "Jacobian NT then forms) exceeds this many elements (default 5e8)")
+    ap.add_argument("--torchntk-root", default=None,
+                    help="import torchntk from this checkout in the torchntk workers (for "
+                         "before/after tables); default: this repository")
     add_common_arguments(ap)
     args = ap.parse_args(argv)
 
     if args._worker:
         return worker_main(args._worker)
+    if args.versus_nt:
+        from _versus_nt import versus_nt
+        return versus_nt(args, run_config_spec)
 
-    models = parse_list(args.models, set(MODELS))
+    models = parse_list(args.models or ",".join(DEFAULT_MODELS), set(MODELS))
     impls = parse_list(args.impls, {0, 1, 2, 3}, int)
     nt_impls = parse_list(args.nt_impls, {1, 2, 3}, int)
     kernels_opt = parse_list(args.kernels, set(KERNELS)) if args.kernels else None

@@ -5,11 +5,11 @@ For each model (torchvision ResNet-18, MobileNetV3-small, EfficientNet-B0 and a 
 ViT, Hugging Face BERT and GPT-2 with padding masks, nn.TransformerEncoder, nn.MultiheadAttention,
 nn.LSTM, nn.GRU, a weight-norm MLP, a tied autoencoder, a hooked MLP), with ``N1`` and ``N2``
 examples (x2 given), its ``vmap_axes`` and the full or traced kernel, this times implementations 1,
-2 and 3 (a first call, then the median of ``--repeats`` calls), and AUTO: what it picks, what the
-choice costs (the first call of a new AUTO kernel function less the first call of the implementation
-it picks: both validate the call, check ``vmap_axes`` and, for 3, make its plan), and the picked
-implementation's time over the fastest one's. A configuration that raises is
-reported, not fatal.
+2 and 3 (a first call, then the median of ``--repeats`` calls), and AUTO: what it picks, the picked
+implementation's time over the fastest one's, and what the choice costs (``choice_cost``: the
+time of AUTO's ``choose`` on a new kernel function, less implementation 3's plan when 3 is picked
+and computes with it; median of ``--repeats``), also as a fraction of the picked implementation's
+steady time. A configuration that raises is reported, not fatal.
 
     python benchmarks/bench_zoo.py                       # all models, full and traced kernels
     python benchmarks/bench_zoo.py --models lstm bert --kernels full --n1 16 --n2 16
@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 import warnings
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,6 +33,8 @@ import torch  # noqa: E402
 
 import torchntk  # noqa: E402
 from tests import zoo  # noqa: E402
+from torchntk._implementations import auto as auto_module  # noqa: E402
+from torchntk._implementations.auto import choose  # noqa: E402
 from torchntk._implementations.structured import _contract  # noqa: E402
 
 KERNELS = {"full": (), "traced": (-1,)}
@@ -74,9 +77,41 @@ def cold(call) -> float:
     return timed(call, 0)[0]
 
 
+def choice_cost(case: zoo.Case, trace_axes: tuple, repeats: int) -> float:
+    """What choosing adds, once per input shapes: the time AUTO's ``choose`` takes in ``auto_choice``
+    on a new AUTO kernel function, planners' caches emptied, less the time it spends making
+    implementation 3's plan when it picks 3 (the kernel then computes with that plan, as a kernel
+    function of implementation 3 would). The median of ``repeats`` such choices."""
+    spent: list[float] = []
+
+    def timed_choose(call, make_plan):
+        planning = [0.0]
+
+        def timed_plan():
+            start = time.perf_counter()
+            try:
+                return make_plan()
+            finally:
+                planning[0] += time.perf_counter() - start
+
+        start = time.perf_counter()
+        choice = choose(call, timed_plan)
+        reused = planning[0] if choice.implementation == torchntk.NtkImplementation.STRUCTURED_DERIVATIVES else 0.0
+        spent.append(time.perf_counter() - start - reused)
+        return choice
+
+    with mock.patch.object(auto_module, "choose", timed_choose):
+        for _ in range(max(repeats, 1)):
+            ntk_fn = torchntk.empirical_ntk_fn(
+                case.module, trace_axes=trace_axes, vmap_axes=case.vmap_axes, implementation=0,
+                output_fn=case.output_fn,
+            )
+            cold(lambda: ntk_fn.auto_choice(case.x1, case.x2, **case.kwargs))
+    return statistics.median(spent)
+
+
 def measure(case: zoo.Case, trace_axes: tuple, repeats: int) -> dict:
-    """Steady times of 1, 2, 3 and AUTO's pick; the choice's cost is AUTO's first call less the
-    picked implementation's first call (both validate, check ``vmap_axes`` and, for 3, plan)."""
+    """Steady times of 1, 2, 3, AUTO's pick and what the choice costs (:func:`choice_cost`)."""
     row: dict = {}
 
     def builder(implementation: int):
@@ -85,18 +120,15 @@ def measure(case: zoo.Case, trace_axes: tuple, repeats: int) -> dict:
             output_fn=case.output_fn,
         )
 
-    first = {}
     for implementation in (1, 2, 3):
         ntk_fn = builder(implementation)
         try:
-            first[implementation] = cold(lambda: ntk_fn(case.x1, case.x2, **case.kwargs))
             row[implementation] = timed(lambda: ntk_fn(case.x1, case.x2, **case.kwargs), repeats)[1]
         except Exception as error:  # noqa: BLE001 - reported in the table
             row[implementation] = f"{type(error).__name__}: {str(error).splitlines()[0][:60]}"
     auto = builder(0)
-    auto_first = cold(lambda: auto(case.x1, case.x2, **case.kwargs))
     row["picked"] = int(auto.auto_choice(case.x1, case.x2, **case.kwargs).implementation)
-    row["choice_s"] = max(0.0, auto_first - first.get(row["picked"], float("nan")))
+    row["choice_s"] = choice_cost(case, trace_axes, repeats)
     return row
 
 
@@ -117,7 +149,7 @@ def main() -> None:
         torchntk.empirical_ntk_fn(warm_up.module, vmap_axes=0, implementation=implementation)(warm_up.x1, warm_up.x2)
     print(f"N1={args.n1} N2={args.n2} threads={args.threads} repeats={args.repeats} torch {torch.__version__}")
     print(
-        "| model | kernel | impl 1 (s) | impl 2 (s) | impl 3 (s) | AUTO picks | picked / fastest | choice (s) "
+        "| model | kernel | impl 1 (s) | impl 2 (s) | impl 3 (s) | AUTO picks | picked / fastest | choice (ms) "
         "| choice / picked |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -132,7 +164,7 @@ def main() -> None:
             cells = [f"{row[k]:.3f}" if isinstance(row[k], float) else row[k] for k in (1, 2, 3)]
             print(
                 f"| {name} | {kernel} | {' | '.join(cells)} | {row['picked']} | {picked / fastest:.2f} | "
-                f"{row['choice_s']:.3f} | {row['choice_s'] / picked:.2f} |",
+                f"{row['choice_s'] * 1e3:.1f} | {row['choice_s'] / picked:.3f} |",
                 flush=True,
             )
 

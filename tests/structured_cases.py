@@ -248,6 +248,23 @@ class _LinearTwice(nn.Module):
         return self.head(torch.tanh(self.linear(torch.tanh(self.linear(x)))))
 
 
+class _RecurrentCell(nn.Module):
+    """An Elman cell unrolled over the sequence axis: ``w_ih`` and ``w_hh`` (with their biases) are
+    consumed once per step, then a head Linear(6, 4) reads the last state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input = nn.Linear(3, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, T, 3) -> (N, 4)
+        h = torch.zeros(*x.shape[:-2], 6, dtype=x.dtype)
+        for step in range(x.shape[-2]):
+            h = torch.tanh(self.input(x[..., step, :]) + self.hidden(h))
+        return self.head(h)
+
+
 class _MixedRuledUnruled(nn.Module):
     """Normal layers mixed with parameters used by ops without a closed-form rule.
 
@@ -363,6 +380,11 @@ def linear_twice(seed: int = DEFAULT_SEED) -> ModelCase:
     return ModelCase("linear_twice", _build(_LinearTwice, seed), _normal(5), (-1,), True, ((-1, 4),))
 
 
+def recurrent_cell(seed: int = DEFAULT_SEED) -> ModelCase:
+    """An Elman cell over 6 steps of (N, 6, 3): each weight used 6 times; output (N, 4)."""
+    return ModelCase("recurrent_cell", _build(_RecurrentCell, seed), _normal(6, 3), (-1,), True, ((-1, 4),))
+
+
 def mixed_ruled_unruled(seed: int = DEFAULT_SEED) -> ModelCase:
     """exp/pow/cumsum of parameters, broadcast scale/shift, raw matmul, GroupNorm; output (N, 3)."""
     module = _build(_MixedRuledUnruled, seed)
@@ -392,6 +414,7 @@ STRUCTURED_CASES: dict[str, Callable[..., ModelCase]] = {
     "cross_attention": cross_attention,
     "tied_embedding_lm": tied_embedding_lm,
     "linear_twice": linear_twice,
+    "recurrent_cell": recurrent_cell,
     "mixed_ruled_unruled": mixed_ruled_unruled,
     "tuple_output": tuple_output,
     "layernorm_groupnorm": layernorm_groupnorm,

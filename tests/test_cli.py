@@ -90,7 +90,7 @@ def test_without_matplotlib_the_figure_is_skipped(tmp_path, capsys, monkeypatch)
         (["--keyword-inputs", "input_ids,mask=twos"], "'mask=twos': a keyword input is random, or NAME=ones"),
         (["--keyword-inputs", "a,a=ones"], "names 'a' twice"),
         (["--model", "mlp", "--vmap-axes", "2"], "--vmap-axes 2: out of range for inputs of shape (16, 64)"),
-        (["bench", "--models", "resnet"], "--models 'resnet': expected a comma list of mlp, cnn"),
+        (["bench", "--models", "resnet"], "--models 'resnet': expected a comma list of mlp, wide, cnn"),
         (["bench", "--implementations", "1,5"], "--implementations: expected a comma list of 1, 2, 3, got [5]"),
         (["bench", "--sizes", "0"], "argument --sizes: expected a positive integer, got '0'"),
     ],

@@ -377,7 +377,9 @@ def test_auto_excludes_a_candidate_whose_pricing_fails():
     def broken(*args, **kwargs):
         raise RuntimeError("pricing broke")
 
-    with mock.patch.object(auto_module, "structured_cost", broken):
+    # _PROBE_EVERYTHING: on a model this small AUTO would not price 3 at all (its plan costs too much)
+    with mock.patch.object(auto_module, "structured_cost", broken), \
+            mock.patch.object(auto_module, "_PROBE_EVERYTHING", True):
         auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
         choice = auto.auto_choice(x1, x2)
         actual = auto(x1, x2)
@@ -393,7 +395,9 @@ def test_auto_excludes_implementation_3_when_its_plan_fails():
     def no_plan(self, *args, **kwargs):
         raise RuntimeError("the probe failed")
 
-    with mock.patch.object(StructuredDerivatives, "plan", no_plan):
+    # _PROBE_EVERYTHING: on a model this small AUTO would not make 3's plan at all (it costs too much)
+    with mock.patch.object(StructuredDerivatives, "plan", no_plan), \
+            mock.patch.object(auto_module, "_PROBE_EVERYTHING", True):
         auto = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)
         choice = auto.auto_choice(x1, x2)
         actual = auto(x1, x2)

@@ -27,7 +27,8 @@ def _model() -> torch.nn.Module:
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    return torch.randn(7, 3, generator=generator, dtype=torch.float64), torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    return (torch.randn(7, 3, generator=generator, dtype=torch.float64),
+            torch.randn(5, 3, generator=generator, dtype=torch.float64))
 
 
 def _compute(kind: str):
@@ -39,6 +40,20 @@ def _compute(kind: str):
     vmap_axes = None if kind == "batch-per-block" else 0  # prepared spans, or a kernel call per block
     batched = torchntk.batch(torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=vmap_axes), 2, timeout=60)
     return [batched(x1, x2), batched(x1, None)]
+
+
+def _shard_kernels(out_dir: str):
+    """Row shards (distributed='shard') of a full NTK with x2 and of a symmetric traced one, the
+    latter also written into one memmap file that every rank shares."""
+    import numpy as np
+
+    x1, x2 = _inputs()
+    full_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=0)  # prepared spans
+    full = torchntk.batch(full_fn, 2, distributed="shard", timeout=60)
+    traced_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=None)  # a kernel function call per block
+    traced = torchntk.batch(traced_fn, 2, distributed="shard", timeout=60)
+    shared = np.lib.format.open_memmap(os.path.join(out_dir, "shared.npy"), "r+", np.float64, (7, 7))
+    return [tuple(full(x1, x2)), tuple(traced(x1)), traced(x1, out=shared)[1:]]
 
 
 def _rank_main(rank: int, world_size: int, rendezvous: str, kind: str, out_dir: str) -> None:
@@ -58,7 +73,8 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, kind: str, out_dir: 
                 torch.save(type(error).__name__, os.path.join(out_dir, f"rank{rank}.pt"))
                 raise
             return
-        torch.save(_compute(kind), os.path.join(out_dir, f"rank{rank}.pt"))
+        result = _shard_kernels(out_dir) if kind == "batch-shard" else _compute(kind)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         torchntk.distributed.finalize(timeout=60)
     finally:
         if dist.is_initialized():
@@ -67,7 +83,8 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, kind: str, out_dir: 
 
 def _spawn(tmp_path, world_size: int, kind: str) -> list:
     """Runs every rank to its end (a failing rank does not kill the others), then loads their files."""
-    spawn(_rank_main, world_size, (world_size, str(tmp_path / "rendezvous"), kind, str(tmp_path)), grace=30.0, deadline=120.0)
+    spawn(_rank_main, world_size, (world_size, str(tmp_path / "rendezvous"), kind, str(tmp_path)),
+          grace=30.0, deadline=120.0)
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world_size)]
 
 
@@ -85,6 +102,23 @@ def test_processes_equal_one_process(tmp_path, world_size, kind):
     expected = _compute(kind)
     for result in _spawn(tmp_path, world_size, kind):
         _assert_equal(result, expected)
+
+
+def test_row_shards_of_two_ranks_equal_one_process_rows(tmp_path):
+    """Each rank keeps only its rows (no all-reduce of the kernel): they equal the single-process
+    kernel's rows, cover it, and both ranks' rows land in one shared memmap."""
+    import numpy as np
+
+    np.lib.format.open_memmap(tmp_path / "shared.npy", "w+", np.float64, (7, 7))
+    x1, x2 = _inputs()
+    full = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=0)(x1, x2)
+    traced = torchntk.empirical_ntk_fn(_model())(x1)
+    results = _spawn(tmp_path, 2, "batch-shard")
+    for (full_shard, traced_shard, shared_rows), rows in zip(results, [(0, 4), (4, 7)]):
+        assert full_shard[1:] == traced_shard[1:] == shared_rows == rows
+        torch.testing.assert_close(full_shard[0], full[rows[0]:rows[1]], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(traced_shard[0], traced[rows[0]:rows[1]], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "shared.npy")), traced, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["raises-mc", "raises-batch"])

@@ -414,3 +414,76 @@ def test_operations_that_differ_between_x1_and_x2_are_re_planned():
     x2 = torch.rand(2, 4, dtype=torch.float64)  # `extra` used
     expected = torchntk.empirical_ntk_fn(model, trace_axes=())(x1, x2)
     assert_kernels_close(torchntk.empirical_ntk_fn(model, trace_axes=(), implementation=3)(x1, x2), expected)
+
+
+# --------------------------------------------------------------------------------------------
+# Doing less work: merged uses and one pass for both sides (docs/structured.md)
+# --------------------------------------------------------------------------------------------
+
+
+def _recurrent_case():
+    case = STRUCTURED_CASES["recurrent_cell"]()
+    return case, *make_x1_x2(case)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_the_uses_of_a_recurrent_weight_are_merged_into_one_contraction(monkeypatch, trace):
+    from torchntk._implementations.structured import _contract
+
+    counts = []
+    merged_factors = _contract.merged_factors
+
+    def counting(factors, mapped, pays=None):
+        merged = merged_factors(factors, mapped, pays)
+        counts.append((len(factors.uses), len(merged.uses)))
+        return merged
+
+    monkeypatch.setattr(_contract, "merged_factors", counting)
+    case, x1, x2 = _recurrent_case()
+    trace_axes = () if trace == "full" else case.trace_axes
+    kernel = torchntk.empirical_ntk_fn(case.module, trace_axes=trace_axes, vmap_axes=0, implementation=3)(x1, x2)
+    # 6 steps x (input, hidden) joint weight+bias uses and the head: one use per parameter pair
+    assert counts and set(counts) == {(13, 3)}
+    assert_kernels_close(kernel, reference_ntk(case.module, x1, x2, trace_axes=trace_axes))
+
+
+@pytest.mark.parametrize("same", list(SAMES.values()), ids=list(SAMES))
+def test_uses_contracted_pair_by_pair_when_merging_does_not_pay(monkeypatch, same):
+    from torchntk._implementations.structured import _contract
+
+    monkeypatch.setattr(_contract, "merge_pays", lambda layout, out_axis: lambda single, stacked, count: False)
+    case, x1, x2 = _recurrent_case()
+    x2 = None if same else x2
+    kernel = torchntk.empirical_ntk_fn(case.module, trace_axes=(), vmap_axes=0, implementation=3)(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(case.module, x1, x2, trace_axes=()))
+
+
+def _counting_passes(monkeypatch) -> list[int]:
+    from torchntk._implementations import structured
+
+    sizes: list[int] = []
+    side_factors = structured.side_factors
+
+    def counting(side, *args, **kwargs):
+        sizes.append(side.batch_size() if side.mapped else -1)
+        return side_factors(side, *args, **kwargs)
+
+    monkeypatch.setattr(structured, "side_factors", counting)
+    return sizes
+
+
+def test_x1_and_x2_share_one_pass_when_only_their_examples_differ(monkeypatch):
+    passes = _counting_passes(monkeypatch)
+    case, x1, x2, _ = _case("mlp")
+    kernel = torchntk.empirical_ntk_fn(case.module, trace_axes=(), vmap_axes=0, implementation=3)(x1, x2)
+    assert passes == [N1 + N2]
+    assert_kernels_close(kernel, reference_ntk(case.module, x1, x2, trace_axes=()))
+
+
+def test_x1_and_x2_of_different_shapes_take_a_pass_each(monkeypatch):
+    passes = _counting_passes(monkeypatch)
+    case, x1, _ = _recurrent_case()
+    x2 = torch.randn(N2, 4, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # 4 steps, not 6
+    kernel = torchntk.empirical_ntk_fn(case.module, trace_axes=(), vmap_axes=0, implementation=3)(x1, x2)
+    assert passes[-2:] == [N2, N1]
+    assert_kernels_close(kernel, reference_ntk(case.module, x1, x2, trace_axes=()))

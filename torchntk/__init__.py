@@ -13,6 +13,18 @@ from .empirical import empirical_nngp_fn as empirical_nngp_fn
 from .empirical import empirical_ntk_fn as empirical_ntk_fn
 from .empirical import empirical_ntk_vp_fn as empirical_ntk_vp_fn
 from .monte_carlo import monte_carlo_kernel_fn as monte_carlo_kernel_fn
+from .sketch import sketched_ntk_features_fn as sketched_ntk_features_fn
+from .sketch import sketched_ntk_fn as sketched_ntk_fn
+from .spectra import Eigenpairs as Eigenpairs
+from .spectra import TraceEstimate as TraceEstimate
+from .spectra import condition_number as condition_number
+from .spectra import effective_rank as effective_rank
+from .spectra import kernel_target_alignment as kernel_target_alignment
+from .spectra import ntk_eigenpairs as ntk_eigenpairs
+from .spectra import ntk_trace_estimate as ntk_trace_estimate
+from .spectra import relative_change as relative_change
+from .spectra import top_eigenpairs as top_eigenpairs
+from .spectra import trace_estimate as trace_estimate
 from .taylor import linearize as linearize
 from .taylor import taylor_expand as taylor_expand
 
@@ -39,9 +51,23 @@ __all__ = [
     # batching and Monte Carlo
     "batch",
     "monte_carlo_kernel_fn",
+    # sketched kernels (random features)
+    "sketched_ntk_features_fn",
+    "sketched_ntk_fn",
     # expansions
     "linearize",
     "taylor_expand",
+    # spectra and kernel diagnostics
+    "ntk_eigenpairs",
+    "ntk_trace_estimate",
+    "top_eigenpairs",
+    "trace_estimate",
+    "Eigenpairs",
+    "TraceEstimate",
+    "condition_number",
+    "effective_rank",
+    "kernel_target_alignment",
+    "relative_change",
     # predictions from kernels (torchntk.predict.gradient_descent_mse, ...)
     "predict",
 ]

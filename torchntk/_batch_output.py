@@ -1,4 +1,4 @@
-"""The preallocated result of a batched kernel call, written block by block.
+"""The result of a batched kernel call, preallocated or given (``out``), written block by block.
 
 Each result leaf has a :class:`~torchntk._layout.KernelLayout` and a batch axis (``out_axes``);
 a block of examples ``run1 x run2`` lands where NOTE: [Tiles] (``_tiles.py``) says; a traced
@@ -8,10 +8,12 @@ block is a mean over its examples, added with weight ``len(run1) / N``.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
+from ._batch_disk import ProgressRecord, as_numpy, assign_whole, check_out_leaf, checksum, flush
 from ._layout import KernelLayout
 from ._tiles import Placement
 
@@ -32,33 +34,111 @@ def batch_axis_kinds(leaf_layouts: Sequence[tuple[KernelLayout, int]], trace_axe
     return kinds.pop()
 
 
+def moved(block: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``block`` on ``device``; asynchronously only between accelerators, where the stream orders the
+    copy before any use. A non-blocking copy to the CPU returns before the data arrives, and the
+    CPU copies that place blocks would read it too early."""
+    return block.to(device, non_blocking=device.type != "cpu" and block.device.type != "cpu")
+
+
 class KernelOutput:
-    """One preallocated tensor per result leaf on ``device``; ``write`` puts blocks in place."""
+    """Where the blocks go: one preallocated tensor per result leaf on ``device``, or the caller's
+    arrays (``out``, NOTE: [Kernels on disk] in ``_batch_disk.py``); ``write`` puts blocks in place.
+
+    Args:
+        first_block, leaf_layouts: a block of the result (for shapes and dtypes) and every leaf's
+            layout and batch axis.
+        rows: the x1 examples kept, ``(start, stop)`` (NOTE: [Row shards]); ``None``: all.
+        out: ``(path, array)`` per leaf from :func:`~torchntk._batch_disk.match_out`, or ``None``.
+            Arrays have the whole kernel's shape even when only ``rows`` are written.
+        record: the progress record to tell of every block written (``out`` only).
+
+    Raises:
+        ValueError: an ``out`` leaf of the wrong shape or dtype; a ``record`` for a traced batch
+            axis; an ``out`` that does not hold what ``record`` lists.
+    """
 
     def __init__(
         self, first_block: Sequence[torch.Tensor], leaf_layouts: Sequence[tuple[KernelLayout, int]],
         n1: int, n2: int, device: torch.device, pin_memory: bool,
+        rows: Optional[tuple[int, int]] = None, out: Optional[list] = None, record: Optional[ProgressRecord] = None,
     ):
         self.n1 = n1
+        self.rows = rows or (0, n1)
         self.tensors: list[torch.Tensor] = []
+        self.targets: list[Any] = []
         self._placements: list[Placement] = []
         self._lock = threading.Lock()
-        for leaf, (layout, axis) in zip(first_block, leaf_layouts):
-            positions = layout.kernel_positions(axis)
+        self._out = out
+        self._record = record
+        self._row_offset = 0 if out is not None else self.rows[0]
+        for index, (leaf, (layout, axis)) in enumerate(zip(first_block, leaf_layouts)):
+            placement = Placement.of(layout, axis)
             shape = list(leaf.shape)
-            for position, size in zip(positions, (n1, n2)):
+            for position, size in zip(placement.positions, (n1, n2)):
                 shape[position] = size
-            tensor = torch.zeros(shape, dtype=leaf.dtype, device=device, pin_memory=pin_memory)
-            self.tensors.append(tensor)
-            self._placements.append(Placement.of(layout, axis))
+            if placement.kind == "trace" and record is not None:
+                raise ValueError(
+                    "batch: `progress_file` needs a kernel with the batch axis kept or diagonal; with the "
+                    f"batch axis traced (trace_axes={layout.trace_axes}) every block adds into the whole "
+                    "kernel, which is small: compute it without `progress_file`."
+                )
+            if out is not None:
+                check_out_leaf(out[index][1], shape, leaf.dtype, out[index][0])
+            if out is None or placement.kind == "trace":
+                if out is None and placement.kind != "trace":
+                    shape[placement.positions[0]] = self.rows[1] - self.rows[0]
+                tensor = torch.zeros(shape, dtype=leaf.dtype, device=device, pin_memory=pin_memory)
+                self.tensors.append(tensor)
+                self.targets.append(tensor)
+            else:
+                self.tensors.append(None)
+                self.targets.append(out[index][1])
+            self._placements.append(placement)
+        if record is not None and record.done:
+            record.verify(self._read_back)
+
+    @property
+    def arrays(self) -> list[Any]:
+        return [] if self._out is None else [array for _, array in self._out]
 
     def write(self, leaves: Sequence[torch.Tensor], run1: tuple[int, int], run2: tuple[int, int], mirror: bool) -> None:
         """Writes the block of x1 examples ``run1`` and x2 examples ``run2`` (and its mirror image);
         a traced block is a mean over ``run1``, added with weight ``len(run1) / N1``."""
-        for tensor, block, placement in zip(self.tensors, leaves, self._placements):
-            block = block.to(tensor.device, non_blocking=True)
+        checksums = []
+        for target, block, placement in zip(self.targets, leaves, self._placements):
             if placement.kind == "trace":
                 with self._lock:  # blocks of several workers add into one tensor
-                    placement.put(tensor, block, run1, run2, weight=run1[1] / self.n1)
+                    placement.put(target, moved(block, target.device), run1, run2, weight=run1[1] / self.n1)
                 continue
-            placement.put(tensor, block, run1, run2, mirror=mirror)
+            if isinstance(target, torch.Tensor):
+                placement.put(target, moved(block, target.device), run1, run2, mirror=mirror,
+                              row_offset=self._row_offset)
+                data = None
+            else:
+                data = as_numpy(block)
+                with self._lock:  # blocks of two workers may share a chunk of a chunked store
+                    placement.put(target, data, run1, run2, mirror=mirror, row_offset=self._row_offset)
+            if self._record is not None:
+                checksums.append(checksum(as_numpy(block) if data is None else data))
+        if self._record is not None:
+            self._record.completed(run1, run2, checksums, self.arrays)
+
+    def finish(self) -> list[Any]:
+        """The result's leaves: the kernel tensors, or ``out``'s arrays with every block in place."""
+        if self._out is None:
+            return self.tensors
+        for index, placement in enumerate(self._placements):
+            if placement.kind == "trace":
+                assign_whole(self._out[index][1], self.tensors[index])
+        flush(self.arrays)
+        if self._record is not None:
+            self._record.finish(self.arrays)
+        return self.arrays
+
+    def _read_back(self, run1: tuple[int, int], run2: tuple[int, int]) -> list[int]:
+        sums = []
+        for target, placement in zip(self.targets, self._placements):
+            block = target[placement.index(run1, run2, self._row_offset)]
+            sums.append(checksum(as_numpy(block) if isinstance(block, torch.Tensor) else np.asarray(block)))
+        return sums

@@ -2,15 +2,16 @@
 
 The calling thread serves the first worker: a second thread running torch work next to it
 doubles the OpenMP thread pools, which made small blocks ~40% slower on a 2-core machine.
-The first exception of any worker stops the others (after their current task) and is re-raised
-in the caller.
+Progress is counted in kernel entries (pairs of examples), so the bar's rate is entries per
+second whatever the block sizes. The first exception of any worker stops the others (after
+their current task) and is re-raised in the caller.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -19,16 +20,23 @@ Task = TypeVar("Task")
 
 
 def serve(
-    workers: Sequence[Worker], tasks: Sequence[Task], handle: Callable[[Worker, Task], int], *,
-    progress: bool, total: int, description: str,
+    workers: Sequence[Worker], tasks: Sequence[Task], handle: Callable[[Worker, Task, Callable[[int], Any]], None], *,
+    progress: bool, total: int, description: str, initial: int = 0,
 ) -> None:
-    """Runs ``handle(worker, task)`` for every task; it returns the number of steps done (progress)."""
+    """Runs ``handle(worker, task, advance)`` for every task; ``advance(n)`` moves the progress bar
+    by ``n`` kernel entries (of ``total``, ``initial`` of them done before)."""
     pending: queue.SimpleQueue = queue.SimpleQueue()
     for task in tasks:
         pending.put(task)
     failures: list[BaseException] = []
     stop = threading.Event()
-    bar = tqdm(total=total, disable=not progress, desc=description)
+    bar = tqdm(total=total, initial=initial, disable=not progress, desc=description, unit=" entries",
+               unit_scale=True, smoothing=0.1)
+    bar_lock = threading.Lock()
+
+    def advance(entries: int) -> None:
+        with bar_lock:  # tqdm's own lock does not cover update's arithmetic
+            bar.update(entries)
 
     def work(worker: Worker) -> None:
         try:
@@ -37,7 +45,7 @@ def serve(
                     task = pending.get_nowait()
                 except queue.Empty:
                     return
-                bar.update(handle(worker, task))
+                handle(worker, task, advance)
         except BaseException as error:  # re-raised in the caller
             failures.append(error)
             stop.set()

@@ -97,7 +97,7 @@ class BlockSource:
     def leaf_layouts(self) -> list[tuple[KernelLayout, int]]:
         """The layout and batch axis of every leaf of a result, in ``pytree`` leaf order."""
         per_output = list(zip(self.call.layouts, self.call.side1.out_axes))
-        kernels = 1 if self.bare else len(self.names)
+        kernels = sum(self.call.kernels_of(name) for name in (self.names[:1] if self.bare else self.names))
         return [entry for entry in per_output for _ in range(kernels)]
 
 

@@ -8,7 +8,8 @@ module loops over the pairs and writes each block into one preallocated kernel p
 where NOTE: [Tiles] (``_tiles.py``) puts it. A diagonal or traced batch axis only has pairs
 ``i == j``; traced blocks are summed in float64 for float32 kernels. When x2 is None the kernel is
 symmetric, so only pairs ``i <= j`` are computed and mirrored. Without ``vmap_axes`` there is a
-single block covering everything.
+single block covering everything. With parameter groups every leaf's block is a tuple of one block
+per group (NOTE: [Parameter groups] in ``_groups.py``), placed alike.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class BlockPlan:
     Attributes:
         prepare1, prepare2: ``side -> prepared data`` for a run of x1 / x2 examples.
         contract: ``(prepared1, prepared2, needed) -> blocks``, one unnormalised block per output
-            leaf, ``None`` where ``needed`` is False. Given the same object twice (x2 None, a run
-            paired with itself) it may use the symmetric product.
+            leaf (a tuple of one block per group with parameter groups), ``None`` where ``needed``
+            is False. Given the same object twice (x2 None, a run paired with itself) it may use
+            the symmetric product.
         reuse_prepared: whether ``prepare1`` and ``prepare2`` return the same thing, so that a
             run paired with itself is prepared once.
         split_x1: whether x1 is cut into runs too. An implementation whose x1 work is cheap per
@@ -82,11 +84,11 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
     # A traced batch axis sums one block per run; float64 keeps that sum exact enough however
     # many runs there are (NOTE: [Accurate contraction] in _layout.py).
     kernels = [
-        torch.zeros(
+        _per_group(call, lambda: torch.zeros(
             shape,
             dtype=accumulation_dtype(dtype, output.device) if kind == "trace" else dtype,
             device=output.device,
-        )
+        ))
         for shape, dtype, output, kind in zip(call.kernel_shapes(), call.dtypes, call.outputs1, batch_kinds)
     ]
     for j, (start2, length2) in enumerate(runs2):
@@ -103,6 +105,18 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
                 prepared1 = prepare1(side1.narrow(start1, length1))
             blocks = contract(prepared1, prepared2, needed)
             for kernel, block, placement in zip(kernels, blocks, placements):
-                if block is not None:
-                    placement.put(kernel, block, (start1, length1), (start2, length2), mirror=mirrored)
-    return [kernel.to(dtype) for kernel, dtype in zip(kernels, call.dtypes)]
+                if block is None:
+                    continue
+                # With parameter groups a leaf's kernel and block are tuples, one entry per group.
+                pairs = zip(kernel, block) if isinstance(kernel, tuple) else [(kernel, block)]
+                for group_kernel, group_block in pairs:
+                    placement.put(group_kernel, group_block, (start1, length1), (start2, length2), mirror=mirrored)
+    return [
+        tuple(k.to(dtype) for k in kernel) if isinstance(kernel, tuple) else kernel.to(dtype)
+        for kernel, dtype in zip(kernels, call.dtypes)
+    ]
+
+
+def _per_group(call: KernelCall, make: Callable[[], torch.Tensor]) -> Any:
+    """``make()``, or a tuple of one ``make()`` per parameter group (NOTE: [Parameter groups])."""
+    return make() if call.groups is None else tuple(make() for _ in call.groups)

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ._checks import input_argument, show
+from ._groups import GroupKernels, ParameterGroups
 from ._layout import KernelLayout, check_shapes, make_layout
 from ._model import (
     FunctionalModel,
@@ -42,6 +43,10 @@ class KernelCall:
         vmap_check: the output check the implementation must still run on its per-example
             outputs against :meth:`expected_outputs` (``VmapAxesCheck.per_example_outputs``),
             or None.
+        groups: with parameter groups (NOTE: [Parameter groups] in ``_groups.py``), the indices of
+            each group's parameters in ``model.params`` (a partition of them); implementations then
+            return a tuple of one block per group for every output leaf. None without groups.
+        group_names: the groups' names, in the order of ``groups``.
     """
 
     where: str
@@ -55,6 +60,8 @@ class KernelCall:
     dtypes: tuple[torch.dtype, ...]
     chunk_size: Optional[int]
     vmap_check: Optional[VmapAxesCheck] = None
+    groups: Optional[tuple[tuple[int, ...], ...]] = None
+    group_names: tuple[str, ...] = ()
 
     @property
     def reuses_x1(self) -> bool:
@@ -103,12 +110,25 @@ class KernelCall:
             for layout, one, two in zip(self.layouts, self.outputs1, self.outputs2)
         )
 
-    def normalise(self, kernels: list[torch.Tensor], dtypes: Optional[tuple[torch.dtype, ...]] = None) -> Any:
-        """Divides by traced sizes, casts to the result dtypes and rebuilds the output tree."""
-        results = [
-            (kernel / layout.trace_size(output.shape)).to(dtype).contiguous()
-            for kernel, layout, output, dtype in zip(kernels, self.layouts, self.outputs1, dtypes or self.dtypes)
-        ]
+    def kernels_of(self, name: str) -> int:
+        """How many kernel tensors the result holds per output leaf for the kernel ``name``
+        (``"ntk"`` or ``"nngp"``): one per group for a grouped NTK, else one."""
+        return len(self.groups) if name == "ntk" and self.groups is not None else 1
+
+    def normalise(self, kernels: list[Any], dtypes: Optional[tuple[torch.dtype, ...]] = None) -> Any:
+        """Divides by traced sizes, casts to the result dtypes and rebuilds the output tree.
+
+        An entry that is a tuple (one block per parameter group) becomes a :class:`GroupKernels`.
+        """
+        results = []
+        for kernel, layout, output, dtype in zip(kernels, self.layouts, self.outputs1, dtypes or self.dtypes):
+            size = layout.trace_size(output.shape)
+            if isinstance(kernel, tuple):
+                results.append(GroupKernels(
+                    (name, (block / size).to(dtype).contiguous()) for name, block in zip(self.group_names, kernel)
+                ))
+            else:
+                results.append((kernel / size).to(dtype).contiguous())
         return self.output_tree.rebuild(results)
 
 
@@ -131,6 +151,7 @@ def prepare_call(
     check_derivatives: bool = True,
     example_loop: bool = False,
     output_fn: Optional[OutputFn] = None,
+    groups: Optional[ParameterGroups] = None,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side.
 
@@ -146,21 +167,25 @@ def prepare_call(
     ``check_derivatives=False`` skips the derivative check (the caller ran it on an earlier call
     with the same shapes and module structure). ``example_loop``: map the examples with a loop
     instead of vmap (NOTE: [Example loops]). ``output_fn``: what the kernel is taken of, from
-    :func:`~torchntk._outputs.output_fn_argument` (NOTE: [Selected outputs]).
+    :func:`~torchntk._outputs.output_fn_argument` (NOTE: [Selected outputs]). ``groups``: split the
+    NTK by parameter groups (NOTE: [Parameter groups]); only the grouped parameters are differentiated.
 
     Raises:
         TypeError: outputs that are not tensors; bad ``params``; numpy inputs; for the NTK,
-            complex parameters or outputs.
+            complex parameters or outputs; a ``groups`` predicate returning no bool.
         ValueError: output structures or ndims that differ between x1 and x2, bad axes, traced
             or diagonal sizes that differ, ``vmap_axes`` that do not fit the data or the model
             (NOTE: [Checking vmap_axes] lists the causes told apart), a model that vmap cannot
-            evaluate per example (data-dependent shapes or control flow).
+            evaluate per example (data-dependent shapes or control flow), an empty parameter group.
     """
     if x1 is None or is_all_none(x1):
         raise ValueError(f"{where}: `x1` must contain at least one tensor, got {show(x1)}.")
     input_argument(x1, "x1", where)
     input_argument(x2, "x2", where)
     model = functional_model(f, params, where, output_fn)
+    index_groups = None
+    if groups is not None:
+        model, index_groups = groups.split(model, f if isinstance(f, torch.nn.Module) else None, where)
     warn_training_mode(model, where)
     computes_ntk = vmap_axes is not None if for_ntk is None else for_ntk
     if computes_ntk:
@@ -212,7 +237,10 @@ def prepare_call(
 
     param_dtype = model.param_dtype
     dtypes = tuple(torch.promote_types(leaf.dtype, param_dtype) for leaf in leaves1)
-    return KernelCall(where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending)
+    return KernelCall(
+        where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending,
+        index_groups, groups.names if groups is not None else (),
+    )
 
 
 def _whole_batch(model, x, kwargs, resolved, vmap_axes, run_length: Optional[int], where: str) -> Flat:
@@ -239,7 +267,9 @@ def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:
     for flat in (output1, output2):
         for leaf in flat.leaves:
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"{where}: the model must return tensors (or pytrees of tensors), got a leaf {show(leaf)}.")
+                raise TypeError(
+                    f"{where}: the model must return tensors (or pytrees of tensors), got a leaf {show(leaf)}."
+                )
     if not output1.leaves:
         raise ValueError(f"{where}: the model returned no tensor.")
     if not output1.same_structure(output2):

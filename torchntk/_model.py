@@ -22,7 +22,7 @@ import fnmatch
 import threading
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -91,6 +91,24 @@ class FunctionalModel:
             output = self.output_fn(output, x, kwargs)
         return tensor_leaves_only(output)
 
+    def restricted(self, indices: Sequence[int]) -> "FunctionalModel":
+        """The model differentiating only the parameters at ``indices`` (in that order); the others
+        become constants at their current values. ``self`` when ``indices`` are all, in order."""
+        if tuple(indices) == tuple(range(len(self.params))):
+            return self
+        everything, inner = self.params, self.call
+
+        def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+            leaves = list(everything)
+            for index, value in zip(indices, param_leaves):
+                leaves[index] = value
+            return inner(tuple(leaves), args, kwargs)
+
+        return replace(
+            self, call=call, params=tuple(everything[index] for index in indices),
+            names=tuple(self.names[index] for index in indices), params_tree=None,
+        )
+
     @property
     def param_dtype(self) -> torch.dtype:
         dtype = self.params[0].dtype
@@ -130,7 +148,9 @@ def tensor_leaves_only(output: Any) -> Any:
 
 
 def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str) -> FunctionalModel:
-    scripted = [path or type(sub).__name__ for path, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)]
+    scripted = [
+        path or type(sub).__name__ for path, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)
+    ]
     if scripted:
         raise TypeError(
             f"{where}: the module holds TorchScript modules ({', '.join(map(repr, scripted[:3]))}), which "
@@ -280,7 +300,9 @@ def _callable_model(f: Callable, params: Any, where: str) -> FunctionalModel:
     if not flat.leaves:
         raise ValueError(f"{where}: `params` has no tensors, so there is no parameter to differentiate.")
     names = tuple(f"params leaf {index}" for index in range(len(flat.leaves)))
-    leaves = tuple(float_parameter(leaf, f"parameter {name!r}", where).detach() for leaf, name in zip(flat.leaves, names))
+    leaves = tuple(
+        float_parameter(leaf, f"parameter {name!r}", where).detach() for leaf, name in zip(flat.leaves, names)
+    )
 
     def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         return f(flat.rebuild(param_leaves), *args, **kwargs)

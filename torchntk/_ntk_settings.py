@@ -22,6 +22,7 @@ from ._bounded_cache import BoundedCache
 from ._call import KernelCall, prepare_call
 from ._example_loop import ExampleLoops
 from ._fingerprint import structure_fingerprint
+from ._groups import ParameterGroups, groups_argument
 from ._implementations import implementation_table
 from ._implementations._choice import AutoChoice
 from ._implementations.structured import StructuredOptions
@@ -63,18 +64,22 @@ class NtkSettings:
     derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
     example_loops: ExampleLoops = field(default_factory=ExampleLoops)
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
+    groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
 
     @classmethod
     def validate(
-        cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured, output_fn,
-        where,
+        cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured,
+        output_fn, where, groups=None,
     ):
         _checks.callable_model_argument(f, where)
         chosen = _checks.implementation_argument(implementation, where)
+        parsed_groups = groups_argument(groups, f, where)
         arguments = dict(
             trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
             chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, output_fn=output_fn, **structured,
         )
+        if parsed_groups is not None:  # resolved (submodules as paths), so that a replica is grouped alike
+            arguments["groups"] = parsed_groups
         options = structured_options(structured, chosen, where)
         return cls(
             f,
@@ -88,6 +93,7 @@ class NtkSettings:
             implementation_table(options),
             arguments,
             output_fn=output_fn_argument(output_fn, where),
+            groups=parsed_groups,
         )
 
     def prepare(
@@ -119,6 +125,7 @@ class NtkSettings:
                 forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
                 check_derivatives=key is not None and key not in self.derivatives_checked,
                 example_loop=example_loop, output_fn=self.output_fn,
+                groups=self.groups if for_ntk and computes_ntk else None,
             )
 
         looped = loop_key is not None and self.example_loops.needed(loop_key)
@@ -188,7 +195,10 @@ class NtkSettings:
         shapes = call.kernel_shapes()
         if all(math.prod(shape) == 0 for shape in shapes):
             # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
-            return call.normalise([torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)])
+            zeros = [torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)]
+            if call.groups is not None:
+                zeros = [tuple(kernel for _ in call.groups) for kernel in zeros]
+            return call.normalise(zeros)
         implementation = self.table[self.implementation]
         with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
             return call.normalise(self.computed(call, key, lambda call: implementation.kernels(call, key)))
@@ -214,7 +224,8 @@ def structured_options(values: dict, chosen: NtkImplementation, where: str) -> S
         _checks.bool_argument(values[name], name, where)
     if values["local_jacobian"] not in ("auto", "forward", "reverse"):
         raise ValueError(
-            f"{where}: `local_jacobian` must be 'auto', 'forward' or 'reverse', got {_checks.show(values['local_jacobian'])}."
+            f"{where}: `local_jacobian` must be 'auto', 'forward' or 'reverse', got "
+            f"{_checks.show(values['local_jacobian'])}."
         )
     changed = [name for name, value in values.items() if value != getattr(defaults, name)]
     uses_them = (NtkImplementation.STRUCTURED_DERIVATIVES, NtkImplementation.AUTO)

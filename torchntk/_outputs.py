@@ -8,6 +8,7 @@ import inspect
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ._checks import show
+from ._groups import is_group_kernels
 from ._tree import Flat
 
 KERNEL_NAMES = ("nngp", "ntk")
@@ -83,11 +84,12 @@ def combine(kernels: dict[str, Any], names: tuple[str, ...], bare: bool) -> Any:
     """Turns ``{name: kernel tree}`` into one tree whose leaves are ``EmpiricalKernel`` tuples.
 
     A single-tensor output gives one ``EmpiricalKernel``; a tuple/list/dict output gives a
-    container of the same structure holding one ``EmpiricalKernel`` per output leaf.
+    container of the same structure holding one ``EmpiricalKernel`` per output leaf. A grouped NTK's
+    ``{group: kernel}`` of an output leaf stays whole (NOTE: [Parameter groups]).
     """
     if bare:
         return kernels[names[0]]
     kernel_type = empirical_kernel_type(names)
-    flats = [Flat.of(kernels[name]) for name in names]
+    flats = [Flat.of(kernels[name], is_leaf=is_group_kernels) for name in names]
     per_leaf = [kernel_type(*leaves) for leaves in zip(*(flat.leaves for flat in flats))]
     return flats[0].rebuild(per_leaf)

@@ -21,12 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ._layout import KernelLayout
 
 Run = tuple[int, int]
 """``(start, length)``: consecutive examples of one side."""
+_MIRROR_TILE = 512
+"""Examples per side of the tiles a mirror image is copied in."""
 
 
 @dataclass(frozen=True)
@@ -57,23 +60,38 @@ class Placement:
         positions = tuple(layout.kernel_positions(batch_axis))
         return cls(layout.kind(batch_axis), positions, tuple(layout.swap_permutation()))
 
-    def index(self, run1: Run, run2: Run) -> tuple:
-        """The kernel index of the block of ``run1`` x ``run2`` (kept or diagonal batch axes)."""
+    def index(self, run1: Run, run2: Run, row_offset: int = 0) -> tuple:
+        """The kernel index of the block of ``run1`` x ``run2`` (kept or diagonal batch axes), in a
+        kernel holding the x1 examples from ``row_offset`` on (a shard of rows)."""
         index: list[Any] = [slice(None)] * (self.positions[-1] + 1)
-        index[self.positions[0]] = slice(run1[0], run1[0] + run1[1])
+        index[self.positions[0]] = slice(run1[0] - row_offset, run1[0] - row_offset + run1[1])
         if len(self.positions) == 2:
             index[self.positions[1]] = slice(run2[0], run2[0] + run2[1])
         return tuple(index)
 
     def put(
         self, kernel: torch.Tensor, block: torch.Tensor, run1: Run, run2: Run, mirror: bool = False,
-        weight: Optional[float] = None,
+        weight: Optional[float] = None, row_offset: int = 0,
     ) -> None:
         """Writes ``block`` (or adds it, weighted, for a traced batch axis) into ``kernel``; with
-        ``mirror``, also its mirror image at ``(run2, run1)`` (kept batch axes, ``run1 != run2``)."""
+        ``mirror``, also its mirror image at ``(run2, run1)`` (kept batch axes, ``run1 != run2``).
+
+        ``kernel`` may also be any array supporting slice assignment (a NumPy memmap, a zarr array)
+        when ``block`` is a NumPy array; ``row_offset`` is the first x1 example ``kernel`` holds."""
         if self.kind == "trace":
             kernel += block if weight is None else block * weight
             return
-        kernel[self.index(run1, run2)] = block
+        kernel[self.index(run1, run2, row_offset)] = block
         if mirror and self.kind == "kept" and run1 != run2:
-            kernel[self.index(run2, run1)] = block.permute(self.swap)
+            image = block.permute(self.swap) if isinstance(block, torch.Tensor) else block.transpose(self.swap)
+            if not isinstance(kernel, (torch.Tensor, np.ndarray)):  # a store: one write, its own chunking
+                kernel[self.index(run2, run1, row_offset)] = image
+                return
+            # A transposed copy walks one side with a large stride; square tiles keep both sides in
+            # cache (3x faster for 2000 x 2000 float32 blocks).
+            for start2 in range(0, run2[1], _MIRROR_TILE):
+                for start1 in range(0, run1[1], _MIRROR_TILE):
+                    part2 = (run2[0] + start2, min(_MIRROR_TILE, run2[1] - start2))
+                    part1 = (run1[0] + start1, min(_MIRROR_TILE, run1[1] - start1))
+                    source = self.index((start2, part2[1]), (start1, part1[1]))
+                    kernel[self.index(part2, part1, row_offset)] = image[source]

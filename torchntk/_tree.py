@@ -11,7 +11,7 @@ the tensor leaves are what transforms see and the original structure can be rebu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -26,8 +26,9 @@ class Flat:
     none_positions: tuple[int, ...]
 
     @classmethod
-    def of(cls, tree: Any) -> "Flat":
-        all_leaves, spec = pytree.tree_flatten(tree)
+    def of(cls, tree: Any, is_leaf: Optional[Callable[[Any], bool]] = None) -> "Flat":
+        """``is_leaf``: nodes to keep whole as leaves (as ``pytree.tree_flatten`` takes it)."""
+        all_leaves, spec = pytree.tree_flatten(tree, is_leaf=is_leaf)
         none_positions = tuple(i for i, leaf in enumerate(all_leaves) if leaf is None)
         leaves = tuple(leaf for leaf in all_leaves if leaf is not None)
         return cls(leaves, spec, none_positions)

@@ -11,7 +11,9 @@ Work goes to one worker per device. Workers on the module's own device share the
 (each evaluation runs on a private shell of the module, NOTE: [Threads]); a worker on another
 device gets a replica of the module there, made once per batched function, refreshed from the
 module at every call, and rebuilt whenever anything but tensor values changed. The values do not depend
-on which device computes which block.
+on which device computes which block. The output may be the caller's arrays, with a progress record
+to resume from (NOTE: [Kernels on disk] in ``_batch_disk.py``), and under ``torch.distributed``
+each rank may keep only its rows (NOTE: [Row shards] in ``_batch_tiling.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _checks
+from ._batch_disk import ProgressRecord, assign_whole, fingerprint, match_out, out_leaves
 from ._batch_jobs import Job, run_blocks, run_spans
 from ._block_source import BlockRequest
 from ._blocks import Replan
@@ -32,12 +35,15 @@ from ._fingerprint import structure_fingerprint
 from ._kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
 from ._tree import Flat, is_all_none
 from ._types import PyTree
-from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, world
+from .distributed import DEFAULT_TIMEOUT, KernelShard, all_reduce_sum, checkpoint, failure_guard, world
 
 _NOT_SPLIT = ("params", "get")
 DEFAULT_CACHE_BYTES = 2**30
-_EMPTY = object()
-"""What the ways of computing return for a side without examples: the kernel function is called."""
+@dataclass(frozen=True)
+class _Empty:
+    """What the ways of computing return for a side without examples: the kernel function is called."""
+
+    n1: int
 
 
 def batch(
@@ -74,11 +80,14 @@ def batch(
         devices: an explicit list of devices, e.g. ``["cuda:0", "cuda:1"]``; repeating
             ``"cpu"`` runs several CPU workers (useful to test multi-device code without GPUs).
             Give either this or ``device_count``. Default: ``None``.
-        progress: show a progress bar over blocks (tqdm). Default: ``False``.
+        progress: show a progress bar (tqdm) counting kernel entries, so its rate is entries per
+            second. Default: ``False``.
         distributed: ``"auto"``: when a ``torch.distributed`` process group of several ranks is
             initialised, the work is shared out round-robin across the ranks and summed with one
             all-reduce, so every rank returns the whole kernel, equal to one process's up to
-            rounding; ``"off"``: every rank computes everything. Default: ``"auto"``.
+            rounding; ``"shard"``: each rank computes and keeps only its own rows and returns a
+            :class:`~torchntk.distributed.KernelShard` (also without a process group: then the
+            whole kernel); ``"off"``: every rank computes everything. Default: ``"auto"``.
         timeout: seconds (or a ``datetime.timedelta``) a rank waits for the others at the
             all-reduce before raising (see ``torchntk.distributed``); positive and finite. Default: 300.
         cache_bytes: per worker, the memory for prepared derivatives (Jacobians, structured
@@ -89,7 +98,11 @@ def batch(
             Default: 1 GiB.
 
     Returns:
-        A function with ``kernel_fn``'s signature and results. Tensor 2-tuples in keyword
+        A function with ``kernel_fn``'s signature and results, and two more keyword arguments:
+        ``out`` (arrays to write the kernel into, returned filled: a NumPy array or memmap, a
+        tensor, a zarr array, one per result leaf in a pytree like the result) and
+        ``progress_file`` (a path: record finished blocks there and resume from it; needs
+        ``out``), see NOTE: [Kernels on disk] in ``_batch_disk.py``. Tensor 2-tuples in keyword
         arguments are cut with x1 and x2 like the inputs; other arguments (``get``, ``params``,
         single tensors) go to every block, copied to each device once per call.
 
@@ -99,7 +112,9 @@ def batch(
             devices present, a device that does not exist, both ``devices`` and
             ``device_count``; at call time, input leaves with different batch sizes, a traced or
             diagonal batch axis with x1 and x2 of different sizes, tensor 2-tuples whose halves
-            do not match x1 and x2.
+            do not match x1 and x2; an ``out`` whose shape, dtype or structure is not the
+            kernel's, a ``progress_file`` of another problem or without ``out``, ``out`` under
+            ``distributed="auto"`` with several ranks, ``"shard"`` with a traced batch axis.
 
     Example:
         >>> import torch, torchntk
@@ -122,20 +137,23 @@ def batch(
     chosen = devices_argument(devices, where)
     if chosen is not None and count != -1:
         raise ValueError(f"{where}: give either `devices` or `device_count`, not both (got {count} and {devices}).")
-    if distributed not in ("auto", "off"):
-        raise ValueError(f"{where}: `distributed` must be 'auto' or 'off', got {_checks.show(distributed)}.")
+    if distributed not in ("auto", "off", "shard"):
+        raise ValueError(f"{where}: `distributed` must be 'auto', 'shard' or 'off', got {_checks.show(distributed)}.")
     plan = _Settings(
         kernel_fn, spec, int(batch_size), count, chosen,
         _checks.bool_argument(store_on_device, "store_on_device", where),
         _checks.bool_argument(progress, "progress", where),
-        distributed == "auto",
+        distributed != "off",
         _checks.timeout_argument(timeout, where),
         _checks.non_negative_int_argument(cache_bytes, "cache_bytes", where, zero_means="no cache"),
+        distributed == "shard",
     )
 
-    def batched(x1: PyTree, x2: Optional[PyTree] = None, *args: Any, **kwargs: Any) -> PyTree:
+    def batched(
+        x1: PyTree, x2: Optional[PyTree] = None, *args: Any, out: Any = None, progress_file: Any = None, **kwargs: Any
+    ) -> PyTree:
         with plan.lock:  # the replicas serve one call at a time
-            return _run(plan, x1, x2, args, kwargs)
+            return _run(plan, x1, x2, args, kwargs, out, progress_file)
 
     def rebuild(model: Any) -> KernelFunction:
         return batch(
@@ -161,6 +179,7 @@ class _Settings:
     share_blocks: bool
     timeout: float
     cache_bytes: float
+    shard: bool = False
     replicas: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -199,32 +218,71 @@ def _batch_size_of(flat: Flat, name: str) -> int:
     return sizes.pop()
 
 
-def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict) -> PyTree:
+def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: Any, progress_file: Any) -> PyTree:
     reuse = is_all_none(x2)
     inputs_device = Flat.of(x1).leaves[0].device
     devices = resolve(settings.device_count, settings.devices, inputs_device, "batch")
     rank, world_size = world() if settings.share_blocks else (0, 1)
-    if settings.batch_size == 0 and len(devices) == 1 and world_size == 1:
+    if progress_file is not None and out is None:
+        raise ValueError(
+            f"batch: `progress_file` ({_checks.show(progress_file)}) needs `out`, the arrays the blocks are "
+            f"written to and resumed from (e.g. a np.memmap)."
+        )
+    if out is not None and world_size > 1 and not settings.shard:
+        raise ValueError(
+            f"batch: `out` under torch.distributed (rank {rank} of {world_size}) needs distributed='shard', "
+            f"where each rank writes its own rows (into one shared file, or its own); with "
+            f"distributed='auto' the ranks' blocks would only meet in an all-reduce of tensors."
+        )
+    plain = out is None and not settings.shard
+    if plain and settings.batch_size == 0 and len(devices) == 1 and world_size == 1:
         return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
+    record = None
+    if progress_file is not None:
+        shard = [rank, world_size] if settings.shard else None
+        problem = fingerprint(settings.spec, (x1, x2, args, kwargs), settings.batch_size, shard)
+        problem["out"] = [[list(leaf.shape), str(leaf.dtype)] for leaf in out_leaves(out)]
+        record = ProgressRecord.open(progress_file, problem)
     functions = settings.functions(devices)
     store_device = devices[0] if settings.store_on_device else torch.device("cpu")
     pin = store_device.type == "cpu" and any(device.type == "cuda" for device in devices)
-    job = Job(settings.spec, functions, devices, settings.batch_size, settings.progress, store_device, pin, rank, world_size)
+    job = Job(settings.spec, functions, devices, settings.batch_size, settings.progress, store_device, pin, rank,
+              world_size, settings.shard, out, record)
     guard = failure_guard(timeout=settings.timeout) if world_size > 1 else contextlib.nullcontext()
-    with guard:  # an exception here reaches the other ranks at their all-reduce
+    with guard:  # an exception here reaches the other ranks at their all-reduce (or checkpoint)
         computed = _by_spans(settings, job, x1, x2, args, kwargs)
         if computed is None:
             computed = _by_blocks(settings, job, x1, None if reuse else x2, args, kwargs)
-        if computed is _EMPTY:  # nothing to share out
-            return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
+        if isinstance(computed, _Empty):  # nothing to share out
+            return _empty(settings, x1, x2, args, kwargs, out, computed.n1)
         tree, output = computed
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # blocks were copied out asynchronously
-    tensors = output.tensors
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # blocks were copied out asynchronously
+        leaves = output.finish()  # flushes `out` and saves the record: inside the guard, it may raise
+    if settings.shard:
+        if world_size > 1:  # every rank's rows are in place (one shared `out` is complete) when any returns
+            checkpoint(timeout=settings.timeout)
+        return KernelShard(out if out is not None else tree.rebuild(leaves), *output.rows)
+    if out is not None:
+        return out
     if world_size > 1:  # blocks are disjoint, so the sum over ranks assembles the kernel
-        tensors = all_reduce_sum(tensors, timeout=settings.timeout)
-    return tree.rebuild(tensors)
+        leaves = all_reduce_sum(leaves, timeout=settings.timeout)
+    return tree.rebuild(leaves)
+
+
+def _empty(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: Any, n1: int) -> PyTree:
+    """The kernel function's own (entry-less) kernel, when a side has no examples (whole on every
+    rank in shard mode)."""
+    result = _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
+    if out is not None:
+        flat = Flat.of(result)
+        for (_, array), leaf in zip(match_out(out, flat), flat.leaves):
+            assign_whole(array, leaf)
+        result = out
+    if settings.shard:
+        return KernelShard(result, 0, n1)
+    return result
 
 
 def _finish(result: PyTree, store_on_device: bool) -> PyTree:
@@ -232,7 +290,7 @@ def _finish(result: PyTree, store_on_device: bool) -> PyTree:
 
 
 def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwargs: dict):
-    """The kernel from prepared spans; None where the kernel function cannot be split, ``_EMPTY``
+    """The kernel from prepared spans; None where the kernel function cannot be split, ``_Empty``
     when a side has no examples."""
     if settings.spec.open_blocks is None:
         return None
@@ -247,21 +305,23 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
         if first is None:
             return None
         if 0 in first.sizes():
-            return _EMPTY
+            return _Empty(first.sizes()[0])
         try:
-            return run_spans(job, first, lambda function, device: open_source(function, device, thorough), settings.cache_bytes)
+            return run_spans(
+                job, first, lambda function, device: open_source(function, device, thorough), settings.cache_bytes
+            )
         except Replan:  # a span met operations the quick plan did not foresee: plan from every example
             continue
     raise AssertionError("a thorough plan cannot ask for another plan")
 
 
 def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwargs: dict):
-    """The kernel from one kernel-function call per block, or ``_EMPTY`` when a side is empty."""
+    """The kernel from one kernel-function call per block, or ``_Empty`` when a side is empty."""
     flat1 = Flat.of(x1)
     flat2 = flat1 if x2 is None else Flat.of(x2)
     n1, n2 = _batch_size_of(flat1, "x1"), _batch_size_of(flat2, "x2")
     if n1 == 0 or n2 == 0:
-        return _EMPTY
+        return _Empty(n1)
     moved_args: dict = {}
 
     def compute(function: Callable, device: torch.device, run1, run2) -> PyTree:
@@ -301,5 +361,7 @@ def _model_device(spec: KernelFnSpec) -> Optional[torch.device]:
 
 
 def _slice(flat: Flat, start: int, length: int, device: torch.device) -> Any:
-    return flat.rebuild([leaf.narrow(0, start, length).to(device, non_blocking=True) for leaf in flat.leaves])
+    # Non-blocking only towards an accelerator: a copy to the CPU would return before its data arrived.
+    asynchronous = device.type != "cpu"
+    return flat.rebuild([leaf.narrow(0, start, length).to(device, non_blocking=asynchronous) for leaf in flat.leaves])
 

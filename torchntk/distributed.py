@@ -105,12 +105,13 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from ._batch_tiling import shard_rows as _shard_rows
 from ._checkpoint_protocol import DistributedError as DistributedError
 from ._checkpoint_protocol import RankFailedError as RankFailedError
 from ._checkpoint_protocol import (
@@ -133,6 +134,8 @@ __all__ = [
     "world",
     "owned_samples",
     "owned_blocks",
+    "KernelShard",
+    "shard_rows",
     "all_reduce_sum",
     "checkpoint",
     "propagate_failure",
@@ -224,6 +227,50 @@ def owned_blocks(rank: int, world_size: int) -> Callable[[int], bool]:
         [0, 2, 4]
     """
     return _RoundRobin("block", *_check_rank(rank, world_size))
+
+
+class KernelShard(NamedTuple):
+    """The rows of a kernel one rank keeps: ``batch(..., distributed="shard")`` returns it.
+
+    ``kernel`` is the result's pytree with, in every leaf, only the x1 examples ``start:stop``
+    along the x1 batch axis of the kernel (e.g. ``(stop - start, N2)`` for a traced NTK); when the
+    call was given ``out``, it is ``out`` itself (whole-kernel shape) with these rows written.
+    ``start`` and ``stop`` are the half-open range of x1 examples (kernel rows) this rank holds,
+    from :func:`shard_rows`; ``start == stop`` for a rank with none.
+    """
+
+    kernel: Any
+    start: int
+    stop: int
+
+
+def shard_rows(n1: int, batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The kernel rows ``(start, stop)`` that ``rank`` keeps with ``batch(..., distributed="shard")``.
+
+    Contiguous, in rank order, whole multiples of ``batch_size`` (``0``: of one example) and as
+    even as possible; the last ranks get none when there are fewer blocks than ranks. They depend
+    on nothing else (not memory, not timing), so a rank can allocate its part in advance.
+
+    Args:
+        n1: the number of x1 examples.
+        batch_size: as given to :func:`torchntk.batch`.
+        rank, world_size: as in :func:`owned_samples`, which checks them the same way.
+
+    Raises:
+        TypeError: ``n1``, ``batch_size``, ``rank`` or ``world_size`` not an int.
+        ValueError: a negative ``n1`` or ``batch_size``; ``rank`` outside ``[0, world_size)``.
+
+    Example:
+        >>> [shard_rows(10, 3, rank, 2) for rank in range(2)]
+        [(0, 6), (6, 10)]
+    """
+    rank, world_size = _check_rank(rank, world_size)
+    for name, value in (("n1", n1), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return _shard_rows(n1, batch_size or 1, rank, world_size)
 
 
 def setup(backend: str | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT,

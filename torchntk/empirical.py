@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch.func import jvp, vjp
@@ -69,7 +69,10 @@ _NTK_FN_DOC = (
     "NOTE: [Kernel layout] says (built by :func:`torchntk.empirical_ntk_fn`, which documents every\n"
     "option). ``ntk_fn.auto_choice(x1, x2=None, params=None, **kwargs)`` tells which implementation\n"
     "computes it.\n"
-    + _CALL_ARGS.format(get="", returns="One kernel per output leaf, in the output's pytree structure.")
+    + _CALL_ARGS.format(
+        get="", returns="One kernel per output leaf, in the output's pytree structure; with ``groups``, each a dict\n"
+        "    ``{group name: kernel}``.",
+    )
 )
 _NNGP_FN_DOC = (
     "``nngp_fn(x1, x2=None, params=None, **kwargs)``: the empirical NNGP kernel of the model (built by\n"
@@ -98,7 +101,7 @@ def _ntk_settings(builder: Callable[..., KernelFunction], arguments: dict[str, A
     return NtkSettings.validate(
         arguments["f"], arguments["trace_axes"], arguments["diagonal_axes"], arguments["vmap_axes"],
         arguments["implementation"], arguments["chunk_size"], arguments["check_vmap_axes"], structured,
-        arguments["output_fn"], builder.__name__,
+        arguments["output_fn"], builder.__name__, arguments["groups"],
     )
 
 
@@ -116,6 +119,7 @@ def empirical_ntk_fn(
     local_jacobian: str = "auto",
     verify: bool = False,
     output_fn: Optional[Callable[..., PyTree]] = None,
+    groups: Optional[Mapping[str, Any]] = None,
 ) -> KernelFunction:
     """Returns a function computing the empirical neural tangent kernel of ``f``.
 
@@ -174,6 +178,17 @@ def empirical_ntk_fn(
             difference, the log-probability of target tokens (``docs/real_models.md``). Tensor
             leaves of the result get a kernel; other leaves (a ``DynamicCache``) are dropped and
             hold None in the kernel pytree, with or without ``output_fn``. Default: ``None``.
+        groups: split the NTK by parameter groups, every group in one call (``docs/groups.md``): a
+            mapping ``{group name: selection}``. A selection is a glob pattern over parameter names
+            (``"*.lora_*"``; a pattern naming a module, ``"encoder.layer.0"`` or ``"*.attn"``,
+            selects every parameter under it too), a submodule of ``f``, a list of patterns and
+            submodules, or a predicate ``(name, parameter) -> bool``. For a function ``f``, a
+            parameter's name is its key path in ``params`` joined with dots (``"dense.w"``). Each
+            differentiated parameter belongs to the first group selecting it (a last ``"*"`` takes
+            the rest); parameters in no group are not differentiated. The kernels sum to the NTK of
+            the grouped parameters (the whole NTK when every parameter is in a group). Implementations
+            1 and 3 compute all groups in one pass; 2 repeats its forward-mode passes over x1 once
+            per group. Default: ``None`` (one kernel).
 
     Returns:
         ``ntk_fn(x1, x2=None, params=None, **kwargs)``, with a method
@@ -188,13 +203,19 @@ def empirical_ntk_fn(
         ``(name, parameter) -> bool``; for a function, the required parameter pytree.
         ``kwargs`` go to ``f``; a 2-tuple value is split between x1 and x2. The result is a tensor
         (one per output leaf for pytree outputs) on the outputs' device, in the dtype promoted
-        from the output and the parameters.
+        from the output and the parameters. With ``groups`` each of these tensors becomes a dict
+        ``{group name: kernel}`` in the order of ``groups`` (for a single-tensor output, the
+        result is that dict).
 
     Raises:
-        TypeError: at build time, arguments of the wrong type; at call time, bad ``params``,
-            numpy inputs, non-tensor outputs, complex parameters or outputs.
+        TypeError: at build time, arguments of the wrong type (``groups`` that is not a mapping,
+            keys that are not strings, selections of another type); at call time, bad ``params``,
+            numpy inputs, non-tensor outputs, complex parameters or outputs, a ``groups`` predicate
+            returning something other than a bool.
         ValueError: ``implementation`` outside 0..3; the implementation-3 options with
-            implementation 1 or 2; an unknown ``local_jacobian``; at call time, axes out of range,
+            implementation 1 or 2; an unknown ``local_jacobian``; an empty ``groups``, an empty
+            list in it, a submodule not in ``f``; at call time, a group that selects no
+            differentiated parameter (or only ones earlier groups hold), axes out of range,
             duplicated, or both traced and diagonal; traced/diagonal sizes or output ndims that
             differ between x1 and x2; ``vmap_axes`` that do not fit the data or a model that
             couples examples; nothing to differentiate; with ``verify=True``, structured
@@ -221,6 +242,12 @@ def empirical_ntk_fn(
         True
         >>> auto = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)
         >>> auto.auto_choice(x1, x2).implementation in tuple(torchntk.NtkImplementation)[1:]
+        True
+        >>> groups = {"first layer": model[0], "last weight": "2.weight", "rest": "*"}
+        >>> split = torchntk.empirical_ntk_fn(model, vmap_axes=0, groups=groups)(x1, x2)
+        >>> list(split), split["rest"].shape                        # {group: (N1, N2)}
+        (['first layer', 'last weight', 'rest'], torch.Size([6, 5]))
+        >>> torch.allclose(sum(split.values()), torchntk.empirical_ntk_fn(model)(x1, x2), atol=1e-5)
         True
     """
     settings = _ntk_settings(empirical_ntk_fn, locals())
@@ -319,19 +346,22 @@ def empirical_kernel_fn(
     local_jacobian: str = "auto",
     verify: bool = False,
     output_fn: Optional[Callable[..., PyTree]] = None,
+    groups: Optional[Mapping[str, Any]] = None,
 ) -> KernelFunction:
     """Returns a function computing the empirical NNGP and/or NTK of ``f`` in one call.
 
     Arguments are those of :func:`empirical_ntk_fn`; ``vmap_axes``, ``implementation``,
-    ``chunk_size`` and ``check_vmap_axes`` only affect the NTK. The model's forward pass is
-    shared between the two kernels.
+    ``chunk_size``, ``check_vmap_axes`` and ``groups`` only affect the NTK. The model's forward pass
+    is shared between the two kernels.
 
     Returns:
         ``kernel_fn(x1, x2=None, get=None, params=None, **kwargs)``. ``get`` chooses the kernels:
         ``"ntk"`` or ``"nngp"`` returns that kernel bare; a tuple such as ``("ntk", "nngp")``
         returns a namedtuple ``EmpiricalKernel`` with those fields in that order; ``None`` means
         ``("nngp", "ntk")``. Names are case-insensitive. For a tuple/list/dict output the result
-        is a container of the same structure holding one result per output leaf.
+        is a container of the same structure holding one result per output leaf. With ``groups``
+        every NTK is a dict ``{group name: kernel}`` (``kernel_fn(x1, x2).ntk["head"]``); the NNGP
+        is not split (it has no parameters).
 
     Raises:
         TypeError, ValueError, RuntimeError: as :func:`empirical_ntk_fn`; also a ``get``
@@ -347,6 +377,9 @@ def empirical_kernel_fn(
         (torch.Size([4, 3]), torch.Size([4, 3]))
         >>> kernel_fn(x1, None, "ntk").shape
         torch.Size([4, 4])
+        >>> split = torchntk.empirical_kernel_fn(model, vmap_axes=0, groups={"hidden": "0", "head": "2"})
+        >>> sorted(split(x1, x2).ntk), split(x1, x2).nngp.shape
+        (['head', 'hidden'], torch.Size([4, 3]))
     """
     settings = _ntk_settings(empirical_kernel_fn, locals())
 

@@ -57,13 +57,14 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from . import _checks
 from ._checks import show
+from ._groups import groups_argument
 from ._monte_carlo_draws import sample_seed as sample_seed
 from ._monte_carlo_estimates import MonteCarloKernel as MonteCarloKernel
 from ._monte_carlo_estimates import monte_carlo_kernel_type as monte_carlo_kernel_type
@@ -91,6 +92,7 @@ def monte_carlo_kernel_fn(
     progress: bool = False,
     distributed: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
+    groups: Optional[Mapping[str, Any]] = None,
 ) -> Callable[..., Any]:
     """Returns a function estimating the NNGP and NTK of ``f``'s architecture by Monte Carlo.
 
@@ -135,6 +137,9 @@ def monte_carlo_kernel_fn(
         timeout: seconds (or a ``datetime.timedelta``) a rank waits for the others at a
             collective before raising ``torchntk.distributed.DistributedError``; positive and
             finite. Default: 300.
+        groups: split the NTK estimate by parameter groups, as in
+            :func:`~torchntk.empirical_ntk_fn` (``docs/groups.md``): every NTK of the result is a
+            dict ``{group: estimate}``, the average of the samples' group kernels. Default: ``None``.
 
     Returns:
         ``mc_kernel_fn(x1, x2=None, get=None, **kwargs)``; ``x2=None`` means x1 and ``kwargs``
@@ -194,7 +199,8 @@ def monte_carlo_kernel_fn(
         )
     timeout = _checks.timeout_argument(timeout, where)
 
-    kernel_fn = empirical_kernel_fn(f, trace_axes, diagonal_axes, vmap_axes, implementation)
+    parsed_groups = groups_argument(groups, f, where)
+    kernel_fn = empirical_kernel_fn(f, trace_axes, diagonal_axes, vmap_axes, implementation, groups=parsed_groups)
     batched = batch(
         kernel_fn, batch_size=batch_size, device_count=device_count, store_on_device=store_on_device,
         devices=devices, progress=False, distributed="auto" if distributed == "blocks" else "off", timeout=timeout,

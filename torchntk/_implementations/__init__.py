@@ -12,6 +12,9 @@ implementation may cache what it learnt about those shapes):
   AUTO chooses for);
 * ``choice(call, key)``: the :class:`~torchntk.AutoChoice` reported by ``ntk_fn.auto_choice``.
 
+With parameter groups (``call.groups``, NOTE: [Parameter groups] in ``_groups.py``) every kernel or
+block of an output leaf is a tuple of one per group; AUTO passes the call on unchanged.
+
 Jacobian contraction (1) and NTK-vector products (2) keep no state; structured derivatives (3)
 keep a plan per input shapes and AUTO (0) a choice per input shapes, so :func:`implementation_table`
 builds a fresh table for every kernel function.

@@ -48,6 +48,12 @@ class AutoChoice:
             this model or could not price (NOTE: [AUTO's feasibility filter]); such a candidate is
             never chosen and has no entry in ``estimates``. Empty when ``implementation`` was
             fixed by the caller.
+        unprobed: ``{NtkImplementation: reason}`` for every candidate AUTO did not probe because
+            probing could not change the pick or would cost more than it could save (NOTE:
+            [What choosing may cost] in ``auto.py``): implementation 2 is then priced with forward
+            mode assumed and not checked to run (it was not the cheapest either way), and
+            implementation 3 is not priced (no entry in ``estimates``, no
+            ``fallback_parameters``). A candidate is never picked unprobed.
     """
 
     implementation: NtkImplementation
@@ -55,3 +61,4 @@ class AutoChoice:
     memory_budget_bytes: float = math.inf
     fallback_parameters: dict = field(default_factory=dict)
     excluded: dict = field(default_factory=dict)
+    unprobed: dict = field(default_factory=dict)

@@ -1,18 +1,21 @@
 """NTK implementation 0 (AUTO): the cheapest of 1, 2 and 3 for the shapes at hand.
 
 NOTE: [AUTO's cost model]
-Costs are analytic, in multiply-add FLOPs, from one forward pass counted by
-``torch.utils.flop_counter.FlopCounterMode`` (``F``: the forward cost of a side's whole batch,
-at least two FLOPs per parameter and example, plus ``_ELEMENT_FLOPS`` per element any op writes,
-for the memory-bound ops the counter ignores) and the shapes, plus a FLOP equivalent per
-sequential ATen call (NOTE: [AUTO's op-call overhead]):
+Costs are analytic, in multiply-add FLOPs, from one forward pass of one example counted by
+:class:`_Counter` (``F``: the forward cost of a side's whole batch, at least two FLOPs per
+parameter and example, plus ``_ELEMENT_FLOPS`` per element any op writes, for the memory-bound
+ops the FLOP formulas ignore) and the shapes, plus a FLOP equivalent per sequential ATen call
+(NOTE: [AUTO's op-call overhead]):
 
 * backward sweeps: ``B`` basis vectors (``O`` per example with ``vmap_axes``, every output entry
   without), each a backward pass over the batch: ``2 B F`` with weight gradients (1, 2), ``B F``
   without (3, whose sweeps stop at the ops' outputs);
 * Jacobian contraction (1): ``2 |K| |T| P`` for a kernel of ``|K|`` entries, ``|T|`` traced
   coordinates and ``P`` parameters; memory: both sides' Jacobians;
-* NTK-vector products (2): one forward-mode pass over x1 (about ``3 F1``) per x2 output entry.
+* NTK-vector products (2): one forward-mode pass over x1 per ``TANGENTS_PER_PASS`` x2 output
+  entries, which computes the primal once (``F1``) and a tangent per entry (``2 F1``: a matrix
+  product's tangent is two products; on BERT, pricing the primal with every tangent made AUTO
+  pick 1 at 1.23x the time of 2).
   Without forward-mode derivatives (NOTE: [NTK-vector products without forward mode]) it is one
   recorded reverse pass over x1 (``3 F1``) plus one backward of that backward pass per x2 output
   entry, priced ``4 F1``: measured as fast as forward mode on the benchmark MLP, whose ReLU's
@@ -22,6 +25,25 @@ sequential ATen call (NOTE: [AUTO's op-call overhead]):
   Jacobian-contraction cost of parameters the rules do not cover (the plan implementation 3 would
   use, checked against autograd, so demoted parameters are priced as fallback); memory: ``G``, the
   operands and the largest planned intermediate.
+
+NOTE: [What choosing may cost]
+Choosing must cost a small fraction of the kernel it picks, also for models whose kernel takes a
+few milliseconds, where every probe pass is a sizeable share of the kernel. Only the count is
+always made (about two plain forward passes of one example); everything else is made when it
+can change the pick and can pay for itself:
+
+* implementation 2 is priced first with forward mode assumed, and probed (NOTE: [AUTO's
+  feasibility filter]) only when it is the cheapest of 1 and 2: a candidate is never picked
+  unprobed, and an unprobed one could not have been picked anyway;
+* implementation 3 needs its plan (a probe pass and the check of the plan against autograd, the
+  dearest part of choosing: estimated by :meth:`_Prices.plan_cost`). It is made when 3 can be
+  cheaper than the best of 1 and 2 (:meth:`_Prices.structured_lower_bound`, the cost of 3 without
+  its contractions) and the plan can pay for itself: it costs less than ``_PLAN_PAYBACK`` times
+  what 3 could save at most, or less than ``_PLAN_BUDGET`` of the best kernel's estimate. A plan
+  made is reused when 3 is picked, so it is wasted only when 3 then loses.
+
+What was not probed or priced is reported in ``AutoChoice.unprobed``. With ``_PROBE_EVERYTHING``
+(the tests' switch) every candidate is probed and priced, as before the budget.
 
 NOTE: [AUTO's feasibility filter]
 A candidate that cannot run on the model is never chosen, and ``AutoChoice.excluded`` says why:
@@ -35,21 +57,24 @@ contraction (1) runs and raises the model's own error, explained.
 Candidates whose memory estimate exceeds the budget (half the machine's RAM, or the free memory
 of the CUDA device) are dropped unless none fits; among the rest the smallest cost wins, ties
 going to the earlier of 1, 2, 3. The constants were fitted on the real-model zoo and the benchmark
-MLP and CNN (docs/real_models.md records each pick against the fastest); the model still knows
-nothing of cache sizes or GEMM shapes, so it can be wrong when two estimates are close, and
-``auto_choice`` reports the estimates behind a choice.
+MLP and CNN (docs/real_models.md records each pick against the fastest, and what choosing cost);
+the model still knows nothing of cache sizes or GEMM shapes, so it can be wrong when two
+estimates are close, and ``auto_choice`` reports the estimates behind a choice.
+
+The module is over 400 lines: the cost model, the order in which it probes and the counter are
+one piece of reasoning, calibrated together.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 from .._bounded_cache import BoundedCache
 from .._call import KernelCall
@@ -60,135 +85,238 @@ from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
 from .structured._cost import structured_cost
 from .structured._plan import Plan
 
+_JACOBIAN = NtkImplementation.JACOBIAN_CONTRACTION
+_PRODUCTS = NtkImplementation.NTK_VECTOR_PRODUCTS
+_STRUCTURED = NtkImplementation.STRUCTURED_DERIVATIVES
+_CANDIDATES = (_JACOBIAN, _PRODUCTS, _STRUCTURED)
 
-def choose(call: KernelCall, plan: Plan | BaseException) -> AutoChoice:
+
+def choose(call: KernelCall, make_plan: Callable[[], Plan]) -> AutoChoice:
     """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that can run and fits.
 
-    Never raises for the model's sake: see NOTE: [AUTO's feasibility filter].
+    Never raises for the model's sake: see NOTE: [AUTO's feasibility filter]. Probes only what can
+    change the pick and pay for itself: see NOTE: [What choosing may cost].
 
     Args:
         call: the validated kernel call.
-        plan: implementation 3's plan for ``call`` (from ``StructuredDerivatives.plan``), or the
-            error making it raised (which excludes implementation 3).
+        make_plan: makes (or returns the cached) plan of implementation 3 for ``call``; called
+            only when 3 is priced, and any error it raises excludes 3.
     """
-    sides = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
-    element = max(call.model.params[0].element_size(), max(o.element_size() for o in call.outputs1))
-    params = sum(p.numel() for p in call.model.params)
-    forward, ops, per_example_ops, basis, entries = [], [], [], [], []
-    counts: dict = {}  # x2 with x1's per-example shapes is priced from x1's count
-    for side, outputs in sides:
-        examples = side.batch_size() if side.mapped else 1
-        shapes = _per_example_shapes(side)
-        if shapes is None or shapes not in counts:
-            counts[shapes] = _forward_count(side), examples
-        (counted, op_calls), counted_examples = counts[shapes]
-        counted *= examples / counted_examples
-        forward.append(max(counted, 2.0 * params * examples))
-        ops.append(max(op_calls, 1))  # one batched (or whole-batch) pass
-        per_example_ops.append(ops[-1] * (examples if side.loop else 1))  # an example loop repeats them
-        total = sum(o.numel() for o in outputs)
-        basis.append(total / examples if side.mapped else total)
-        entries.append(total)
-    if call.side2 is None:
-        forward, ops, per_example_ops = forward * 2, ops * 2, per_example_ops * 2
-        basis, entries = basis * 2, entries * 2
-        sweep_sides = 1
-    else:
-        sweep_sides = 2
-    kernel = sum(math.prod(shape) * layout.trace_size(o.shape) for shape, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1))
-    sweeps = sum(2.0 * b * f for b, f in list(zip(basis, forward))[:sweep_sides])
-    sweep_ops = _SWEEP_OPS * sum(per_example_ops[:sweep_sides])
-    per_op = _op_call_flops(call.outputs1[0].device)
-
-    def jacobian_contraction() -> Estimate:
-        calls = sweep_ops + _CONTRACTION_OPS * len(call.model.params) * len(call.layouts)
-        return Estimate(sweeps + 2.0 * kernel * params + per_op * calls, element * params * sum(entries[:sweep_sides]))
-
-    def ntk_vector_products() -> Estimate:
-        method, missing = vector_products_method(call.side1)
-        x2_vectors = 2.0 * basis[1] * forward[1]
-        passes = math.ceil(entries[1] / TANGENTS_PER_PASS)
-        if missing is None:
-            calls = _SWEEP_OPS * per_example_ops[1] + passes * _FORWARD_MODE_OPS * ops[0]
-            flops = x2_vectors + 3.0 * entries[1] * forward[0] + per_op * calls
-            return Estimate(flops, element * params * 8)
-        calls = _SWEEP_OPS * (per_example_ops[1] + ops[0]) + passes * _DOUBLE_VJP_OPS * ops[0]
-        flops = x2_vectors + 3.0 * forward[0] + 4.0 * entries[1] * forward[0] + per_op * calls
-        return Estimate(flops, element * params * 8, f"{method}: no forward-mode derivative for {missing}")
-
-    def structured_derivatives() -> Estimate:
-        if isinstance(plan, BaseException):
-            raise plan
-        structured = structured_cost(call, plan)
-        calls = (_SWEEP_OPS + 1) * sum(per_example_ops[:sweep_sides]) + _CONTRACTION_OPS * structured.contractions
-        if plan.fallback:
-            calls += sweep_ops
-        contractions = _STRUCTURED_CONTRACTION_WEIGHT * structured.contraction_flops
-        return Estimate(
-            sweeps / 2 + 2.0 * sum(forward[:sweep_sides]) + contractions + per_op * calls,
-            element * structured.memory_elements,
-        )
-
+    budget = _memory_budget(call.outputs1[0].device)
+    try:
+        prices = _Prices(call)
+    except Exception as error:  # noqa: BLE001 - the most general implementation runs unpriced
+        reason = f"not priced: the cost model failed ({type(error).__name__}: {error})"
+        return AutoChoice(_JACOBIAN, {}, budget, {}, {}, {implementation: reason for implementation in _CANDIDATES})
     estimates: dict[NtkImplementation, Estimate] = {}
     excluded: dict[NtkImplementation, str] = {}
-    for implementation, estimate in (
-        (NtkImplementation.JACOBIAN_CONTRACTION, jacobian_contraction),
-        (NtkImplementation.NTK_VECTOR_PRODUCTS, ntk_vector_products),
-        (NtkImplementation.STRUCTURED_DERIVATIVES, structured_derivatives),
-    ):
+    unprobed: dict[NtkImplementation, str] = {}
+
+    def price(implementation: NtkImplementation, estimate: Callable[[], Estimate]) -> None:
         try:
             estimates[implementation] = estimate()
         except Exception as error:  # noqa: BLE001 - a failure excludes the candidate, never the call
+            estimates.pop(implementation, None)
             excluded[implementation] = f"{type(error).__name__}: {error}"
-    budget = _memory_budget(call.outputs1[0].device)
-    fallback = {} if isinstance(plan, BaseException) else {
-        call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback
-    }
-    if not estimates:  # 1 then raises the model's own error, explained
-        return AutoChoice(NtkImplementation.JACOBIAN_CONTRACTION, {}, budget, fallback, excluded)
+
+    price(_JACOBIAN, prices.jacobian_contraction)
+    price(_PRODUCTS, lambda: prices.ntk_vector_products(None))
+    if _PRODUCTS in estimates:
+        if _PROBE_EVERYTHING or _pick(estimates, budget) == _PRODUCTS:
+            price(_PRODUCTS, lambda: prices.ntk_vector_products(vector_products_method(call.side1)))
+        else:
+            unprobed[_PRODUCTS] = "not probed (forward mode assumed): implementation 1 is estimated cheaper"
+
+    plan: Optional[Plan] = None
+    others = _pick(estimates, budget)
+    try:
+        reason = None if _PROBE_EVERYTHING or others is None else _why_not_plan(prices, estimates[others], budget)
+    except Exception:  # noqa: BLE001 - an unpriced gate prices 3 rather than fail the call
+        reason = None
+    if reason is None:
+        try:
+            plan = make_plan()
+            price(_STRUCTURED, lambda: prices.structured_derivatives(plan))
+        except Exception as error:  # noqa: BLE001 - excludes implementation 3, like a pricing error
+            excluded[_STRUCTURED] = f"{type(error).__name__}: {error}"
+    else:
+        unprobed[_STRUCTURED] = reason
+
+    fallback = {} if plan is None else {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
+    best = _pick(estimates, budget)
+    if best is None:  # 1 then raises the model's own error, explained
+        return AutoChoice(_JACOBIAN, {}, budget, fallback, excluded, unprobed)
+    return AutoChoice(best, estimates, budget, fallback, excluded, unprobed)
+
+
+def _pick(estimates: dict[NtkImplementation, Estimate], budget: float) -> Optional[NtkImplementation]:
+    """The cheapest candidate that fits ``budget`` bytes, or the smallest if none fits; ties go to
+    the earlier implementation. None without candidates."""
+    if not estimates:
+        return None
     fitting = {key: value for key, value in estimates.items() if value.memory_bytes <= budget}
     if not fitting:
-        smallest = min(estimates, key=lambda key: estimates[key].memory_bytes)
-        fitting = {smallest: estimates[smallest]}
-    best = min(fitting, key=lambda key: (fitting[key].flops, int(key)))
-    return AutoChoice(best, estimates, budget, fallback, excluded)
+        return min(estimates, key=lambda key: (estimates[key].memory_bytes, int(key)))
+    return min(fitting, key=lambda key: (fitting[key].flops, int(key)))
 
 
-class _OpCalls(TorchDispatchMode):
-    """Counts the ATen calls that reach the dispatcher (one per op of a vmapped forward pass)."""
+def _why_not_plan(prices: "_Prices", best: Estimate, budget: float) -> Optional[str]:
+    """Why implementation 3 is not priced against ``best``, the cheapest of 1 and 2 (None: price
+    it). See NOTE: [What choosing may cost]."""
+    if best.memory_bytes > budget:
+        return None  # 3 may be the only candidate that fits
+    bound, plan = prices.structured_lower_bound(), prices.plan_cost()
+    if bound >= best.flops:
+        return f"not priced: its lower bound {bound:.3g} FLOPs exceeds the best estimate {best.flops:.3g}"
+    if plan <= _PLAN_PAYBACK * (best.flops - bound) or plan <= _PLAN_BUDGET * best.flops:
+        return None
+    return (
+        f"not priced: its plan (about {plan:.3g} FLOPs) would cost more than it can save "
+        f"(at most {best.flops - bound:.3g} of the best estimate {best.flops:.3g})"
+    )
+
+
+class _Prices:
+    """The cost model's quantities for one call (NOTE: [AUTO's cost model]), and the estimates."""
+
+    def __init__(self, call: KernelCall):
+        self.call = call
+        sides = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
+        self.element = max(call.model.params[0].element_size(), max(o.element_size() for o in call.outputs1))
+        self.params = sum(p.numel() for p in call.model.params)
+        forward, ops, per_example_ops, basis, entries = [], [], [], [], []
+        counts: dict = {}  # x2 with x1's per-example shapes is priced from x1's count
+        for side, outputs in sides:
+            examples = side.batch_size() if side.mapped else 1
+            shapes = _per_example_shapes(side)
+            if shapes is None or shapes not in counts:
+                counts[shapes] = _forward_count(side), examples
+            (counted, op_calls, written), counted_examples = counts[shapes]
+            if not forward:
+                self.example_work = max(written, 2.0 * self.params)  # one counted pass of x1
+            counted *= examples / counted_examples
+            forward.append(max(counted, 2.0 * self.params * examples))
+            ops.append(max(op_calls, 1))  # one batched (or whole-batch) pass
+            per_example_ops.append(ops[-1] * (examples if side.loop else 1))  # an example loop repeats them
+            total = sum(o.numel() for o in outputs)
+            basis.append(total / examples if side.mapped else total)
+            entries.append(total)
+        if call.side2 is None:
+            forward, ops, per_example_ops = forward * 2, ops * 2, per_example_ops * 2
+            basis, entries = basis * 2, entries * 2
+            self.sweep_sides = 1
+        else:
+            self.sweep_sides = 2
+        self.forward, self.ops, self.per_example_ops = forward, ops, per_example_ops
+        self.basis, self.entries = basis, entries
+        self.kernel = sum(
+            math.prod(shape) * layout.trace_size(o.shape)
+            for shape, layout, o in zip(call.kernel_shapes(), call.layouts, call.outputs1)
+        )
+        self.sweeps = sum(2.0 * b * f for b, f in list(zip(basis, forward))[: self.sweep_sides])
+        self.sweep_ops = _SWEEP_OPS * sum(per_example_ops[: self.sweep_sides])
+        self.per_op = _op_call_flops(call.outputs1[0].device)
+
+    def jacobian_contraction(self) -> Estimate:
+        calls = self.sweep_ops + _CONTRACTION_OPS * len(self.call.model.params) * len(self.call.layouts)
+        flops = self.sweeps + 2.0 * self.kernel * self.params + self.per_op * calls
+        return Estimate(flops, self.element * self.params * sum(self.entries[: self.sweep_sides]))
+
+    def ntk_vector_products(self, method: Optional[tuple[str, Optional[str]]]) -> Estimate:
+        """Implementation 2 computing its columns by ``method`` (what ``vector_products_method``
+        returns), or in forward mode, unprobed, when None."""
+        forward, ops, per_example_ops = self.forward, self.ops, self.per_example_ops
+        x2_vectors = 2.0 * self.basis[1] * forward[1]
+        passes = math.ceil(self.entries[1] / TANGENTS_PER_PASS)
+        memory = self.element * self.params * 8
+        if method is None or method[1] is None:
+            calls = _SWEEP_OPS * per_example_ops[1] + passes * _FORWARD_MODE_OPS * ops[0]
+            columns = _TANGENT_FORWARDS * self.entries[1] * forward[0] + passes * forward[0]  # primal once a pass
+            return Estimate(x2_vectors + columns + self.per_op * calls, memory)
+        name, missing = method
+        calls = _SWEEP_OPS * (per_example_ops[1] + ops[0]) + passes * _DOUBLE_VJP_OPS * ops[0]
+        flops = x2_vectors + 3.0 * forward[0] + 4.0 * self.entries[1] * forward[0] + self.per_op * calls
+        return Estimate(flops, memory, f"{name}: no forward-mode derivative for {missing}")
+
+    def structured_derivatives(self, plan: Plan) -> Estimate:
+        structured = structured_cost(self.call, plan)
+        calls = _CONTRACTION_OPS * structured.contractions + (self.sweep_ops if plan.fallback else 0)
+        contractions = _STRUCTURED_CONTRACTION_WEIGHT * structured.contraction_flops
+        flops = self.structured_lower_bound() + contractions + self.per_op * calls
+        return Estimate(flops, self.element * structured.memory_elements)
+
+    def structured_lower_bound(self) -> float:
+        """:meth:`structured_derivatives` without its contractions and fallback: what 3 costs at least."""
+        calls = (_SWEEP_OPS + 1) * sum(self.per_example_ops[: self.sweep_sides])
+        return self.sweeps / 2 + 2.0 * sum(self.forward[: self.sweep_sides]) + self.per_op * calls
+
+    def plan_cost(self) -> float:
+        """What making implementation 3's plan costs, in the same FLOP equivalents: a recording
+        pass and the check against autograd on one example (fitted on the zoo: NOTE: [What
+        choosing may cost])."""
+        return _PLAN_OPS * self.per_op * self.ops[0] + _PLAN_FORWARDS * self.example_work
+
+
+class _Counter(TorchDispatchMode):
+    """Counts the ATen calls of a pass, the elements of their results (those of views apart) and
+    the FLOPs of those that ``torch.utils.flop_counter`` has formulas for (matrix products,
+    convolutions, attention).
+
+    The estimates count a view's elements as written, as when their constants were fitted; that
+    prices a dense layer's transposed weight as work, which inflates ``F`` of dense models (refitting
+    without views made 2 look cheaper than it runs on GPT-2 and the small MLPs: left undone). The
+    plan's cost (:meth:`_Prices.plan_cost`, fitted later) leaves views out.
+
+    One mode instead of ``FlopCounterMode`` and a second call counter: this costs about a plain
+    forward pass on top of the pass, half what the two did (whose module tracking hooked every
+    module call).
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.calls = 0
         self.elements = 0
+        self.view_elements = 0
+        self.flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        result = func(*args, **(kwargs or {}))
-        self.elements += sum(leaf.numel() for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor))
+        kwargs = kwargs or {}
+        self.calls += 1
+        result = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=result)
+        if isinstance(result, torch.Tensor):
+            elements = result.numel()
+        else:
+            elements = sum(leaf.numel() for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor))
+        self.elements += elements
+        if func.is_view:
+            self.view_elements += elements
         return result
 
 
-def _forward_count(side) -> tuple[float, int]:
-    """The forward FLOPs of ``side``'s batch (multiply-adds) and the ATen calls of one pass, or
-    zeros if the counters cannot run the model (the caller then uses lower bounds).
+def _forward_count(side) -> tuple[float, int, float]:
+    """The forward FLOPs of ``side``'s batch (multiply-adds), the ATen calls of one pass and the
+    FLOPs of the counted pass without views' elements, or zeros if the counter cannot run the
+    model (the caller then uses lower bounds).
 
     A mapped side is counted on its first example as a batch of one, without vmap, and its FLOPs
-    scaled by the batch size: the counters cost Python time on every call, which on a large model
-    made counting cost a third of the kernel.
+    scaled by the batch size: the counter costs Python time on every call.
     """
-    flops, calls = FlopCounterMode(display=False), _OpCalls()
+    counter = _Counter()
     example = side.narrow(0, 1) if side.mapped and side.batch_size() > 1 else side
     try:
         # Under forward_mode_kernels, attention and recurrent layers run the composite ops that the
         # differentiated passes run, not the inference fast paths a no-grad pass would take.
-        with torch.no_grad(), forward_mode_kernels(bool(side.model.fused)), flops, calls:
+        with torch.no_grad(), forward_mode_kernels(bool(side.model.fused)), counter:
             example.whole_batch()(side.model.params)
     except Exception:  # noqa: BLE001 - a pricing aid only; the implementations report the error
-        return 0.0, 0
+        return 0.0, 0, 0.0
     scale = side.batch_size() if example is not side else 1
-    counted = float(flops.get_total_flops()) / 2 + _ELEMENT_FLOPS * calls.elements  # a multiply-add counts two
-    return scale * counted, calls.count
+    counted = float(counter.flops) / 2 + _ELEMENT_FLOPS * counter.elements  # a multiply-add counts two
+    written = counted - _ELEMENT_FLOPS * counter.view_elements
+    return scale * counted, counter.calls, written
 
 
 def _per_example_shapes(side) -> Optional[tuple]:
@@ -211,16 +339,30 @@ _SWEEP_OPS = 3  # a forward and a backward pass (about twice the forward's calls
 _FORWARD_MODE_OPS = 2  # a forward-mode pass: primal and tangent calls
 _DOUBLE_VJP_OPS = 4  # the backward of a recorded backward pass
 _CONTRACTION_OPS = 3  # an einsum (reshapes, the product, the sum into the kernel)
+_TANGENT_FORWARDS = 2  # a forward-mode tangent: two products per matrix product of the primal
 _OP_CALL_FLOPS = {"cpu": 4e5, "cuda": 3e8}
+"""FLOPs per ATen call: fitted on the zoo for the 2-core CPU of docs/benchmarks.md; for CUDA, about
+20 us at 15 TFLOP/s, not measured (no GPU was available)."""
 _STRUCTURED_CONTRACTION_WEIGHT = 0.5
 """Structured derivatives' pair contractions are few large einsums that the BLAS runs at about twice
 the FLOP rate of the per-example backward sweeps of Jacobian contraction (measured on the CNNs of
 docs/benchmarks.md and the zoo), so their FLOPs count half."""
 _ELEMENT_FLOPS = 20.0
-"""FLOPs per element an op writes: the FLOP counter sees matrix products and convolutions only,
+"""FLOPs per element an op writes: the FLOP formulas cover matrix products and convolutions only,
 while normalisations, activations and softmax move memory at a small fraction of their speed."""
-"""FLOPs per ATen call: fitted on the zoo for the 2-core CPU of docs/benchmarks.md; for CUDA, about
-20 us at 15 TFLOP/s, not measured (no GPU was available)."""
+_PLAN_OPS = 8
+_PLAN_FORWARDS = 150
+"""Implementation 3's plan (a recording pass and its check against autograd on one example) cost
+7-10 ATen-call equivalents per call of the counted pass on the zoo's recurrent and attention
+models, and on its CNNs about 150 forward passes' FLOPs more (the check's per-output products)."""
+_PLAN_PAYBACK = 2.5
+"""A plan may cost this many times what 3 can save at most (the best estimate less 3's lower bound):
+when 3 then wins the plan is reused, not wasted, and the lower bound is loose on CNNs (on the
+traced MobileNetV3-small of the zoo, 3 saved 1.2 plans' cost though its bound allowed 0.8)."""
+_PLAN_BUDGET = 0.05
+"""The share of the best kernel's estimate a plan may cost even when 3 cannot save as much."""
+_PROBE_EVERYTHING = False
+"""Probe and price every candidate whatever it costs (the tests of the probes set it)."""
 
 
 def _op_call_flops(device: torch.device) -> float:
@@ -252,11 +394,7 @@ class AutoSelector:
         cache_key = call.cache_key(key)
         choice = self._choices.get(cache_key)
         if choice is None:
-            try:
-                plan: Plan | BaseException = self._table[NtkImplementation.STRUCTURED_DERIVATIVES].plan(call, key)
-            except Exception as error:  # noqa: BLE001 - excludes implementation 3, see choose()
-                plan = error
-            choice = choose(call, plan)
+            choice = choose(call, lambda: self._table[_STRUCTURED].plan(call, key))
             self._choices[cache_key] = choice
         return choice
 

@@ -6,6 +6,9 @@ parameter tensor is contracted on its own, so the concatenated Jacobian of all p
 exists. The contraction only forms what the layout keeps: traced axes are summed inside the
 matrix product and diagonal axes are batch axes of it (see NOTE: [Kernel layout]).
 
+With parameter groups (NOTE: [Parameter groups] in ``_groups.py``) each parameter's term is added to
+its group's sum instead of the one sum: the same work, one kernel per group.
+
 Cost: ``O (N1 + N2)`` backward passes of one example, plus ``N1 N2 O1 O2 P / |T|`` multiply-adds,
 where ``|T|`` is the number of traced output coordinates.
 
@@ -18,7 +21,7 @@ stay as accurate as those of implementations 2 and 3.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -39,22 +42,29 @@ def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
     def prepare(side: Side) -> Jacobians:
         return side.jacobians(chunk_size=jacobian_chunk)
 
-    def contract(jacobians1: Jacobians, jacobians2: Jacobians, needed: Sequence[bool]) -> list[Optional[torch.Tensor]]:
-        blocks: list[Optional[torch.Tensor]] = []
+    # Each parameter's term goes to its group's sum (NOTE: [Parameter groups]); without groups, one sum.
+    groups = call.groups if call.groups is not None else (tuple(range(len(call.model.params))),)
+    group_of = {index: position for position, indices in enumerate(groups) for index in indices}
+
+    def contract(jacobians1: Jacobians, jacobians2: Jacobians, needed: Sequence[bool]) -> list[Optional[Any]]:
+        blocks: list[Optional[Any]] = []
         for layout, per_param1, per_param2, is_needed in zip(call.layouts, jacobians1, jacobians2, needed):
             if not is_needed:
                 blocks.append(None)
                 continue
-            total, dtype = None, None
-            for one, two in zip(per_param1, per_param2):
+            totals: list[Optional[torch.Tensor]] = [None] * len(groups)
+            dtypes: list[Optional[torch.dtype]] = [None] * len(groups)
+            for index, (one, two) in enumerate(zip(per_param1, per_param2)):
                 first = _flatten_param(one, layout.ndim)
                 # The same tensor on both sides (x2 is None) lets the layout use the symmetric product.
                 second = first if two is one else _flatten_param(two, layout.ndim)
                 # Terms stay in float64 until every parameter is summed (NOTE: [Accurate contraction]).
                 term = layout.contract(first, second, wide=True)
-                dtype = _promote(dtype, first.dtype, second.dtype)
-                total = term if total is None else _accumulate(total, term)
-            blocks.append(None if total is None else total.to(dtype))
+                group = group_of[index]
+                dtypes[group] = _promote(dtypes[group], first.dtype, second.dtype)
+                totals[group] = term if totals[group] is None else _accumulate(totals[group], term)
+            sums = tuple(None if total is None else total.to(dtype) for total, dtype in zip(totals, dtypes))
+            blocks.append(sums if call.groups is not None else sums[0])
         return blocks
 
     return BlockPlan(prepare, prepare, contract, reuse_prepared=True, run_length=call.chunk_size)

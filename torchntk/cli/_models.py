@@ -45,7 +45,9 @@ def mlp(input_dim: int = 784, width: int = 512, depth: int = 2, outputs: int = 1
     return nn.Sequential(*layers)
 
 
-def cnn(channels: int = 32, depth: int = 3, image: tuple[int, int, int] = (3, 16, 16), outputs: int = 10) -> nn.Sequential:
+def cnn(
+    channels: int = 32, depth: int = 3, image: tuple[int, int, int] = (3, 16, 16), outputs: int = 10
+) -> nn.Sequential:
     """``depth`` 3x3 convolutions of ``channels`` (padding 1, ReLU), flattened into a linear readout."""
     layers: list[nn.Module] = []
     features = image[0]
@@ -78,12 +80,19 @@ DEMO_MODELS = {
 
 BENCH_MODELS = {
     "mlp": ModelChoice("mlp", seeded(lambda: mlp(784, 512, 2, 10)), (784,), "MLP 784-512-512-10 (ReLU)"),
+    "wide": ModelChoice(
+        "wide", seeded(lambda: mlp(256, 2048, 3, 10)), (256,), "wide MLP 256-2048-2048-2048-10 (ReLU)"
+    ),
     "cnn": ModelChoice(
         "cnn", seeded(lambda: cnn(32, 3, (3, 16, 16), 10)), (3, 16, 16),
         "CNN 3x[Conv2d 3x3 32ch + ReLU] -> Linear(8192, 10)",
     ),
 }
 """The models of the benchmark tables in ``docs/benchmarks.md``."""
+
+JAX_LAYOUTS = ("in-out", "out-in")
+"""How :func:`jax_twin` stores dense weights: ``(in, out)`` used as ``h @ W`` (what neural-tangents'
+structured derivatives analyse best), or torch's ``(out, in)`` used as ``h @ W.T``."""
 
 
 def user_model(path: str, input_shape: tuple[int, ...] | None) -> ModelChoice:
@@ -123,32 +132,49 @@ def inputs(shape: tuple[int, ...], n: int, dtype: torch.dtype, device: torch.dev
     return InputSpec(shape).make(n, dtype, device)
 
 
-def jax_twin(model: nn.Module) -> tuple[Callable[[Any, Any], Any], dict]:
+_SAME_3X3 = ((3, 3), (1, 1), (1, 1))
+"""``(kernel_size, padding, stride)`` of the convolutions :func:`jax_twin` translates."""
+
+
+def jax_twin(model: nn.Module, layout: str = "in-out") -> tuple[Callable[[Any, Any], Any], dict]:
     """``(apply, params)``: the JAX function of a ``Sequential`` of the built-in layer types.
 
-    Dense weights are stored ``(in, out)`` so that ``apply`` computes ``h @ W``:
-    neural-tangents' structured derivatives analyse only a parameter's first consumer, and a
-    transpose there makes them as slow as Jacobian contraction (see ``docs/benchmarks.md``).
+    With ``layout="in-out"`` (the default) dense weights are stored ``(in, out)`` so that
+    ``apply`` computes ``h @ W``: neural-tangents' structured derivatives analyse only a
+    parameter's first consumer, and a transpose there makes them as slow as Jacobian contraction
+    (see ``docs/benchmarks.md``). ``"out-in"`` keeps torch's ``(out, in)`` and computes ``h @ W.T``.
 
     Raises:
         TypeError: a layer other than Linear, Conv2d (3x3, stride 1, padding 1), ReLU, Flatten.
+        ValueError: an unknown ``layout``.
     """
     import jax
     import jax.numpy as jnp
+
+    if layout not in JAX_LAYOUTS:
+        raise ValueError(f"jax_twin: layout must be one of {JAX_LAYOUTS}, got {layout!r}")
 
     params: dict = {}
     steps: list[Callable] = []
     for index, layer in enumerate(model):
         key = str(index)
         if isinstance(layer, nn.Linear):
-            params[key] = (jnp.asarray(layer.weight.detach().cpu().numpy().T), jnp.asarray(layer.bias.detach().cpu().numpy()))
-            steps.append(lambda p, h, key=key: h @ p[key][0] + p[key][1])
-        elif isinstance(layer, nn.Conv2d) and layer.kernel_size == (3, 3) and layer.padding == (1, 1) and layer.stride == (1, 1):
-            params[key] = (jnp.asarray(layer.weight.detach().cpu().numpy()), jnp.asarray(layer.bias.detach().cpu().numpy()))
+            weight = layer.weight.detach().cpu().numpy()
+            bias = jnp.asarray(layer.bias.detach().cpu().numpy())
+            params[key] = (jnp.asarray(weight.T if layout == "in-out" else weight), bias)
+            if layout == "in-out":
+                steps.append(lambda p, h, key=key: h @ p[key][0] + p[key][1])
+            else:
+                steps.append(lambda p, h, key=key: h @ p[key][0].T + p[key][1])
+        elif isinstance(layer, nn.Conv2d) and (layer.kernel_size, layer.padding, layer.stride) == _SAME_3X3:
+            weight, bias = (jnp.asarray(t.detach().cpu().numpy()) for t in (layer.weight, layer.bias))
+            params[key] = (weight, bias)
 
             def convolve(p, h, key=key):
                 weight, bias = p[key]
-                y = jax.lax.conv_general_dilated(h, weight, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NCHW", "OIHW", "NCHW"))
+                y = jax.lax.conv_general_dilated(
+                    h, weight, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NCHW", "OIHW", "NCHW")
+                )
                 return y + bias[None, :, None, None]
 
             steps.append(convolve)

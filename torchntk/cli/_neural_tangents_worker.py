@@ -49,7 +49,7 @@ def main(spec_path: str) -> int:
         import jax.numpy as jnp
 
         choice = BENCH_MODELS[spec["model"]]
-        apply, params = jax_twin(choice.build())
+        apply, params = jax_twin(choice.build(), spec.get("layout", "in-out"))
         for n in spec["sizes"]:
             x = inputs(tuple(choice.input_shape), 2 * n, torch.float32, torch.device("cpu")).numpy()
             x1, x2 = jnp.asarray(x[:n]), jnp.asarray(x[n:])

@@ -35,7 +35,7 @@ import torchntk
 
 from . import _arguments
 from ._figures import scaling_figure
-from ._models import BENCH_MODELS, UsageError, inputs
+from ._models import BENCH_MODELS, JAX_LAYOUTS, UsageError, inputs
 from ._timing import timed_calls
 
 
@@ -53,8 +53,12 @@ def parser() -> argparse.ArgumentParser:
                         help="output axes to trace, or 'none' for the full kernel (default -1)")
     parser.add_argument("--repeats", type=_arguments.positive_int, default=3,
                         help="timed calls after the warm-up call; the median is reported (default 3)")
-    parser.add_argument("--device", type=_arguments.device, default=torch.device("cpu"), help="torchntk's device (default cpu)")
+    parser.add_argument("--device", type=_arguments.device, default=torch.device("cpu"),
+                        help="torchntk's device (default cpu)")
     parser.add_argument("--no-nt", action="store_true", help="do not run neural-tangents even if it is installed")
+    parser.add_argument("--jax-layouts", default="in-out", metavar="LAYOUT,...",
+                        help="dense weight layouts of neural-tangents' JAX twins: in-out (h @ W, W stored (in, out)), "
+                             "out-in (h @ W.T, torch's layout), or both (default in-out); one worker process each")
     parser.add_argument("--output", type=Path, default=Path("torchntk-bench"),
                         help="folder for bench.md and the plots (default ./torchntk-bench)")
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
@@ -68,6 +72,9 @@ def main(argv: list[str]) -> int:
     unknown = [name for name in models if name not in BENCH_MODELS]
     if unknown or not models:
         raise UsageError(f"--models {arguments.models!r}: expected a comma list of {', '.join(BENCH_MODELS)}")
+    layouts = [layout.strip() for layout in arguments.jax_layouts.split(",") if layout.strip()]
+    if not layouts or any(layout not in JAX_LAYOUTS for layout in layouts):
+        raise UsageError(f"--jax-layouts {arguments.jax_layouts!r}: expected a comma list of {', '.join(JAX_LAYOUTS)}")
     bad = [i for i in arguments.implementations if i not in (1, 2, 3)]
     if bad or not arguments.implementations:
         raise UsageError(f"--implementations: expected a comma list of 1, 2, 3, got {bad or 'nothing'}")
@@ -80,27 +87,38 @@ def main(argv: list[str]) -> int:
     nt_status, theirs = "not run (--no-nt)", {}
     if not arguments.no_nt:
         for name in models:
-            nt_status, theirs[name] = _neural_tangents_runs(name, arguments)
+            for layout in layouts:
+                nt_status, theirs[name, layout] = _neural_tangents_runs(name, arguments, layout)
     header = _header(argv, nt_status, arguments)
     rows, notes = [], []
     for name in models:
         times: dict[tuple[str, int], dict[int, float]] = {}
         for (n, implementation), (kernel, seconds) in ours[name].items():
             times.setdefault(("torchntk", implementation), {})[n] = seconds
-            row = [name, str(n), str(implementation), f"{seconds:.4f}", "—", "—", "—"]
-            if (n, implementation) in theirs.get(name, {}):
-                reference, nt_seconds = theirs[name][n, implementation]
-                times.setdefault(("neural-tangents", implementation), {})[n] = nt_seconds
-                difference = np.abs(kernel - reference).max() / max(np.abs(reference).max(), 1e-30)
-                row[4:] = [f"{nt_seconds:.4f}", f"{nt_seconds / seconds:.2f}x", f"{difference:.1e}"]
+            row = [name, str(n), str(implementation), f"{seconds:.4f}"] + ["—", "—"] * len(layouts) + ["—"]
+            for position, layout in enumerate(layouts):
+                if (n, implementation) not in theirs.get((name, layout), {}):
+                    continue
+                reference, nt_seconds = theirs[name, layout][n, implementation]
+                label = "neural-tangents" if position == 0 else f"neural-tangents {layout}"
+                times.setdefault((label, implementation), {})[n] = nt_seconds
+                row[4 + 2 * position: 6 + 2 * position] = [f"{nt_seconds:.4f}", f"{nt_seconds / seconds:.2f}x"]
+                if position == 0:
+                    difference = np.abs(kernel - reference).max() / max(np.abs(reference).max(), 1e-30)
+                    row[-1] = f"{difference:.1e}"
             rows.append(row)
         figure = scaling_figure(times, arguments.output / f"bench_{name}.png", f"NTK time vs N: {name}")
         notes.append(f"{name}: {BENCH_MODELS[name].description}; {figure}")
-    headers = ["model", "N", "impl", "torchntk [s]", "neural-tangents [s]", "NT / torchntk", "max rel diff"]
+    nt_columns = []
+    for position, layout in enumerate(layouts):
+        suffix = "" if len(layouts) == 1 else f" {layout}"
+        nt_columns += [f"neural-tangents{suffix} [s]", f"NT{suffix} / torchntk"]
+    headers = ["model", "N", "impl", "torchntk [s]"] + nt_columns + ["max rel diff"]
     print("\n".join(header))
     print(_arguments.text_table(headers, rows))
     print("\n".join(notes))
-    lines = ["# torchntk bench", ""] + [f"    {line}" for line in header] + ["", _arguments.markdown_table(headers, rows), ""]
+    lines = ["# torchntk bench", ""] + [f"    {line}" for line in header]
+    lines += ["", _arguments.markdown_table(headers, rows), ""]
     (arguments.output / "bench.md").write_text("\n".join(lines + [f"- {note}" for note in notes]) + "\n")
     print(f"results: {arguments.output / 'bench.md'}")
     return 0
@@ -115,7 +133,9 @@ def _torchntk_runs(name: str, arguments, steps) -> dict[tuple[int, int], tuple[n
         x1, x2 = x[:n], x[n:]
         for implementation in arguments.implementations:
             steps.set_postfix_str(f"{name}, N={n}, implementation {implementation}")
-            ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=arguments.trace_axes, vmap_axes=0, implementation=implementation)
+            ntk_fn = torchntk.empirical_ntk_fn(
+                model, trace_axes=arguments.trace_axes, vmap_axes=0, implementation=implementation
+            )
             kernel, times = timed_calls(lambda: ntk_fn(x1, x2), arguments.repeats, arguments.device)
             seconds = statistics.median(times)
             runs[n, implementation] = (kernel.detach().cpu().numpy(), seconds)
@@ -123,12 +143,15 @@ def _torchntk_runs(name: str, arguments, steps) -> dict[tuple[int, int], tuple[n
     return runs
 
 
-def _neural_tangents_runs(name: str, arguments) -> tuple[str, dict[tuple[int, int], tuple[np.ndarray, float]]]:
-    """Runs the model in neural-tangents in a worker process (see ``_neural_tangents_worker``)."""
+def _neural_tangents_runs(
+    name: str, arguments, layout: str = "in-out"
+) -> tuple[str, dict[tuple[int, int], tuple[np.ndarray, float]]]:
+    """Runs the model in neural-tangents in a worker process (see ``_neural_tangents_worker``), its
+    dense weights in ``layout`` (``_models.jax_twin``)."""
     with tempfile.TemporaryDirectory() as folder:
         spec = dict(
             model=name, sizes=list(arguments.sizes), implementations=list(arguments.implementations),
-            trace_axes=list(arguments.trace_axes), repeats=arguments.repeats,
+            trace_axes=list(arguments.trace_axes), repeats=arguments.repeats, layout=layout,
             output=os.path.join(folder, "kernels.npz"), status=os.path.join(folder, "status.json"),
         )
         spec_path = os.path.join(folder, "spec.json")
@@ -151,14 +174,16 @@ def _neural_tangents_runs(name: str, arguments) -> tuple[str, dict[tuple[int, in
 
 
 def _header(argv: list[str], nt_status: str, arguments) -> list[str]:
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else float("nan")
+    memory = float("nan")
+    if hasattr(os, "sysconf"):
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return [
         f"command : torchntk bench {' '.join(argv)}".rstrip(),
         f"date    : {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"machine : {_processor()}, {os.cpu_count()} logical cores, {memory:.1f} GiB RAM, {platform.platform()}",
         f"torch   : {torch.__version__} ({torch.get_num_threads()} threads), torchntk {torchntk.__version__}, "
         f"device {arguments.device}",
-        f"NT      : {nt_status}",
+        f"NT      : {nt_status}; dense weights {arguments.jax_layouts}",
         f"timing  : 1 warm-up call, then the median of {arguments.repeats}; trace_axes={arguments.trace_axes}, "
         f"vmap_axes=0, float32",
     ]

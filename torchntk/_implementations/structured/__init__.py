@@ -10,7 +10,8 @@ The pieces, in the order they run:
 
 * ``_recorder.py``: a ``TorchFunctionMode`` that sees every op consuming a parameter;
 * ``_plan.py``: which parameters the rules cover (the rest go to the Jacobian fallback);
-* ``_side.py``: ``G`` and the operands of each use, per side;
+* ``_side.py``: ``G`` and the operands of each use, per side (``_joint.py``: x1 and x2 in one pass);
+* ``_merge.py``: the uses of one parameter stated alike, merged into one;
 * ``_contract.py``: the pair contractions;
 * ``_verify.py``: the check of a plan against autograd (when it is made, or on every call).
 """
@@ -18,8 +19,9 @@ The pieces, in the order they run:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,6 +32,7 @@ from ..._per_example import Side
 from ..._types import NtkImplementation
 from .._choice import AutoChoice
 from ._contract import contract_sides
+from ._joint import joined
 from ._plan import Plan, make_plan
 from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, probe, side_factors
@@ -168,19 +171,24 @@ class StructuredDerivatives:
         key = call.cache_key(key)
         blocks = _block_plan(call, self.options, plan)
 
-        def guarded(side: Side) -> SideFactors:
-            try:
-                return blocks.prepare1(side)
-            except PlanMismatch:
-                if thorough:
-                    raise _nondeterministic(call.where) from None
-                self._plans.pop(key, None)
-                raise Replan from None
+        def guarded(prepare: Callable[[Side], SideFactors]) -> Callable[[Side], SideFactors]:
+            def run(side: Side) -> SideFactors:
+                try:
+                    return prepare(side)
+                except PlanMismatch:
+                    if thorough:
+                        raise _nondeterministic(call.where) from None
+                    self._plans.pop(key, None)
+                    raise Replan from None
 
-        return dataclasses.replace(blocks, prepare1=guarded, prepare2=guarded)
+            return run
+
+        return dataclasses.replace(blocks, prepare1=guarded(blocks.prepare1), prepare2=guarded(blocks.prepare2))
 
 
 def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> BlockPlan:
+    if call.groups is not None:
+        plan = _within_groups(plan, call.groups)
     if options.verify:
         verify(call, plan)
     inner_chunk = None if call.side1.mapped else call.chunk_size
@@ -193,7 +201,62 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
             call.vmap_check.per_example_outputs(side, call.expected_outputs(side), factors.outputs)
         return factors
 
-    def contract(first: SideFactors, second: SideFactors, needed) -> list[Optional[torch.Tensor]]:
-        return contract_sides(call.layouts, out_axes, first, second, needed, call.dtypes, param_sizes)
+    pending: dict[int, SideFactors] = {}  # x1's half of a joint pass, until prepare1 asks for it
+    gradients_per_example = None  # entries of G per example: outputs times perturbed entries
+    if plan.perturbed_shapes is not None and call.side1.mapped and call.side1.batch_size():
+        outputs = sum(output.numel() for output in call.outputs1) // call.side1.batch_size()
+        gradients_per_example = outputs * sum(math.prod(shape) for shape, _ in plan.perturbed_shapes.values())
 
-    return BlockPlan(prepare, prepare, contract, reuse_prepared=True, run_length=call.chunk_size)
+    def prepare2(side: Side) -> SideFactors:
+        # NOTE: [One pass for both sides]: assemble prepares the whole x2 first, then the whole x1
+        both = joined(call.side1, side, gradients_per_example) if side is call.side2 else None
+        if both is None:
+            return prepare(side)
+        factors = side_factors(both, plan, inner_chunk)
+        size1 = call.side1.batch_size()
+        first = factors.narrow(0, size1, out_axes)
+        second = factors.narrow(size1, side.batch_size(), out_axes)
+        if call.vmap_check is not None:
+            for one, part in ((call.side1, first), (side, second)):
+                call.vmap_check.per_example_outputs(one, call.expected_outputs(one), part.outputs)
+        pending[id(call.side1)] = first
+        return second
+
+    def prepare1(side: Side) -> SideFactors:
+        factors = pending.pop(id(side), None) if side is call.side1 else None
+        return prepare(side) if factors is None else factors
+
+    def contract(first: SideFactors, second: SideFactors, needed) -> list[Optional[Any]]:
+        if call.groups is None:
+            return contract_sides(call.layouts, out_axes, first, second, needed, call.dtypes, param_sizes)
+        per_group = []
+        for indices in call.groups:  # every use's pair contraction lands in one group's sum
+            one = _group_factors(first, set(indices), plan)
+            two = one if second is first else _group_factors(second, set(indices), plan)
+            per_group.append(contract_sides(call.layouts, out_axes, one, two, needed, call.dtypes, param_sizes))
+        return [
+            tuple(blocks[leaf] for blocks in per_group) if is_needed else None for leaf, is_needed in enumerate(needed)
+        ]
+
+    return BlockPlan(prepare1, prepare2, contract, reuse_prepared=True, run_length=call.chunk_size)
+
+
+# -- NOTE: [Parameter groups] (``torchntk/_groups.py``) ---------------------------------------------
+
+
+def _within_groups(plan: Plan, groups: tuple[tuple[int, ...], ...]) -> Plan:
+    """The plan without joint weight/bias roles whose parameters are in different groups (their one
+    contraction cannot be split between the groups): those parameters get separate roles."""
+    group_of = {index: position for position, indices in enumerate(groups) for index in indices}
+    joint = frozenset(unit for unit in plan.joint if len({group_of[index] for index in unit}) == 1)
+    return plan if joint == plan.joint else dataclasses.replace(plan, joint=joint)
+
+
+def _group_factors(factors: SideFactors, indices: set[int], plan: Plan) -> SideFactors:
+    """The factors of the parameters ``indices`` only: their uses and fallback Jacobians."""
+    uses = [use for use in factors.uses if use.role.unit[0] in indices]
+    fallback = factors.fallback
+    if fallback is not None:
+        kept = [position for position, index in enumerate(plan.fallback) if index in indices]
+        fallback = tuple(tuple(per_leaf[position] for position in kept) for per_leaf in fallback)
+    return dataclasses.replace(factors, uses=uses, fallback=fallback)

@@ -31,6 +31,7 @@ from opt_einsum.parser import convert_to_valid_einsum_chars
 
 from ..._layout import KernelLayout
 from ..._tiles import Placement
+from ._merge import merged_factors
 from ._roles import Role
 from ._side import SideFactors, Use
 
@@ -50,6 +51,12 @@ def contract_sides(
     param_sizes: Sequence[int],
 ) -> list[Optional[torch.Tensor]]:
     """The unnormalised kernel block of every needed output leaf."""
+    mapped = out_axes is not None
+    pays = merge_pays(layouts[0], None if out_axes is None else out_axes[0])
+    if side1 is side2:  # NOTE: [Merged uses]
+        side1 = side2 = merged_factors(side1, mapped, pays)
+    else:
+        side1, side2 = merged_factors(side1, mapped, pays), merged_factors(side2, mapped, pays)
     blocks: list[Optional[torch.Tensor]] = []
     for leaf, (layout, is_needed, dtype) in enumerate(zip(layouts, needed, dtypes)):
         if not is_needed:
@@ -109,6 +116,41 @@ def _contract_leaf(
     if total is None:  # no parameter reaches this output leaf
         total = torch.zeros(layout.kernel_shape(side1.outputs[leaf].shape, side2.outputs[leaf].shape), dtype=dtype)
     return total
+
+
+_WRITE_COST = 256.0
+"""FLOPs one element of an intermediate costs: on a 2-core CPU (about 300 GFLOP/s in float32
+matrix products) writing and reading back an intermediate is memory-bound, and a merged
+contraction whose cheapest order by FLOPs builds an intermediate of ``T^2`` Gram blocks ran 3x
+slower than the ``T^2`` pair contractions it replaced."""
+
+_CALL_COST = 7.5e6
+"""FLOPs one einsum call costs on top of its arithmetic (about 50 us of dispatch and planning)."""
+
+_MERGE_GAIN = 0.75
+"""A merge must price below this fraction of the pairs it replaces (the estimate is rough)."""
+
+
+def merge_pays(layout: KernelLayout, out_axis: Optional[int]):
+    """The ``pays`` of :func:`~._merge.merged_uses` for ``layout`` (NOTE: [Merged uses]), priced on
+    the first output leaf with both sides shaped like the side being merged.
+
+    Pairs contracted through ``J`` (different coordinates on the two sides) always gain: one ``J``
+    per side instead of one per use. Einsum pairs are priced as FLOPs plus :data:`_WRITE_COST` per
+    element of the largest intermediate plus :data:`_CALL_COST` per call.
+    """
+
+    def priced(use: Use) -> float:
+        equation, tensors = pair_equation(layout, out_axis, use, use, 0)
+        flops, largest = pair_cost(equation, tuple(tuple(t.shape) for t in tensors))
+        return flops + _WRITE_COST * largest + _CALL_COST
+
+    def pays(single: Use, stacked: Use, count: int) -> bool:
+        if pair_kind(single.role, single.role) != "einsum":
+            return True
+        return priced(stacked) <= _MERGE_GAIN * count * count * priced(single)
+
+    return pays
 
 
 def _pairs(uses1: list[Use], uses2: list[Use], symmetric: bool):

@@ -15,7 +15,8 @@ import math
 import torch
 
 from ..._call import KernelCall
-from ._contract import jacobian_equation, output_symbols, pair_cost, pair_equation, pair_kind
+from ._contract import jacobian_equation, merge_pays, output_symbols, pair_cost, pair_equation, pair_kind
+from ._merge import merged_uses
 from ._plan import Plan
 from ._side import Use, probe
 
@@ -49,8 +50,9 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
         [_meta_use(role, side, output_leaves) for c in calls for role in plan.roles(c)]
         for side, output_leaves in zip(sides, outputs)
     ]
-    uses1, uses2 = uses[0], uses[-1]
     out_axes = call.side1.out_axes if call.side1.mapped else None
+    pays = merge_pays(call.layouts[0], None if out_axes is None else out_axes[0])
+    uses1, uses2 = (merged_uses(side_uses, out_axes is not None, pays) for side_uses in (uses[0], uses[-1]))
     param_sizes = [param.numel() for param in call.model.params]
     flops = memory = 0.0
     contractions = 0

@@ -1,0 +1,347 @@
+"""``torchntk.batch`` writing into caller-given arrays (``out=``), resuming from a progress record
+(``progress_file=``), keeping row shards (``distributed="shard"``) and counting kernel entries."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import torchntk
+import torchntk.batching
+from tests._processes import run_python
+from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk
+
+N1, N2 = 13, 8
+# (trace_axes, diagonal_axes): the full kernel, traced logits, the batch axis diagonal or traced.
+LAYOUTS = [((), ()), ((-1,), ()), ((), (0,)), ((0,), ())]
+MODES = {"spans": (0, 2**30), "no-cache": (0, 0), "per-block": (None, 0)}  # vmap_axes, cache_bytes
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double().eval()
+
+
+def _inputs(n1: int = N1, n2: int = N2) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return (torch.randn(n1, 3, generator=generator, dtype=torch.float64),
+            torch.randn(n2, 3, generator=generator, dtype=torch.float64))
+
+
+class _Chunked:
+    """A minimal array store (shape, dtype, slice assignment and nothing else), like a zarr array."""
+
+    def __init__(self, shape, dtype):
+        self._data = np.zeros(shape, dtype)
+        self.shape, self.dtype = self._data.shape, self._data.dtype
+        self.writes = 0
+
+    def __setitem__(self, index, value):
+        self.writes += 1
+        self._data[index] = value
+
+    def __getitem__(self, index):
+        return self._data[index]
+
+    def __array__(self, dtype=None, copy=None):
+        return self._data
+
+
+def _reference(layout, x1, x2):
+    trace_axes, diagonal_axes = layout
+    return reference_ntk(_model(), x1, x2, trace_axes=trace_axes, diagonal_axes=diagonal_axes)
+
+
+def _rotated(layouts: list, slow_marks: bool) -> list:
+    """Every (layout, x2, mode): one mode per layout and x2 in the fast run, the others marked slow."""
+    combinations = []
+    for index, (layout, same) in enumerate((layout, same) for layout in layouts for same in (False, True)):
+        for shift, mode in enumerate(MODES):
+            marks = [pytest.mark.slow] if (shift != index % len(MODES)) and slow_marks else []
+            combinations.append(pytest.param(layout, same, mode, marks=marks, id=f"{layout}-{same}-{mode}"))
+    return combinations
+
+
+@pytest.mark.parametrize("layout, same, mode", _rotated(LAYOUTS, True))
+def test_out_receives_the_reference_kernel(tmp_path, mode, layout, same):
+    x1, x2 = _inputs()
+    if 0 in layout[0] + layout[1]:
+        x2 = _inputs(N1, N1)[1]
+    x2 = None if same else x2
+    vmap_axes, cache_bytes = MODES[mode]
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), *layout, vmap_axes=vmap_axes)
+    expected = _reference(layout, x1, x2)
+    shape = tuple(expected.shape)
+    outs = [np.zeros(shape), np.lib.format.open_memmap(tmp_path / "k.npy", "w+", np.float64, shape),
+            _Chunked(shape, np.float64), torch.zeros(shape, dtype=torch.float64)]
+    for out, devices in zip(outs, (["cpu"], ["cpu"] * 3, ["cpu"] * 2, ["cpu"])):
+        batched = torchntk.batch(ntk_fn, 3, devices=devices, cache_bytes=cache_bytes)
+        assert batched(x1, x2, out=out) is out
+        assert_kernels_close(torch.as_tensor(np.asarray(out)), expected, rtol=1e-10, atol=1e-12)
+    if layout[0] != (0,):  # block by block, not one whole kernel (a traced batch axis is summed first)
+        assert outs[2].writes > 1
+
+
+def test_a_pytree_of_outs_for_several_kernels():
+    x1, x2 = _inputs()
+    kernel_fn = torchntk.empirical_kernel_fn(_model(), trace_axes=(), vmap_axes=0)
+    ntk, nngp = reference_ntk(_model(), x1, x2, trace_axes=()), reference_nngp(_model(), x1, x2, trace_axes=())
+    out = {"ntk": np.zeros(tuple(ntk.shape)), "nngp": np.zeros(tuple(nngp.shape))}
+    assert torchntk.batch(kernel_fn, 4)(x1, x2, ("ntk", "nngp"), out=out) is out
+    assert_kernels_close(torch.from_numpy(out["ntk"]), ntk, rtol=1e-10, atol=1e-12)
+    assert_kernels_close(torch.from_numpy(out["nngp"]), nngp, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"`out` must match the result's structure.*2 leaf\(s\) at out\['ntk'\], "
+                                         r"out\['nngp'\], `out` has 1 at the root"):
+        torchntk.batch(kernel_fn, 4)(x1, x2, ("ntk", "nngp"), out=out["ntk"])
+
+
+@pytest.mark.parametrize("vmap_axes", [0, None])
+def test_out_of_the_wrong_shape_or_dtype_or_type_is_refused(vmap_axes):
+    x1, x2 = _inputs()
+    batched = torchntk.batch(torchntk.empirical_ntk_fn(_model(), vmap_axes=vmap_axes), 4)
+    with pytest.raises(ValueError, match=r"`out` at the root must have the kernel's shape \(13, 8\) and dtype float64, "
+                                         r"got shape \(8, 13\) and dtype float64"):
+        batched(x1, x2, out=np.zeros((8, 13)))
+    with pytest.raises(ValueError, match=r"dtype float64, got shape \(13, 8\) and dtype float32"):
+        batched(x1, x2, out=np.zeros((13, 8), np.float32))
+    with pytest.raises(ValueError, match=r"dtype torch.float64, got shape \(13, 8\) and dtype torch.float32"):
+        batched(x1, x2, out=torch.zeros(13, 8))
+    with pytest.raises(TypeError, match="every leaf of `out` must be an array .* got str at the root"):
+        batched(x1, x2, out="kernel.npy")
+    with pytest.raises(ValueError, match=r"the result has 1 leaf\(s\) at the root, `out` has 104 at out\[0\]\[0\], "
+                                         r".*out\[0\]\[5\], \.\.\. \(98 more\)"):
+        batched(x1, x2, out=[[0.0] * 8] * 13)
+
+
+def test_an_empty_side_fills_out_with_the_empty_kernel():
+    x1 = _inputs()[0]
+    empty = torch.zeros(0, 3, dtype=torch.float64)
+    out = np.zeros((N1, 0))
+    assert torchntk.batch(torchntk.empirical_ntk_fn(_model(), vmap_axes=0), 4)(x1, empty, out=out) is out
+
+
+# -- resuming -------------------------------------------------------------------------------------
+
+
+def _open(path, shape, fresh: bool):
+    return np.lib.format.open_memmap(path, "w+" if fresh else "r+", np.float64, shape)
+
+
+def test_progress_file_records_blocks_and_a_finished_run_is_not_redone(tmp_path, monkeypatch):
+    x1 = _inputs()[0]
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=0)
+    batched = torchntk.batch(ntk_fn, 3, cache_bytes=0)
+    out = _open(tmp_path / "k.npy", (N1, N1, 4, 4), fresh=True)
+    record = tmp_path / "k.progress.json"
+    batched(x1, out=out, progress_file=record)
+    saved = json.loads(record.read_text())
+    assert len(saved["blocks"]) == 15  # 5 runs of x1: the pairs on and above the diagonal
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".progress-")]  # no temporary left
+    assert_kernels_close(torch.from_numpy(np.array(out)), reference_ntk(_model(), x1, trace_axes=()),
+                         rtol=1e-10, atol=1e-12)
+    contracted = []
+    original = torchntk._block_source.BlockSource.contract
+    monkeypatch.setattr(torchntk._block_source.BlockSource, "contract",
+                        lambda self, a, b: contracted.append(1) or original(self, a, b))
+    batched(x1, out=_open(tmp_path / "k.npy", (N1, N1, 4, 4), fresh=False), progress_file=record)
+    assert len(contracted) == 1  # the probe that checks `out`; every block is recorded
+
+
+def test_a_record_of_another_problem_or_a_recreated_out_is_refused(tmp_path):
+    x1, x2 = _inputs()
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0)
+    record = tmp_path / "k.json"
+    torchntk.batch(ntk_fn, 3, cache_bytes=0)(x1, out=_open(tmp_path / "k.npy", (N1, N1), True), progress_file=record)
+    with pytest.raises(ValueError, match=r"records another problem \(batch_size: recorded 3, now 4\)"):
+        torchntk.batch(ntk_fn, 4)(x1, out=_open(tmp_path / "k.npy", (N1, N1), False), progress_file=record)
+    with pytest.raises(ValueError, match=r"records another problem \(inputs: recorded '[0-9a-f]+', now '[0-9a-f]+'"):
+        torchntk.batch(ntk_fn, 3)(x1 + 1, out=_open(tmp_path / "k.npy", (N1, N1), False), progress_file=record)
+    changed = _model()
+    with torch.no_grad():
+        changed[0].bias.add_(1.0)
+    with pytest.raises(ValueError, match=r"records another problem \(model: recorded"):
+        torchntk.batch(torchntk.empirical_ntk_fn(changed, vmap_axes=0), 3)(
+            x1, out=_open(tmp_path / "k.npy", (N1, N1), False), progress_file=record)
+    with pytest.raises(ValueError, match=r"`out` does not hold the blocks .* mode='w\+'"):
+        torchntk.batch(ntk_fn, 3)(x1, out=_open(tmp_path / "k.npy", (N1, N1), True), progress_file=record)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="exists but is not a progress record"):
+        torchntk.batch(ntk_fn, 3)(x1, x2, out=np.zeros((N1, N2)), progress_file=tmp_path / "bad.json")
+
+
+def test_progress_file_needs_out_and_a_kept_batch_axis(tmp_path):
+    x1 = _inputs()[0]
+    with pytest.raises(ValueError, match="`progress_file` .* needs `out`"):
+        torchntk.batch(torchntk.empirical_ntk_fn(_model(), vmap_axes=0), 3)(x1, progress_file=tmp_path / "p")
+    with pytest.raises(ValueError, match=r"`progress_file` needs a kernel with the batch axis kept or diagonal"):
+        torchntk.batch(torchntk.empirical_ntk_fn(_model(), trace_axes=(0,), vmap_axes=0), 3)(
+            x1, out=np.zeros((4, 4)), progress_file=tmp_path / "p")
+    with pytest.raises(TypeError, match="`progress_file` must be a path"):
+        torchntk.batch(torchntk.empirical_ntk_fn(_model(), vmap_axes=0), 3)(x1, out=np.zeros((N1, N1)), progress_file=3)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch, torchntk
+    import torchntk._batch_disk as disk
+    from tests.test_batching_disk import _batched, _open, _problem
+
+    torch.set_num_threads(1)
+    disk.RECORD_SECONDS = 0.0  # record every block
+    folder, mode, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    completed = []
+    original = disk.ProgressRecord.completed
+
+    def completed_then_die(self, *args):
+        completed.append(1)
+        if len(completed) == kill_after:  # this block is in `out` but not yet in the record
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(self, *args)
+
+    disk.ProgressRecord.completed = completed_then_die
+    x1, x2, shape = _problem(mode)
+    out = _open(os.path.join(folder, "k.npy"), shape, True)
+    _batched(mode)(x1, x2, out=out, progress_file=os.path.join(folder, "k.json"))
+    """
+)
+
+
+def _problem(mode: str):
+    x1, x2 = _inputs()
+    x2 = None if mode == "spans" else x2
+    return x1, x2, (N1, N1 if x2 is None else N2, 4, 4)
+
+
+def _batched(mode: str):
+    vmap_axes = 0 if mode == "spans" else None
+    return torchntk.batch(torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=vmap_axes), 3, cache_bytes=0)
+
+
+@pytest.mark.parametrize("mode", ["spans", pytest.param("per-block", marks=pytest.mark.slow)])
+def test_a_run_killed_midway_resumes_to_the_uninterrupted_kernel(tmp_path, monkeypatch, mode):
+    """A process killed (SIGKILL) after 7 of 15 blocks (6 recorded, the 7th written but not
+    recorded); the resumed run does the 9 others, and the kernel equals an uninterrupted run's bit
+    for bit, and the float64 reference."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    killed = run_python(script, tmp_path, mode, 7, env=env, timeout=120)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert len(json.loads((tmp_path / "k.json").read_text())["blocks"]) == 6
+
+    x1, x2, shape = _problem(mode)
+    completed = []
+    original = torchntk._batch_disk.ProgressRecord.completed
+    monkeypatch.setattr(torchntk._batch_disk.ProgressRecord, "completed",
+                        lambda self, *args: completed.append(1) or original(self, *args))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the child: the same BLAS blocking, so the same bits
+    try:
+        out = _open(tmp_path / "k.npy", shape, False)
+        _batched(mode)(x1, x2, out=out, progress_file=tmp_path / "k.json")
+        whole = _batched(mode)(x1, x2)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(completed) == 15 - 6
+    resumed = np.load(tmp_path / "k.npy")
+    assert np.array_equal(resumed, whole.numpy())
+    expected = reference_ntk(_model(), x1, x2, trace_axes=())
+    assert_kernels_close(torch.from_numpy(resumed), expected, rtol=1e-10, atol=1e-12)
+    assert len(json.loads((tmp_path / "k.json").read_text())["blocks"]) == 15
+
+
+# -- row shards -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout, same, mode", _rotated(LAYOUTS[:3], True))
+def test_each_rank_keeps_its_rows(monkeypatch, mode, layout, same):
+    """Ranks simulated in one process (``world`` patched): each shard equals its rows of the
+    reference, and the shards cover the kernel; with `out`, every rank writes its rows only."""
+    x1, x2 = _inputs()
+    if layout[1]:
+        x2 = _inputs(N1, N1)[1]
+    x2 = None if same else x2
+    vmap_axes, cache_bytes = MODES[mode]
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), *layout, vmap_axes=vmap_axes)
+    expected = _reference(layout, x1, x2)
+    barriers = []
+    monkeypatch.setattr(torchntk.batching, "checkpoint", lambda timeout: barriers.append(timeout))
+    for world_size in (1, 2, 3):
+        stops = [0]
+        shared = np.zeros(tuple(expected.shape))
+        for rank in range(world_size):
+            monkeypatch.setattr(torchntk.batching, "world", lambda rank=rank: (rank, world_size))
+            batched = torchntk.batch(ntk_fn, 2, distributed="shard", cache_bytes=cache_bytes, devices=["cpu"] * 2)
+            shard = batched(x1, x2)
+            assert isinstance(shard, torchntk.distributed.KernelShard)
+            assert (shard.start, shard.stop) == torchntk.distributed.shard_rows(N1, 2, rank, world_size)
+            assert shard.start == stops[-1]
+            stops.append(shard.stop)
+            assert_kernels_close(shard.kernel, expected[shard.start:shard.stop], rtol=1e-10, atol=1e-12)
+            before = shared.copy()
+            assert batched(x1, x2, out=shared).kernel is shared
+            outside = np.ones(shared.shape[0], bool)
+            outside[shard.start:shard.stop] = False
+            assert np.array_equal(shared[outside], before[outside])
+        assert stops[-1] == N1
+        assert_kernels_close(torch.from_numpy(shared), expected, rtol=1e-10, atol=1e-12)
+    assert len(barriers) == 2 * (2 + 3)  # one per call with several ranks
+
+
+def test_shards_refuse_a_traced_batch_axis_and_auto_refuses_out(monkeypatch):
+    x1 = _inputs()[0]
+    with pytest.raises(ValueError, match="distributed='shard' keeps rows of the kernel, but the batch axis is traced"):
+        torchntk.batch(torchntk.empirical_ntk_fn(_model(), trace_axes=(0,), vmap_axes=0), 3, distributed="shard")(x1)
+    monkeypatch.setattr(torchntk.batching, "world", lambda: (0, 2))
+    with pytest.raises(ValueError, match=r"`out` under torch.distributed \(rank 0 of 2\) needs distributed='shard'"):
+        torchntk.batch(torchntk.empirical_ntk_fn(_model(), vmap_axes=0), 3)(x1, out=np.zeros((N1, N1)))
+    with pytest.raises(ValueError, match="`distributed` must be 'auto', 'shard' or 'off', got 'rows'"):
+        torchntk.batch(torchntk.empirical_ntk_fn(_model()), 3, distributed="rows")
+
+
+def test_shard_rows_are_whole_blocks_and_checked():
+    assert [torchntk.distributed.shard_rows(10, 3, rank, 3) for rank in range(3)] == [(0, 6), (6, 10), (10, 10)]
+    assert [torchntk.distributed.shard_rows(7, 0, rank, 2) for rank in range(2)] == [(0, 4), (4, 7)]
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        torchntk.distributed.shard_rows(7, 0, 2, 2)
+    with pytest.raises(ValueError, match="n1 must be a non-negative int, got -1"):
+        torchntk.distributed.shard_rows(-1, 0, 0, 2)
+
+
+# -- progress -------------------------------------------------------------------------------------
+
+
+def test_progress_counts_kernel_entries(capsys):
+    x1, x2 = _inputs()
+    for vmap_axes in (0, None):
+        torchntk.batch(torchntk.empirical_ntk_fn(_model(), vmap_axes=vmap_axes), 3, progress=True)(x1, x2)
+        error = capsys.readouterr().err
+        assert f"{N1 * N2}/{N1 * N2}" in error and "entries/s" in error
+
+
+def test_blocks_reach_the_host_synchronously_and_accelerators_asynchronously():
+    """A non-blocking copy to the CPU returns before its data arrives, and blocks are placed by CPU
+    copies right after: such copies must block (accelerator to accelerator, the stream orders them)."""
+    from torchntk._batch_output import moved
+
+    class Block:
+        def __init__(self, device):
+            self.device = torch.device(device)
+            self.calls = []
+
+        def to(self, device, non_blocking):
+            self.calls.append((str(device), non_blocking))
+            return self
+
+    for source, target, asynchronous in [("cuda:0", "cpu", False), ("cuda:0", "cuda:1", True), ("cpu", "cuda:0", False),
+                                         ("cpu", "cpu", False)]:
+        block = Block(source)
+        moved(block, torch.device(target))
+        assert block.calls == [(target, asynchronous)]
