@@ -21,11 +21,12 @@ def test_sphinx_builds_without_warnings(tmp_path):
                       timeout=600, env={"TORCHNTK_DOCS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     pages = ("index", "quickstart", "layout", "structured", "batching", "predict", "migrating", "design", "benchmarks",
-             "guarantees", "real_models", "api")
+             "guarantees", "real_models", "groups", "sketching", "spectra", "api")
     for page in pages:
         assert (tmp_path / f"{page}.html").exists(), page
     api = (tmp_path / "api.html").read_text()
-    for name in ("empirical_ntk_fn", "batch", "monte_carlo_kernel_fn", "linearize", "NtkImplementation"):
+    for name in ("empirical_ntk_fn", "batch", "monte_carlo_kernel_fn", "linearize", "NtkImplementation",
+                 "sketched_ntk_fn", "ntk_eigenpairs"):
         assert f'id="torchntk.{name}"' in api, name
     assert (tmp_path / "_images" / "layout.svg").exists()
     assert f"torchntk {torchntk.__version__} documentation" in (tmp_path / "index.html").read_text()

@@ -30,9 +30,9 @@ from .taylor import taylor_expand as taylor_expand
 
 __version__ = "0.1.0"
 
-# Public classes report the package they are used from (``torchntk.AutoChoice``), not the private
+# Public names report the package they are used from (``torchntk.AutoChoice``), not the private
 # module that defines them.
-for _public in (AutoChoice, Estimate, ExampleLoopWarning, KernelFunction, NtkImplementation):
+for _public in (AutoChoice, Estimate, ExampleLoopWarning, KernelFunction, NtkImplementation, precision):
     _public.__module__ = "torchntk"
 del _public
 

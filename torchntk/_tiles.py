@@ -14,6 +14,12 @@ A block lands where the :class:`~torchntk._layout.KernelLayout` puts the batch a
 ``chunk_size`` (``_blocks.assemble``), ``batch`` (``_batch_output.KernelOutput``) and structured
 derivatives' symmetric halves (``structured/_contract.py``) all place blocks through
 :class:`Placement`.
+
+The words, everywhere in the library: a *run* is consecutive examples of one side; a *block* is
+what a pair of runs gives; ``chunk_size`` and ``batch_size`` are the run lengths users choose.
+``batch`` prepares a *span* at a time: a run of whole ``batch_size`` runs whose derivatives are
+prepared once and contracted with every other span (NOTE: [Spans and blocks] in
+``_batch_jobs.py``), so a pair of spans writes many blocks.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class Eigenpairs:
     converged: bool
 
 
-for _public in (Eigenpairs, TraceEstimate):
+for _public in (Eigenpairs, TraceEstimate, condition_number, effective_rank, kernel_target_alignment, relative_change):
     _public.__module__ = "torchntk"
 del _public
 
