@@ -183,9 +183,9 @@ def _header(argv: list[str], nt_status: str, arguments) -> list[str]:
         f"machine : {_processor()}, {os.cpu_count()} logical cores, {memory:.1f} GiB RAM, {platform.platform()}",
         f"torch   : {torch.__version__} ({torch.get_num_threads()} threads), torchntk {torchntk.__version__}, "
         f"device {arguments.device}",
-        f"NT      : {nt_status}; dense weights {arguments.jax_layouts}",
+        f"NT      : {nt_status}",
         f"timing  : 1 warm-up call, then the median of {arguments.repeats}; trace_axes={arguments.trace_axes}, "
-        f"vmap_axes=0, float32",
+        f"vmap_axes=0, float32; neural-tangents' dense weights {arguments.jax_layouts}",
     ]
 
 
