@@ -182,7 +182,7 @@ def prepare_call(
         raise ValueError(f"{where}: `x1` must contain at least one tensor, got {show(x1)}.")
     input_argument(x1, "x1", where)
     input_argument(x2, "x2", where)
-    model = functional_model(f, params, where, output_fn)
+    model = functional_model(f, params, where, output_fn, lazy=True)  # dies with the call
     index_groups = None
     if groups is not None:
         model, index_groups = groups.split(model, f if isinstance(f, torch.nn.Module) else None, where)

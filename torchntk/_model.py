@@ -12,8 +12,17 @@ threads compute kernels of one module at once (NOTE: [Threads] in ``_threads.py`
 * ``torch.func.functional_call`` swaps these clones into a private shell of the module
   (``_shell.py``), one per thread, never into the module itself.
 
-The price is one copy of the module's tensors per call (0.1-0.2 ms on the benchmark MLP and CNN,
-docs/guarantees.md).
+A kernel call (``prepare_call``, ``lazy=True``) makes these clones copy-on-write
+(``torch._lazy_clone``): the clone shares the module's memory until either side is written, and
+a write to the clone (a forward pass renormalising a weight) copies it first, so the module still
+never sees it. Reading is all a kernel does, so no copy is made at all: an eager copy cost 3-14 ms
+per call on the wide benchmark MLP (36 MB of weights), 10-25 % of the call. The clones die
+with the call, after which the module's next write takes its memory back without a copy; a
+write from another thread during the call copies the module's tensor to new memory (its
+``data_ptr`` changes). Longer-lived models (``empirical_ntk_vp_fn``, spectra operators) keep eager
+clones, so that a module's memory never moves because a lazy clone outlived the call. Tensors
+that cannot be shared copy-on-write (tensor subclasses, memory from ``torch.from_numpy``, devices
+other than CPU and CUDA) are cloned eagerly.
 """
 
 from __future__ import annotations
@@ -117,15 +126,19 @@ class FunctionalModel:
         return dtype
 
 
-def functional_model(f: Any, params: Any, where: str, output_fn: Optional["OutputFn"] = None) -> FunctionalModel:
+def functional_model(
+    f: Any, params: Any, where: str, output_fn: Optional["OutputFn"] = None, lazy: bool = False
+) -> FunctionalModel:
     """Builds the :class:`FunctionalModel` of an ``nn.Module`` or of ``f(params, x, **kwargs)``;
-    ``output_fn`` comes from :func:`~torchntk._outputs.output_fn_argument`.
+    ``output_fn`` comes from :func:`~torchntk._outputs.output_fn_argument`. ``lazy``: a module's
+    private copies are copy-on-write (NOTE: [Modules are never mutated]); only for a model that
+    dies with the kernel call.
 
     Raises:
         TypeError: ``params`` of the wrong type, or parameters that are not floating tensors.
         ValueError: unknown parameter names, wrong shapes, or nothing to differentiate.
     """
-    model = _module_model(f, params, where) if isinstance(f, nn.Module) else _callable_model(f, params, where)
+    model = _module_model(f, params, where, lazy) if isinstance(f, nn.Module) else _callable_model(f, params, where)
     return model if output_fn is None else replace(model, output_fn=output_fn)
 
 
@@ -147,7 +160,9 @@ def tensor_leaves_only(output: Any) -> Any:
     return pytree.tree_map(lambda leaf: leaf if isinstance(leaf, torch.Tensor) else None, output)
 
 
-def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str) -> FunctionalModel:
+def _module_model(
+    module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str, lazy: bool = False
+) -> FunctionalModel:
     scripted = [
         path or type(sub).__name__ for path, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)
     ]
@@ -193,16 +208,16 @@ def _module_model(module: nn.Module, params: Optional[Mapping[str, torch.Tensor]
                 )
     names = tuple(chosen)
     leaves = tuple(
-        float_parameter(value, f"parameter {name!r}", where).detach().clone() for name, value in chosen.items()
+        _private_copy(float_parameter(value, f"parameter {name!r}", where), lazy) for name, value in chosen.items()
     )
     chosen_ids = {id(all_params[name]) for name in chosen}
     # A tied parameter has several names for one tensor; every alias of a chosen one is chosen.
-    constants = _private_copies({name: p for name, p in all_params.items() if id(p) not in chosen_ids})
+    constants = _private_copies({name: p for name, p in all_params.items() if id(p) not in chosen_ids}, lazy)
     buffers = dict(module.named_buffers(remove_duplicate=False))
     evaluate = _private_evaluation(module)
 
     def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-        tensors = {name: buffer.clone() for name, buffer in buffers.items()}
+        tensors = {name: _private_copy(buffer, lazy) for name, buffer in buffers.items()}
         tensors.update(constants)
         tensors.update(zip(names, param_leaves))
         return evaluate(tensors, args, dict(kwargs))
@@ -251,13 +266,32 @@ def _selected(module: nn.Module, selection: Any, where: str) -> dict[str, torch.
     return chosen
 
 
-def _private_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _private_copies(tensors: Mapping[str, torch.Tensor], lazy: bool = False) -> dict[str, torch.Tensor]:
     """Detached clones; names tied to one tensor get one clone, so they stay tied."""
     clones: dict[int, torch.Tensor] = {}
     for tensor in tensors.values():
         if id(tensor) not in clones:
-            clones[id(tensor)] = tensor.detach().clone()
+            clones[id(tensor)] = _private_copy(tensor, lazy)
     return {name: clones[id(tensor)] for name, tensor in tensors.items()}
+
+
+_LAZY_CLONE = getattr(torch, "_lazy_clone", None)
+_COPY_ON_WRITE_DEVICES = ("cpu", "cuda")
+
+
+def _private_copy(tensor: torch.Tensor, lazy: bool) -> torch.Tensor:
+    """A detached clone of ``tensor``, copy-on-write where ``lazy`` and possible (NOTE: [Modules
+    are never mutated])."""
+    detached = tensor.detach()
+    if (
+        lazy and _LAZY_CLONE is not None and type(detached) is torch.Tensor and detached.layout == torch.strided
+        and detached.device.type in _COPY_ON_WRITE_DEVICES and not detached.is_quantized
+    ):
+        try:
+            return _LAZY_CLONE(detached)
+        except RuntimeError:  # memory with a foreign owner (torch.from_numpy) cannot be shared so
+            pass
+    return detached.clone()
 
 
 def _private_evaluation(module: nn.Module) -> Callable[[dict, tuple, dict], Any]:

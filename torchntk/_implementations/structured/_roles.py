@@ -172,7 +172,13 @@ class RuleCall:
         """Builds the roles now and keeps them on meta tensors (:meth:`Role.on_meta`).
 
         A probe pass runs under ``torch.func`` transforms whose tensors must not outlive them; the
-        plan and AUTO only need the operands' shapes.
+        plan and AUTO only need the operands' shapes. The output and ``build`` (whose closure holds
+        the call's inputs and parameters) are dropped too: a cached plan keeps these calls, and
+        must not keep the kernel call's copy-on-write parameters alive (NOTE: [Modules are never
+        mutated] in ``_model.py``).
         """
         separate, joint = self.roles()
-        self._built = ([role.on_meta() for role in separate], None if joint is None else joint.on_meta())
+        built = ([role.on_meta() for role in separate], None if joint is None else joint.on_meta())
+        self._built = built
+        self.build = lambda: built
+        self.output = torch.empty(self.output.shape, dtype=self.output.dtype, device="meta")

@@ -1,0 +1,88 @@
+"""A kernel call copies no parameter memory, yet never changes the module.
+
+NOTE: [Modules are never mutated] (``_model.py``): the private copies of a kernel call are
+copy-on-write, so a call that only reads the parameters copies none of them, a forward pass that
+writes into one copies that one first, and nothing of the call outlives it. Every kernel here is
+checked against the float64 brute force of ``torchntk.testing``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+import torchntk
+from torchntk._call import prepare_call
+from torchntk._vmap_axes import parse_vmap_axes
+from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
+
+
+def _mlp() -> nn.Module:
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+    return model
+
+
+def _prepare(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, params=None):
+    return prepare_call(
+        model, x1, x2, params, {}, where="test", trace_axes=(-1,), diagonal_axes=(),
+        vmap_axes=parse_vmap_axes(0, "test"), defer_vmap_check=True,
+    )
+
+
+def test_private_parameters_share_the_module_memory_copy_on_write():
+    model = _mlp()
+    call = _prepare(model, torch.randn(4, 5), torch.randn(3, 5))
+    assert len(call.model.params) == 4
+    assert all(torch._C._is_cow_tensor(param) for param in call.model.params)
+    for param, original in zip(call.model.params, model.parameters()):
+        assert param is not original and not param.requires_grad
+        assert torch.equal(param, original)
+
+
+def test_a_write_into_the_private_copy_leaves_the_module_unchanged():
+    model = _mlp()
+    snapshot = ModuleSnapshot.of(model)
+    call = _prepare(model, torch.randn(4, 5), torch.randn(3, 5))
+    private = call.model.params[0]
+    private.add_(1.0)  # what a forward pass renormalising its weight in place does
+    snapshot.assert_unchanged()
+    assert torch.equal(private, model[0].weight.detach() + 1.0)
+
+
+def test_no_copy_outlives_the_call():
+    """After a call, the module's next write takes its memory back: nothing shares it any more."""
+    model = _mlp()
+    x1, x2 = torch.randn(6, 5), torch.randn(4, 5)
+    addresses = [param.data_ptr() for param in model.parameters()]
+    kernel_fns = [torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=index) for index in (0, 1, 2, 3)]
+    kernel_fns.append(torchntk.empirical_ntk_fn(model, vmap_axes=None, implementation=3))
+    for kernel_fn in kernel_fns:  # kept alive with their caches
+        assert_kernels_close(kernel_fn(x1, x2), reference_ntk(model, x1, x2))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.0)
+    assert [param.data_ptr() for param in model.parameters()] == addresses
+
+
+def test_parameters_from_numpy_are_copied_eagerly():
+    """Memory torch does not own cannot be shared copy-on-write; the call copies it instead."""
+    model = _mlp().double()
+    generator = np.random.default_rng(1)
+    params = {
+        name: torch.from_numpy(generator.standard_normal(tuple(param.shape)))
+        for name, param in model.named_parameters()
+    }
+    before = {name: tensor.clone() for name, tensor in params.items()}
+    snapshot = ModuleSnapshot.of(model, extra=params)
+    x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    call = _prepare(model, x1, x2, params)
+    assert not any(torch._C._is_cow_tensor(param) for param in call.model.params)
+    kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3)(x1, x2, params=params)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2, params=params))
+    snapshot.assert_unchanged()
+    assert all(torch.equal(params[name], before[name]) for name in params)
