@@ -4,11 +4,16 @@
 ``python -m pytest --device cuda`` (default ``cpu``) builds the shared model cases of
 ``tests/cases.py`` and their inputs on that device, and the ``device`` fixture gives it to any
 test that asks; the float64 references are computed from the same modules and inputs, wherever
-they are. Tests that build their own CPU models run on the CPU whatever ``--device`` says.
+they are; the test files move their own models and inputs there with ``tests.cases.to_device``.
+Tests marked ``cpu_only(reason)`` (the command line, docs, several processes, NumPy errors, and
+files not converted yet) run on the CPU whatever ``--device`` says: for them the run device is the
+CPU, and the terminal summary of a run on another device counts them with their reasons.
 """
 
+import collections
 import pathlib
 import sys
+from typing import Iterator
 
 import pytest
 import torch
@@ -53,12 +58,68 @@ def device_option(name: str) -> torch.device:
     return device
 
 
-@pytest.fixture
-def device() -> torch.device:
-    """The device of the test run (``--device``)."""
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"torchntk test device: {config.getoption('--device')} (--device)"
+
+
+_CPU_ONLY_REASONS = pytest.StashKey[collections.Counter]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection, so that only the tests that run are counted
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from tests import cases
 
-    return cases.DEVICE
+    elsewhere = cases.DEVICE.type != "cpu"
+    reasons: collections.Counter = collections.Counter()
+    for item in items:
+        if elsewhere and isinstance(item, pytest.DoctestItem):
+            item.add_marker(pytest.mark.cpu_only("docstring examples run as written, on the CPU"))
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            reason = _cpu_only_reason(item, marker)  # checked on every run, so that CPU runs catch a missing one
+            if elsewhere:
+                reasons[reason] += 1
+    config.stash[_CPU_ONLY_REASONS] = reasons
+
+
+def _cpu_only_reason(item: pytest.Item, marker: pytest.Mark) -> str:
+    reason = marker.args[0] if marker.args else marker.kwargs.get("reason")
+    if not isinstance(reason, str) or not reason:
+        raise pytest.UsageError(f"{item.nodeid}: cpu_only needs a reason, e.g. pytest.mark.cpu_only(\"runs the CLI\").")
+    return reason
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    reasons = config.stash.get(_CPU_ONLY_REASONS, None)
+    if not reasons:
+        return
+    device = config.getoption("--device")
+    terminalreporter.section(f"tests run on the CPU under --device {device}")
+    terminalreporter.write_line(f"{sum(reasons.values())} test(s) ran on the CPU (cpu_only), because:")
+    for reason, count in sorted(reasons.items()):
+        terminalreporter.write_line(f"  {count:5d}  {reason}")
+
+
+@pytest.fixture(autouse=True)
+def _run_device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
+    """The run device, which is the CPU for tests marked ``cpu_only``: ``tests.cases`` builds there."""
+    from tests import cases
+
+    run_device = cases.DEVICE
+    if request.node.get_closest_marker("cpu_only") is None or run_device.type == "cpu":
+        yield run_device
+        return
+    cases.DEVICE = torch.device("cpu")
+    try:
+        yield cases.DEVICE
+    finally:
+        cases.DEVICE = run_device
+
+
+@pytest.fixture
+def device(_run_device: torch.device) -> torch.device:
+    """The device of the test run (``--device``; the CPU for tests marked ``cpu_only``)."""
+    return _run_device
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,8 @@ the blocked float64 summation of implementation 1 (NOTE: [Accurate contraction] 
 was off by 2.3e-6 (full kernel) and 2.5e-3 (traced kernel: 10 logits times 2.4M weights summed
 at once). ``_TOLERANCE`` sits between: a few times the accurate errors, a few times below the
 inaccurate ones.
+
+Models and inputs live on the run device (``pytest --device``), drawn on the CPU and moved there.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 import torchntk
+from tests.cases import DEVICE, to_device
 from torchntk._layout import make_layout
 from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk
 
@@ -53,8 +56,8 @@ def _wide_problem():
     ``cat(x1, x2)`` with itself, full layout ``(3, 3, 10, 10)``: one oracle call serves every case."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = _WideConvolution().eval()
-        x1, x2 = torch.randn(2, 8, 4, 4), torch.randn(1, 8, 4, 4)
+        model = _WideConvolution().to(DEVICE).eval()
+        x1, x2 = to_device((torch.randn(2, 8, 4, 4), torch.randn(1, 8, 4, 4)))
     full = reference_ntk(model, torch.cat([x1, x2]), trace_axes=())
     return model, x1, x2, full
 
@@ -89,11 +92,12 @@ class _Scale(nn.Module):
 
 
 def test_float32_nngp_over_a_long_traced_axis_is_accurate():
-    x1 = torch.rand(3, 2_000_000) + 0.5  # positive: every product adds, as in a kernel's diagonal
-    x2 = torch.rand(2, 2_000_000) + 0.5
-    nngp_fn = torchntk.empirical_nngp_fn(_Scale(), trace_axes=(-1,))
-    _assert_accurate(nngp_fn(x1, x2), reference_nngp(_Scale(), x1, x2, trace_axes=(-1,)))
-    _assert_accurate(nngp_fn(x1, None), reference_nngp(_Scale(), x1, None, trace_axes=(-1,)))
+    x1 = to_device(torch.rand(3, 2_000_000) + 0.5)  # positive: every product adds, as in a kernel's diagonal
+    x2 = to_device(torch.rand(2, 2_000_000) + 0.5)
+    model = _Scale().to(DEVICE)
+    nngp_fn = torchntk.empirical_nngp_fn(model, trace_axes=(-1,))
+    _assert_accurate(nngp_fn(x1, x2), reference_nngp(model, x1, x2, trace_axes=(-1,)))
+    _assert_accurate(nngp_fn(x1, None), reference_nngp(model, x1, None, trace_axes=(-1,)))
 
 
 def test_float32_kernel_summed_over_many_runs_of_a_traced_batch_axis_is_accurate():
@@ -102,9 +106,10 @@ def test_float32_kernel_summed_over_many_runs_of_a_traced_batch_axis_is_accurate
     generator = torch.Generator().manual_seed(0)
     x1, x2 = torch.rand(4096, 4, generator=generator) + 1, torch.rand(4096, 4, generator=generator) + 1
     x1[0] *= 30
+    x1, x2 = to_device((x1, x2))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = nn.Linear(4, 1)
+        model = nn.Linear(4, 1).to(DEVICE)
     ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(0, 1), vmap_axes=0, implementation=1, chunk_size=8)
     expected = reference_ntk(model, x1, x2, trace_axes=(0, 1))
     _assert_accurate(ntk_fn(x1, x2), expected, tolerance=1.5e-7)
@@ -125,8 +130,8 @@ def _layout(ndim, trace=(), diagonal=()):
 )
 def test_long_float32_contraction_matches_float64(shape, trace, diagonal):
     generator = torch.Generator().manual_seed(0)
-    first = torch.randn(shape, generator=generator) + 0.5
-    second = torch.randn(shape, generator=generator) + 0.5
+    first = to_device(torch.randn(shape, generator=generator) + 0.5)
+    second = to_device(torch.randn(shape, generator=generator) + 0.5)
     layout = _layout(len(shape) - 1, trace, diagonal)
     for one, two in [(first, second), (first, first)]:
         expected = layout.contract(one.double(), two.double())
@@ -137,6 +142,6 @@ def test_long_float32_contraction_matches_float64(shape, trace, diagonal):
 
 
 def test_long_float32_symmetric_contraction_is_exactly_symmetric():
-    jacobian = torch.randn(30, 10, 50_000, generator=torch.Generator().manual_seed(0))
+    jacobian = to_device(torch.randn(30, 10, 50_000, generator=torch.Generator().manual_seed(0)))
     kernel = _layout(2).contract(jacobian, jacobian)  # (30, 30, 10, 10)
     assert torch.equal(kernel, kernel.permute(1, 0, 3, 2))

@@ -21,6 +21,8 @@ from torchntk._implementations import auto as auto_module
 from torchntk._implementations import structured as structured_module
 from torchntk.testing import assert_kernels_close, reference_ntk
 
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
+
 JACOBIAN = NtkImplementation.JACOBIAN_CONTRACTION
 PRODUCTS = NtkImplementation.NTK_VECTOR_PRODUCTS
 STRUCTURED = NtkImplementation.STRUCTURED_DERIVATIVES

@@ -1,4 +1,8 @@
-"""``torchntk.batch``: blocks of examples on one or several (CPU) devices equal the unbatched kernel."""
+"""``torchntk.batch``: blocks of examples on one or several devices equal the unbatched kernel.
+
+The models and inputs live on the run device (``pytest --device``); ``devices=["cpu"] * k`` are CPU
+workers whatever it is, and a run on another device adds workers there.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import pytest
 import torch
 
 import torchntk
-from tests.cases import CASES, make_x1_x2
+from tests.cases import CASES, DEVICE, make_x1_x2, to_device
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 SIZES = [(1, 5), (5, 8), (8, 1), (13, 13)]
@@ -20,14 +24,19 @@ LAYOUTS = [((-1,), ()), ((), ()), ((), (0,)), ((0,), ()), ((), (1,))]
 @functools.lru_cache(maxsize=None)
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double().eval()
+    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double().to(DEVICE).eval()
 
 
 @functools.lru_cache(maxsize=None)
 def _inputs(n1: int, n2: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(n1 * 100 + n2)
-    return (torch.randn(n1, 3, generator=generator, dtype=torch.float64),
-            torch.randn(n2, 3, generator=generator, dtype=torch.float64))
+    return to_device((torch.randn(n1, 3, generator=generator, dtype=torch.float64),
+                      torch.randn(n2, 3, generator=generator, dtype=torch.float64)))
+
+
+# CPU workers, and on a run on another device (``--device``) workers there too.
+WORKERS = [["cpu"], ["cpu"] * 3] + ([[str(DEVICE)], [str(DEVICE)] * 3] if DEVICE.type != "cpu" else [])
+WORKER_IDS = ["1cpu", "3cpu"] + ([f"1{DEVICE.type}", f"3{DEVICE.type}"] if DEVICE.type != "cpu" else [])
 
 
 # How batch computes: prepared spans with the default cache; spans of one block and no cache
@@ -55,12 +64,12 @@ def _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_d
     snapshot.assert_unchanged()
     assert type(actual) is type(expected)
     for got, want in zip(actual, expected):
-        assert got.device.type == "cpu"
+        assert got.device.type == (torch.device(devices[0]).type if store_on_device else "cpu")
         assert_kernels_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("store_on_device", [True, False], ids=["on-device", "host"])
-@pytest.mark.parametrize("devices", [["cpu"], ["cpu"] * 3], ids=["1cpu", "3cpu"])
+@pytest.mark.parametrize("devices", WORKERS, ids=WORKER_IDS)
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 @pytest.mark.parametrize("n1, n2", SIZES)
 def test_batched_equals_unbatched(n1, n2, batch_size, devices, store_on_device):
@@ -76,7 +85,7 @@ def test_batched_equals_unbatched(n1, n2, batch_size, devices, store_on_device):
 @pytest.mark.slow
 def test_batched_equals_unbatched_full_grid():
     for n1, n2 in SIZES:
-        combinations = itertools.product(LAYOUTS, (1, 2, 3), (False, True), BATCH_SIZES, (["cpu"], ["cpu"] * 3), (True, False))
+        combinations = itertools.product(LAYOUTS, (1, 2, 3), (False, True), BATCH_SIZES, WORKERS, (True, False))
         for index, (layout, implementation, same, batch_size, devices, store_on_device) in enumerate(combinations):
             # Shifted every 4 so that the innermost (devices, store_on_device) pairs meet every mode.
             mode = MODES[(index + index // 4) % len(MODES)]
@@ -112,7 +121,7 @@ def test_batch_axis_anywhere_with_vmap_axes():
     def f(params, x):  # x: (features, N) -> (outputs, N); thread-safe, as batch requires
         return torch.tanh(params["weight"] @ x + params["bias"][:, None])
 
-    params = {"weight": torch.randn(4, 3, dtype=torch.float64), "bias": torch.randn(4, dtype=torch.float64)}
+    params = to_device({"weight": torch.randn(4, 3, dtype=torch.float64), "bias": torch.randn(4, dtype=torch.float64)})
     x1, x2 = (x.T.contiguous() for x in _inputs(13, 8))
     for trace_axes in ((0,), ()):
         kernel_fn = torchntk.empirical_ntk_fn(f, trace_axes=trace_axes, vmap_axes=1)
@@ -143,9 +152,9 @@ def test_structured_plan_is_redone_when_later_spans_run_other_operations(monkeyp
             return torch.tanh(torch.nn.functional.linear(x, weight, bias))
         return torch.tanh(torch.einsum("nf,of->no", x[..., :3], weight) + bias)
 
-    params = {"weight": torch.randn(4, 3, dtype=torch.float64), "bias": torch.randn(4, dtype=torch.float64)}
+    params = to_device({"weight": torch.randn(4, 3, dtype=torch.float64), "bias": torch.randn(4, dtype=torch.float64)})
     x1 = _inputs(7, 5)[0]
-    x2 = torch.randn(5, 6, dtype=torch.float64)
+    x2 = to_device(torch.randn(5, 6, dtype=torch.float64))
     expected = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=1)(x1, x2, params)
     thorough = []
     original = torchntk._implementations.structured.StructuredDerivatives.block_plan
@@ -171,7 +180,8 @@ def test_replicas_follow_the_module_between_calls(monkeypatch):
     """Replicas are made once and refreshed from the module: later calls see its new parameters,
     frozen flags and train/eval mode (and a changed structure makes new replicas)."""
     _pretend_the_module_lives_elsewhere(monkeypatch)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double().eval()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    model = model.double().to(DEVICE).eval()
     x1, x2 = _inputs(7, 5)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
     batched = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 3)
@@ -183,7 +193,7 @@ def test_replicas_follow_the_module_between_calls(monkeypatch):
     model[2].bias.requires_grad_(False)
     assert_kernels_close(batched(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
     assert torchntk.batching._settings_of(batched).replicas == replicas  # refreshed, not rebuilt
-    model[2] = torch.nn.Linear(8, 3).double()  # other shapes: the replicas are rebuilt
+    model[2] = torch.nn.Linear(8, 3).double().to(DEVICE)  # other shapes: the replicas are rebuilt
     assert_kernels_close(batched(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
     assert torchntk.batching._settings_of(batched).replicas != replicas
 
@@ -204,7 +214,7 @@ def _changes():
         model.scale = 3.0
 
     def submodule(model):
-        model.linear = torch.nn.Linear(3, 4).double()
+        model.linear = torch.nn.Linear(3, 4).double().to(DEVICE)
 
     def hook(model):
         model.linear.register_forward_hook(lambda module, inputs, output: output.tanh())
@@ -219,12 +229,13 @@ def _changes():
 @pytest.mark.parametrize("change", sorted(_changes()))
 def test_workers_see_every_change_of_the_module(monkeypatch, change, replicas):
     """A plain attribute, a swapped submodule or a new hook changes the model without touching its
-    tensors; workers on other devices must not keep computing the old model."""
+    tensors; workers on other devices must not keep computing the old model. The workers are on
+    the module's device, so that only the pretence makes replicas."""
     if replicas:
         _pretend_the_module_lives_elsewhere(monkeypatch)
-    model = _Scaled().double()
+    model = _Scaled().double().to(DEVICE)
     x1, x2 = _inputs(6, 5)
-    batched = torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2, devices=["cpu"] * 3)
+    batched = torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2, devices=[str(DEVICE)] * 3)
     assert_kernels_close(batched(x1, x2), reference_ntk(model, x1, x2), rtol=1e-10, atol=1e-12)
     _changes()[change](model)
     assert_kernels_close(batched(x1, x2), reference_ntk(model, x1, x2), rtol=1e-10, atol=1e-12)
@@ -236,7 +247,7 @@ def test_leaves_with_their_batch_axes_in_different_places_are_refused():
         y = x @ params["w"]
         return y, y.T
 
-    params = {"w": torch.randn(3, 2, dtype=torch.float64)}
+    params = to_device({"w": torch.randn(3, 2, dtype=torch.float64)})
     x1, x2 = _inputs(4, 4)
     ntk_fn = torchntk.empirical_ntk_fn(f, trace_axes=(0,), vmap_axes=(0, (0, 1), None))
     with pytest.raises(ValueError, match="output leaves put their batch axes in different places"):
@@ -270,10 +281,10 @@ def test_two_tuple_kwargs_are_cut_with_the_inputs_and_single_tensors_are_shared(
     def f(params, x, scale=1.0, shift=0.0):
         return torch.tanh(x @ params["w"].T) * scale + shift
 
-    params = {"w": torch.randn(3, 3, dtype=torch.float64)}
+    params = to_device({"w": torch.randn(3, 3, dtype=torch.float64)})
     x1, x2 = _inputs(7, 5)
-    scale1, scale2 = torch.rand(7, 1, dtype=torch.float64), torch.rand(5, 1, dtype=torch.float64)
-    shift = torch.rand(3, dtype=torch.float64)
+    scale1, scale2 = to_device((torch.rand(7, 1, dtype=torch.float64), torch.rand(5, 1, dtype=torch.float64)))
+    shift = to_device(torch.rand(3, dtype=torch.float64))
     ntk_fn = torchntk.empirical_ntk_fn(f, vmap_axes=(0, 0, {"scale": 0, "shift": None}))
     expected = ntk_fn(x1, x2, params, scale=(scale1, scale2), shift=shift)
     actual = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 3)(x1, x2, params, scale=(scale1, scale2), shift=shift)
@@ -307,7 +318,7 @@ def test_the_module_is_not_mutated_and_worker_errors_reach_the_caller():
     torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2, devices=["cpu"] * 3)(x1, x2)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
-    wrong = torch.randn(8, 4, dtype=torch.float64)  # the model expects 3 features
+    wrong = to_device(torch.randn(8, 4, dtype=torch.float64))  # the model expects 3 features
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
         torchntk.batch(torchntk.empirical_ntk_fn(model), 2, devices=["cpu"] * 2)(wrong, x2)
 
@@ -370,8 +381,7 @@ def test_a_rank_that_owns_no_span_contributes_zeros(implementation):
     x1 = _inputs(3, 1)[0]
     ntk_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=0, implementation=implementation)
     spec = spec_of(ntk_fn)
-    cpu = torch.device("cpu")
-    job = Job(spec, [ntk_fn], [cpu], 2, False, cpu, False, rank=3, world_size=4)
+    job = Job(spec, [ntk_fn], [DEVICE], 2, False, DEVICE, False, rank=3, world_size=4)
     source = spec.open_blocks(BlockRequest(2), x1, None)
     tree, output = run_spans(job, source, lambda function, device: None, 2**30)
     (kernel,) = output.tensors
@@ -381,7 +391,7 @@ def test_a_rank_that_owns_no_span_contributes_zeros(implementation):
 
 def test_an_empty_side_gives_the_kernel_functions_empty_kernel():
     x1 = _inputs(5, 1)[0]
-    empty = torch.zeros(0, 3, dtype=torch.float64)
+    empty = to_device(torch.zeros(0, 3, dtype=torch.float64))
     for vmap_axes in (0, None):
         ntk_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=vmap_axes)
         for first, second in ((x1, empty), (empty, x1)):
@@ -391,7 +401,7 @@ def test_an_empty_side_gives_the_kernel_functions_empty_kernel():
     def f(params, x):  # batch on axis 1
         return torch.tanh(params["w"] @ x)
 
-    params = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    params = to_device({"w": torch.randn(4, 3, dtype=torch.float64)})
     ntk_fn = torchntk.empirical_ntk_fn(f, trace_axes=(), vmap_axes=1)
     batched = torchntk.batch(ntk_fn, 2, devices=["cpu"] * 2)(x1.T, empty.T, params)
     assert batched.shape == ntk_fn(x1.T, empty.T, params).shape == (4, 4, 5, 0)
@@ -406,7 +416,7 @@ def test_batched_nngp_fn_evaluates_each_example_once():
         calls.append(x.shape[0])
         return torch.tanh(x @ params["weight"].T) * scale
 
-    params = {"weight": torch.randn(4, 3, dtype=torch.float64)}
+    params = to_device({"weight": torch.randn(4, 3, dtype=torch.float64)})
     x1, x2 = _inputs(13, 8)
     nngp_fn = torchntk.empirical_nngp_fn(f)
     expected = nngp_fn(x1, x2, params)

@@ -16,6 +16,10 @@ import torchntk.batching
 from tests._processes import run_python
 from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk
 
+pytestmark = pytest.mark.cpu_only(
+    "writes kernels into NumPy and memory-mapped host arrays and progress files (not converted to --device yet)"
+)
+
 N1, N2 = 13, 8
 # (trace_axes, diagonal_axes): the full kernel, traced logits, the batch axis diagonal or traced.
 LAYOUTS = [((), ()), ((-1,), ()), ((), (0,)), ((0,), ())]

@@ -1,4 +1,5 @@
-"""``chunk_size``: kernels assembled from blocks of examples equal the kernel computed at once."""
+"""``chunk_size``: kernels assembled from blocks of examples equal the kernel computed at once, on the
+run device (``pytest --device``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 import torchntk
+from tests.cases import to_device
 from torchntk.testing import assert_kernels_close, reference_ntk
 
 
@@ -15,13 +17,14 @@ def two_headed(params, x):
     return (hidden @ params["a"]).reshape(-1, 2, 3), (hidden @ params["b"]).T
 
 
-PARAMS = {
+# Drawn on the CPU, then moved to the run device (``pytest --device``).
+PARAMS = to_device({
     "w": torch.randn(4, 5, dtype=torch.float64),
     "a": torch.randn(5, 6, dtype=torch.float64),
     "b": torch.randn(5, 3, dtype=torch.float64),
-}
+})
 VMAP_AXES = (0, (0, 1), {})
-X1, X2 = torch.randn(7, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+X1, X2 = to_device((torch.randn(7, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)))
 
 
 @pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])

@@ -9,6 +9,7 @@ checked against the float64 brute force of ``torchntk.testing``.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -16,6 +17,8 @@ import torchntk
 from torchntk._call import prepare_call
 from torchntk._vmap_axes import parse_vmap_axes
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
+
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
 
 
 def _mlp() -> nn.Module:

@@ -14,6 +14,8 @@ import torchntk
 from tests._processes import run_python
 from torchntk.cli import main
 
+pytestmark = pytest.mark.cpu_only("runs the torchntk command, which picks its own device (its own --device option)")
+
 
 def _run(arguments: list[str]) -> int:
     return main(arguments + ["--progress", "off"])

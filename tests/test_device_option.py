@@ -34,3 +34,34 @@ def test_an_unusable_device_is_a_usage_error(value: str, message: str) -> None:
     )
     assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
     assert message in done.stderr
+
+
+def test_the_report_header_names_the_device() -> None:
+    done = run_python(
+        "-m", "pytest", "-p", "no:cacheprovider", "--device", "cpu",
+        f"{ROOT / 'tests' / 'test_device_option.py'}::test_cases_live_on_the_run_device", timeout=120,
+    )
+    assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
+    assert "torchntk test device: cpu (--device)" in done.stdout
+    assert "tests run on the CPU under --device" not in done.stdout  # nothing to say on the CPU
+
+
+@pytest.mark.cpu_only("checks that cpu_only tests run on the CPU")
+def test_cpu_only_tests_see_the_cpu(device: torch.device) -> None:
+    assert device.type == "cpu"
+    case = CASES["mlp"]()
+    assert {p.device.type for p in case.module.parameters()} == {"cpu"}
+    assert make_x1_x2(case)[0].device.type == "cpu"
+
+
+def test_cpu_only_tests_run_on_the_cpu_and_the_summary_says_why() -> None:
+    # The meta device stands in for a GPU here: a cpu_only test must still run, on the CPU, and pass.
+    done = run_python(
+        "-m", "pytest", "-p", "no:cacheprovider", "--device", "meta",
+        f"{ROOT / 'tests' / 'test_device_option.py'}::test_cpu_only_tests_see_the_cpu", timeout=120,
+    )
+    assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
+    assert "torchntk test device: meta (--device)" in done.stdout
+    assert "tests run on the CPU under --device meta" in done.stdout
+    assert "1 test(s) ran on the CPU (cpu_only), because:" in done.stdout
+    assert "1  checks that cpu_only tests run on the CPU" in done.stdout

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tests._processes import SpawnFailed, spawn
 from torchntk import distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only("gloo process groups of CPU processes")]
 
 Kernel = collections.namedtuple("Kernel", ["nngp", "ntk"])
 

@@ -13,6 +13,8 @@ import pytest
 import torchntk
 from tests._processes import run_python
 
+pytestmark = pytest.mark.cpu_only("builds the documentation")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -1,4 +1,4 @@
-"""Every kernel function against the independent float64 brute force of ``torchntk.testing``."""
+"""Every kernel function against the independent float64 brute force of ``torchntk.testing``, on the run device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchntk
-from tests.cases import CASES, make_x1_x2
+from tests.cases import CASES, make_x1_x2, to_device
 from torchntk.testing import (
     ModuleSnapshot,
     assert_kernels_close,
@@ -122,9 +122,9 @@ def test_kwargs_reach_the_model_and_two_tuples_are_split():
         out = torch.tanh(x @ params["w"].T) * scale
         return out if shift is None else out + shift
 
-    params = {"w": torch.randn(3, 4, dtype=torch.float64)}
-    x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
-    scale1, scale2 = torch.rand(5, 1, dtype=torch.float64), torch.rand(2, 1, dtype=torch.float64)
+    params = to_device({"w": torch.randn(3, 4, dtype=torch.float64)})
+    x1, x2 = to_device((torch.randn(5, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)))
+    scale1, scale2 = to_device((torch.rand(5, 1, dtype=torch.float64), torch.rand(2, 1, dtype=torch.float64)))
     jacobian1 = torch.func.jacrev(lambda p: f(p, x1, scale1))(params)["w"].reshape(5, 3, -1)
     jacobian2 = torch.func.jacrev(lambda p: f(p, x2, scale2))(params)["w"].reshape(2, 3, -1)
     expected = torch.einsum("nap,map->nm", jacobian1, jacobian2) / 3

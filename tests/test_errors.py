@@ -7,6 +7,8 @@ import torch
 
 import torchntk
 
+pytestmark = pytest.mark.cpu_only("checks the errors for bad arguments, as raised on the CPU")
+
 torch.set_default_dtype(torch.float32)
 
 

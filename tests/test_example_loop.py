@@ -13,6 +13,10 @@ import torchntk
 from torchntk._per_example import map_examples
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
+pytestmark = pytest.mark.cpu_only(
+    "checks the example loop's warnings and vmap's data-dependent errors as raised on the CPU"
+)
+
 
 class LongestSequence(nn.Module):
     """Zero-padded sequences, cut to the longest one in the batch: independent examples, but the

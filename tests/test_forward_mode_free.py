@@ -32,6 +32,8 @@ from torchntk._implementations import ntk_vector_products as nvp
 from torchntk._implementations.structured import StructuredDerivatives
 from torchntk.testing import assert_kernels_close, reference_ntk
 
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
+
 VECTOR_PRODUCTS = NtkImplementation.NTK_VECTOR_PRODUCTS
 
 

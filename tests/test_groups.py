@@ -1,5 +1,6 @@
 """``groups=``: one NTK per group of parameters in one call, against the float64 brute force restricted
-to each group's parameters, for every implementation and layout, through ``batch`` and Monte Carlo."""
+to each group's parameters, for every implementation and layout, through ``batch`` and Monte Carlo.
+Models and inputs live on the run device (``pytest --device``), inputs drawn on the CPU and moved."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import torchntk
+from tests.cases import DEVICE, to_device
 from torchntk.monte_carlo import sample_seed
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_nngp, reference_ntk
 
@@ -31,7 +33,7 @@ class _LoraLinear(nn.Module):
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(_LoraLinear(4), nn.Tanh(), nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    return nn.Sequential(_LoraLinear(4), nn.Tanh(), nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double().to(DEVICE)
 
 
 # The last layer's weight and bias in different groups: structured derivatives state such a pair
@@ -55,8 +57,8 @@ IMPLEMENTATIONS = {"JC": 1, "NVP": 2, "SD": 3, "AUTO": 0}
 
 def _inputs(layout: str = "traced"):
     generator = torch.Generator().manual_seed(1)
-    return (torch.randn(5, 4, generator=generator, dtype=torch.float64),
-            torch.randn(5 if layout in PAIRED else 3, 4, generator=generator, dtype=torch.float64))
+    return to_device((torch.randn(5, 4, generator=generator, dtype=torch.float64),
+                      torch.randn(5 if layout in PAIRED else 3, 4, generator=generator, dtype=torch.float64)))
 
 
 def _subset(model: nn.Module, names: list[str]) -> dict:
@@ -170,8 +172,8 @@ class _TwoHeads(nn.Module):
 @pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
 def test_every_output_leaf_gets_its_groups(implementation):
     torch.manual_seed(0)
-    model = _TwoHeads().double()
-    x1, x2 = torch.randn(3, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    model = _TwoHeads().double().to(DEVICE)
+    x1, x2 = to_device((torch.randn(3, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)))
     groups = {"trunk": model.trunk, "heads": ["left", "right"]}
     kernels = torchntk.empirical_ntk_fn(
         model, trace_axes=(), vmap_axes=0, implementation=IMPLEMENTATIONS[implementation], groups=groups
@@ -247,10 +249,10 @@ class _PeftModel(nn.Module):
 @pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
 def test_lora_adapters_by_layer_and_by_matrix(implementation):
     torch.manual_seed(0)
-    model = _PeftModel().double()
+    model = _PeftModel().double().to(DEVICE)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_("lora_" in name)
-    x1, x2 = torch.randn(4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    x1, x2 = to_device((torch.randn(4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)))
     params = dict(model.named_parameters())
     by_layer = {f"layer {i}": f"base_model.model.layers.{i}" for i in range(2)}
     by_matrix = {"A": "*.lora_A.*", "B": "*.lora_B.*"}

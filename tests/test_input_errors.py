@@ -16,6 +16,8 @@ import torchntk
 from torchntk import predict
 from torchntk.testing import assert_kernels_close, reference_ntk
 
+pytestmark = pytest.mark.cpu_only("checks the errors for NumPy arrays and other bad inputs, as raised on the CPU")
+
 F64 = torch.float64
 ALL_IMPLEMENTATIONS = pytest.mark.parametrize("implementation", [0, 1, 2, 3], ids=["AUTO", "JC", "NVP", "SD"])
 IMPLEMENTATIONS = pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])

@@ -1,4 +1,4 @@
-"""Larger models (marked slow; run by the second step of ``.ci/run``)."""
+"""Larger models (marked slow; run by the second step of ``.ci/run``), on the run device (``pytest --device``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import torchntk
+from tests.cases import DEVICE, to_device
 from torchntk.testing import assert_kernels_close, reference_ntk
 
 pytestmark = pytest.mark.slow
@@ -19,12 +20,12 @@ def cnn() -> nn.Module:
         nn.Conv2d(8, 8, 3, padding=1, stride=2), nn.ReLU(),
         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
         nn.Flatten(), nn.Linear(8 * 4 * 4, 5),
-    ).double().eval()
+    ).double().to(DEVICE).eval()
 
 
 def test_medium_cnn_full_kernel_every_route_agrees_with_brute_force():
     model = cnn()
-    x1, x2 = torch.randn(10, 3, 8, 8, dtype=torch.float64), torch.randn(7, 3, 8, 8, dtype=torch.float64)
+    x1, x2 = to_device((torch.randn(10, 3, 8, 8, dtype=torch.float64), torch.randn(7, 3, 8, 8, dtype=torch.float64)))
     expected = reference_ntk(model, x1, x2, trace_axes=())
     for implementation in (1, 2, 3):
         for vmap_axes, chunk_size in [(None, None), (0, None), (0, 3), (None, 16)]:
@@ -36,7 +37,8 @@ def test_medium_cnn_full_kernel_every_route_agrees_with_brute_force():
 def test_wide_mlp_traced_kernel_float32_matches_float64():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
-    x = torch.randn(32, 64)
+    model = model.to(DEVICE)
+    x = to_device(torch.randn(32, 64))
     expected = torchntk.empirical_ntk_fn(model.double(), vmap_axes=0)(x.double())
     model.float()
     for implementation in (1, 2, 3):
@@ -50,8 +52,9 @@ def test_wide_mlp_traced_kernel_float32_matches_float64():
 def test_wide_mlp_full_kernel_structured_equals_jacobian_contraction_in_float64():
     """The benchmark's shape of problem (wide layers, full kernel), where the rules matter most."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(96, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).double()
-    x1, x2 = torch.randn(24, 96, dtype=torch.float64), torch.randn(17, 96, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(96, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    model = model.double().to(DEVICE)
+    x1, x2 = to_device((torch.randn(24, 96, dtype=torch.float64), torch.randn(17, 96, dtype=torch.float64)))
     for x2_ in (x2, None):
         expected = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0)(x1, x2_)
         structured = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=3, verify=True)

@@ -1,10 +1,12 @@
-"""Unit tests of KernelLayout: positions, the swap permutation and the symmetric product."""
+"""Unit tests of KernelLayout: positions, the swap permutation and the symmetric product, with tensors
+on the run device (``pytest --device``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.cases import to_device
 from torchntk._layout import make_layout
 from torchntk.testing import assert_kernels_close
 
@@ -23,7 +25,7 @@ def test_positions_and_shape():
 
 @pytest.mark.parametrize("rows", [7, 300, 1000])
 def test_symmetric_product_equals_plain_product(rows):
-    jacobian = torch.randn(rows // 10 + 1, 10, 33, dtype=torch.float64)
+    jacobian = to_device(torch.randn(rows // 10 + 1, 10, 33, dtype=torch.float64))
     lay = layout(2)
     plain = lay.contract(jacobian, jacobian.clone())
     assert_kernels_close(lay.contract(jacobian, jacobian), plain)
@@ -32,12 +34,13 @@ def test_symmetric_product_equals_plain_product(rows):
 
 
 def test_contract_matches_einsum_for_every_kind_of_axis():
-    first, second = torch.randn(3, 4, 5, 6, dtype=torch.float64), torch.randn(2, 4, 5, 6, dtype=torch.float64)
+    first = to_device(torch.randn(3, 4, 5, 6, dtype=torch.float64))
+    second = to_device(torch.randn(2, 4, 5, 6, dtype=torch.float64))
     lay = layout(3, trace=(1,), diagonal=(2,))
     expected = torch.einsum("aceP,bceP->abe", first, second)
     assert_kernels_close(lay.contract(first, second), expected)
-    full = torch.randn(3, 4, 5, 2, 4, 5, dtype=torch.float64)
-    expected = torch.zeros(3, 2, 5, dtype=torch.float64)
+    full = to_device(torch.randn(3, 4, 5, 2, 4, 5, dtype=torch.float64))
+    expected = torch.zeros(3, 2, 5, dtype=torch.float64, device=full.device)
     for a in range(3):
         for b in range(2):
             for e in range(5):

@@ -12,6 +12,8 @@ from torch import nn
 import torchntk
 from torchntk.testing import assert_kernels_close, reference_ntk
 
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
+
 
 def batchnorm_model(training: bool) -> nn.Module:
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))

@@ -16,6 +16,8 @@ from torch import nn
 import torchntk
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
+
 IMPLEMENTATIONS = [1, 2, 3, 0]
 VMAP_AXES = [0, None]
 

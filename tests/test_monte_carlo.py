@@ -1,5 +1,9 @@
 """Monte Carlo kernels: reproducibility, the seed contract, generator mode, convergence to the
-closed-form infinite-width kernels of ``tests/ntk_param.py``, ``get`` and errors."""
+closed-form infinite-width kernels of ``tests/ntk_param.py``, ``get`` and errors.
+
+Models and inputs live on the run device (``pytest --device``); parameters are drawn on the CPU
+(as the library draws its samples) and then moved, so the by-hand references hold on any device.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 from torch import nn
 
 import torchntk
+from tests.cases import DEVICE, to_device
 from tests.ntk_param import NtkDense, arccos_kernels, closed_form, one_hidden_relu
 from torchntk._monte_carlo_estimates import sampled_kernel_fn
 from torchntk.monte_carlo import (
@@ -27,22 +32,24 @@ D = 5
 
 def _data(n1=12, n2=6, d=D, dtype=torch.float64):
     g = torch.Generator().manual_seed(123)
-    return torch.cos(torch.randn(n1, d, generator=g, dtype=dtype)), torch.cos(torch.randn(n2, d, generator=g, dtype=dtype))
+    return to_device((torch.cos(torch.randn(n1, d, generator=g, dtype=dtype)),
+                      torch.cos(torch.randn(n2, d, generator=g, dtype=dtype))))
 
 
 def _small_model(k=3, dtype=torch.float64):
-    return one_hidden_relu(D, 16, k, b_std1=0.2, dtype=dtype)
+    return one_hidden_relu(D, 16, k, b_std1=0.2, dtype=dtype).to(DEVICE)
 
 
 def _by_hand(make_model, seed, samples, x1, x2, get=None, **kernel_kwargs):
-    """The documented contract: sample s is make_model() under torch.manual_seed(sample_seed(seed, s))."""
-    kernel_fn = torchntk.empirical_kernel_fn(make_model(), **kernel_kwargs)
+    """The documented contract: sample s is make_model() under torch.manual_seed(sample_seed(seed, s)),
+    drawn on the CPU and moved to the run device."""
+    kernel_fn = torchntk.empirical_kernel_fn(make_model().to(DEVICE), **kernel_kwargs)
     kernels = []
     for s in samples:
         state = np.random.SeedSequence([seed, s]).generate_state(2, np.uint64)
         torch.manual_seed(int(state[0]))
         fresh = make_model()
-        params = {name: p.detach() for name, p in fresh.named_parameters()}
+        params = {name: p.detach().to(DEVICE) for name, p in fresh.named_parameters()}
         kernels.append(kernel_fn(x1, x2, get, params))
     return kernels
 
@@ -53,6 +60,7 @@ def _assert_trees_equal(a, b, exact=True, atol=1e-12):
     assert flat_a[1] == flat_b[1]
     for x, y in zip(flat_a[0], flat_b[0]):
         assert x.dtype == y.dtype and x.shape == y.shape
+        x, y = x.cpu(), y.cpu()  # CPU workers keep their estimate on the CPU, whatever the run device
         if exact:
             assert torch.equal(x, y)
         else:
@@ -110,7 +118,7 @@ def test_torch_layers_sample_like_a_fresh_construction_and_global_rng_is_untouch
         return nn.Sequential(nn.Linear(D, 8, dtype=torch.float64), nn.Tanh(), nn.Linear(8, 2, dtype=torch.float64))
 
     x1, x2 = _data()
-    model = make()
+    model = make().to(DEVICE)
     torch.manual_seed(5)
     expected_next = torch.randn(3)
     torch.manual_seed(5)
@@ -147,7 +155,8 @@ def test_module_init_fn_gets_a_seeded_generator():
     estimate = monte_carlo_kernel_fn(model, 3, seed=9, init_fn=init_fn)(x1, x2, "nngp")
     kernel_fn = torchntk.empirical_kernel_fn(model)
     kernels = [
-        kernel_fn(x1, x2, "nngp", init_fn(model, torch.Generator().manual_seed(sample_seed(9, s)))) for s in range(3)
+        kernel_fn(x1, x2, "nngp", to_device(init_fn(model, torch.Generator().manual_seed(sample_seed(9, s)))))
+        for s in range(3)
     ]
     torch.testing.assert_close(estimate, sum(kernels) / 3, atol=1e-12, rtol=0)
 
@@ -164,7 +173,8 @@ def test_functional_model_with_init_fn():
 
     estimate = monte_carlo_kernel_fn(f, 3, seed=1, init_fn=init_fn)(x1, None)
     kernel_fn = torchntk.empirical_kernel_fn(f)
-    kernels = [kernel_fn(x1, None, None, init_fn(torch.Generator().manual_seed(sample_seed(1, s)))) for s in range(3)]
+    kernels = [kernel_fn(x1, None, None, to_device(init_fn(torch.Generator().manual_seed(sample_seed(1, s)))))
+               for s in range(3)]
     torch.testing.assert_close(estimate.ntk, sum(k.ntk for k in kernels) / 3, atol=1e-12, rtol=0)
     torch.testing.assert_close(estimate.nngp, sum(k.nngp for k in kernels) / 3, atol=1e-12, rtol=0)
 
@@ -180,8 +190,8 @@ def test_multihead_attention_is_redrawn_by_its_private_reset():
         def forward(self, x):
             return self.attention(x, x, x, need_weights=False)[0].mean(1)
 
-    x = torch.randn(3, 2, 4)
-    model = Attention()
+    x = to_device(torch.randn(3, 2, 4))
+    model = Attention().to(DEVICE)
     estimate = monte_carlo_kernel_fn(model, 2, seed=0)(x, None, "ntk")
     kernels = _by_hand(Attention, 0, range(2), x, None, "ntk")
     torch.testing.assert_close(estimate, sum(kernels) / 2, atol=1e-6, rtol=1e-6)
@@ -333,7 +343,7 @@ def test_tuple_output_model():
             return y[:, :2], (y[:, 2:] ** 2,)
 
     x1, x2 = _data()
-    model = TwoHeads()
+    model = TwoHeads().to(DEVICE)
     for get in (None, ("ntk",)):
         result = monte_carlo_kernel_fn(model, 3, seed=1)(x1, x2, get)
         assert isinstance(result, tuple) and isinstance(result[1], tuple)
@@ -349,14 +359,15 @@ def test_tuple_output_model():
 
 
 def _relative(estimate, exact):
-    return ((estimate.double() - exact).abs().max() / exact.abs().max()).item()
+    return ((estimate.double().to(exact.device) - exact).abs().max() / exact.abs().max()).item()
 
 
 def _nt_inputs():
     g = torch.Generator().manual_seed(0)
-    return torch.cos(torch.randn(8, 24, generator=g)), torch.cos(torch.randn(4, 24, generator=g))
+    return to_device((torch.cos(torch.randn(8, 24, generator=g)), torch.cos(torch.randn(4, 24, generator=g))))
 
 
+@pytest.mark.cpu_only("checks the closed-form formulas of tests/ntk_param.py, no torchntk code")
 def test_closed_form_against_gaussian_sampling():
     """The arc-cosine formulas against direct sampling of Gaussian pairs (the kernels' building block)."""
     g = torch.Generator().manual_seed(0)
@@ -373,7 +384,7 @@ def test_closed_form_against_a_wide_network():
     x1, x2 = _nt_inputs()
     x1, x2 = x1.double(), x2.double()
     nngp, ntk = closed_form(x1, x2, b_std1=0.3)
-    model = one_hidden_relu(24, 20_000, 1, b_std1=0.3)
+    model = one_hidden_relu(24, 20_000, 1, b_std1=0.3).to(DEVICE)
     empirical = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3)(x1, x2)
     assert _relative(empirical, ntk) < 2e-2
     features1, features2 = model[1](model[0](x1)), model[1](model[0](x2))
@@ -388,7 +399,7 @@ def test_closed_form_against_a_wide_network():
 
 def test_monte_carlo_nngp_converges_to_closed_form():
     x1, x2 = _nt_inputs()
-    model = one_hidden_relu(24, 192, 256, dtype=torch.float32)
+    model = one_hidden_relu(24, 192, 256, dtype=torch.float32).to(DEVICE)
     estimate = monte_carlo_kernel_fn(model, 800, seed=0)(x1, x2, "nngp")
     nngp, _ = closed_form(x1, x2)
     assert estimate.dtype == torch.float32
@@ -397,7 +408,7 @@ def test_monte_carlo_nngp_converges_to_closed_form():
 
 def test_monte_carlo_ntk_converges_to_closed_form():
     x1, x2 = _nt_inputs()
-    model = one_hidden_relu(24, 192, 2, dtype=torch.float32)
+    model = one_hidden_relu(24, 192, 2, dtype=torch.float32).to(DEVICE)
     estimate = monte_carlo_kernel_fn(model, 400, seed=0, vmap_axes=0)(x1, x2, "ntk")
     _, ntk = closed_form(x1, x2)
     assert _relative(estimate, ntk) < 2e-2
@@ -407,7 +418,7 @@ def test_monte_carlo_ntk_converges_to_closed_form():
 @pytest.mark.parametrize("batch_size, devices", [(3, ["cpu"] * 2), (0, ["cpu"] * 3)])
 def test_monte_carlo_generator_converges_batched(batch_size, devices):
     x1, x2 = _nt_inputs()
-    model = one_hidden_relu(24, 192, 2, dtype=torch.float32)
+    model = one_hidden_relu(24, 192, 2, dtype=torch.float32).to(DEVICE)
     counts = [10, 100]
     unbatched = list(monte_carlo_kernel_fn(model, counts, seed=1, vmap_axes=0)(x1, x2))
     batched = list(monte_carlo_kernel_fn(model, counts, seed=1, vmap_axes=0, batch_size=batch_size, devices=devices)(x1, x2))
@@ -499,8 +510,8 @@ def test_parameter_without_reset_is_named():
 
     x1, _ = _data()
     with pytest.raises(ValueError, match=r"\['scale'\].*init_fn"):
-        monte_carlo_kernel_fn(Scaled(), 2)(x1, None)
-    frozen = Scaled()
+        monte_carlo_kernel_fn(Scaled().to(DEVICE), 2)(x1, None)
+    frozen = Scaled().to(DEVICE)
     frozen.scale.requires_grad_(False)                # constants need no redraw
     assert monte_carlo_kernel_fn(frozen, 2)(x1, None, "ntk").shape == (12, 12)
 
@@ -511,6 +522,7 @@ def test_parameter_without_reset_is_named():
 )
 def test_training_mode_batchnorm_and_dropout_are_rejected(layer, match):
     model = nn.Sequential(NtkDense(D, 16, dtype=torch.float64), layer, nn.ReLU(), NtkDense(16, 2, dtype=torch.float64))
+    model = model.to(DEVICE)
     x1, _ = _data()
     with pytest.raises(ValueError, match=match + ".*eval"):
         monte_carlo_kernel_fn(model, 2)(x1, None)

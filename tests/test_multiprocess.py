@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torchntk
 from tests._processes import SpawnFailed, run_python, spawn
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only("gloo process groups of CPU processes")]
 
 
 def _model() -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """``output_fn`` selects what the kernel is taken of; non-tensor output leaves are dropped (NOTE:
-[Selected outputs])."""
+[Selected outputs]). Models and inputs live on the run device (``pytest --device``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import torchntk
-from torchntk.testing import assert_kernels_close, reference_ntk, reference_nngp
+from tests.cases import DEVICE, to_device
+from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk
 
 
 class Cache:
@@ -30,7 +31,7 @@ class TokenModel(nn.Module):
 
 def last_token(output: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     last = attention_mask.sum(-1) - 1
-    return output["logits"][torch.arange(input_ids.shape[0]), last]
+    return output["logits"][torch.arange(input_ids.shape[0], device=input_ids.device), last]
 
 
 class Selected(nn.Module):
@@ -50,13 +51,13 @@ def _tokens():
     mask1, mask2 = torch.ones(4, 5, dtype=torch.long), torch.ones(3, 5, dtype=torch.long)
     mask1[0, 3:] = 0
     mask2[2, 2:] = 0
-    return ids1, ids2, mask1, mask2
+    return to_device((ids1, ids2, mask1, mask2))
 
 
 @pytest.mark.parametrize("implementation", [1, 2, 3, 0])
 @pytest.mark.parametrize("vmap_axes", [None, (0, 0, {"attention_mask": 0})])
 def test_output_fn_with_inputs_against_reference(implementation, vmap_axes):
-    model = TokenModel()
+    model = TokenModel().to(DEVICE)
     ids1, ids2, mask1, mask2 = _tokens()
     ntk_fn = torchntk.empirical_ntk_fn(
         model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation, output_fn=last_token
@@ -68,7 +69,7 @@ def test_output_fn_with_inputs_against_reference(implementation, vmap_axes):
 
 
 def test_output_fn_of_the_output_alone_and_a_logit_difference():
-    model = TokenModel()
+    model = TokenModel().to(DEVICE)
     ids1, ids2, mask1, mask2 = _tokens()
 
     def difference(output):
@@ -84,7 +85,7 @@ def test_output_fn_of_the_output_alone_and_a_logit_difference():
 
 
 def test_non_tensor_output_leaves_are_dropped():
-    model = TokenModel()
+    model = TokenModel().to(DEVICE)
     ids1, _, mask1, _ = _tokens()
     kernel = torchntk.empirical_ntk_fn(model, vmap_axes=(0, 0, {"attention_mask": 0}))(ids1, None, attention_mask=mask1)
     assert set(kernel) == {"logits", "cache", "steps"}
@@ -94,7 +95,7 @@ def test_non_tensor_output_leaves_are_dropped():
 
 
 def test_output_fn_in_the_nngp_kernel_fn_and_ntk_vector_products():
-    model = TokenModel()
+    model = TokenModel().to(DEVICE)
     ids1, ids2, mask1, mask2 = _tokens()
     reference_model = Selected(model, last_token)
     nngp = torchntk.empirical_nngp_fn(model, output_fn=last_token)(ids1, ids2, attention_mask=(mask1, mask2))
@@ -104,7 +105,7 @@ def test_output_fn_in_the_nngp_kernel_fn_and_ntk_vector_products():
     )
     full = reference_ntk(reference_model, (ids1, mask1), (ids2, mask2), trace_axes=())
     assert_kernels_close(both.ntk, full)
-    v = torch.randn(3, 4)
+    v = to_device(torch.randn(3, 4))
     product = torchntk.empirical_ntk_vp_fn(model, ids1, ids2, output_fn=last_token, attention_mask=(mask1, mask2))(v)
     assert_kernels_close(product, torch.einsum("nmab,mb->na", full, v.double()).float())
 

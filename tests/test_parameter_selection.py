@@ -1,5 +1,6 @@
 """``params`` as a name pattern, a list of patterns or a predicate: parameter subsets (LoRA
-adapters, a head) without editing the model, against the float64 brute force restricted to them."""
+adapters, a head) without editing the model, against the float64 brute force restricted to them.
+Models and inputs live on the run device (``pytest --device``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 import torchntk
+from tests.cases import DEVICE, to_device
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 
@@ -27,7 +29,7 @@ class _LoraLinear(nn.Module):
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(_LoraLinear(5), nn.Tanh(), _LoraLinear(5), nn.Tanh(), nn.Linear(5, 3)).double()
+    return nn.Sequential(_LoraLinear(5), nn.Tanh(), _LoraLinear(5), nn.Tanh(), nn.Linear(5, 3)).double().to(DEVICE)
 
 
 def _subset(model: nn.Module, names: list[str]) -> dict:
@@ -48,7 +50,7 @@ SELECTIONS = {
 @pytest.mark.parametrize("selection", sorted(SELECTIONS))
 def test_selected_parameters_are_differentiated(selection, implementation, vmap_axes):
     model = _model()
-    x1, x2 = torch.randn(4, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    x1, x2 = to_device((torch.randn(4, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)))
     pattern, names = SELECTIONS[selection]
     snapshot = ModuleSnapshot.of(model)
     expected = reference_ntk(model, x1, x2, params=_subset(model, names), trace_axes=())
@@ -60,16 +62,16 @@ def test_selected_parameters_are_differentiated(selection, implementation, vmap_
 def test_a_selection_matching_nothing_names_the_parameters():
     model = _model()
     with pytest.raises(ValueError, match=r"'\*\.adapter_\*' selects no parameter.*0\.base\.weight"):
-        torchntk.empirical_ntk_fn(model)(torch.randn(2, 5, dtype=torch.float64), None, "*.adapter_*")
+        torchntk.empirical_ntk_fn(model)(to_device(torch.randn(2, 5, dtype=torch.float64)), None, "*.adapter_*")
 
 
 def test_a_predicate_must_return_a_bool():
     model = _model()
     with pytest.raises(TypeError, match="predicate must return a bool"):
-        torchntk.empirical_ntk_fn(model)(torch.randn(2, 5, dtype=torch.float64), None, lambda name, p: name)
+        torchntk.empirical_ntk_fn(model)(to_device(torch.randn(2, 5, dtype=torch.float64)), None, lambda name, p: name)
 
 
 def test_a_module_is_not_taken_for_a_predicate():
     model = _model()
     with pytest.raises(TypeError, match="`params` must be None, a mapping"):
-        torchntk.empirical_ntk_fn(model)(torch.randn(2, 5, dtype=torch.float64), None, nn.Linear(2, 2))
+        torchntk.empirical_ntk_fn(model)(to_device(torch.randn(2, 5, dtype=torch.float64)), None, nn.Linear(2, 2))

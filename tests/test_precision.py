@@ -90,6 +90,8 @@ _NEWER_API_SCRIPT = """
 import pytest, torch, torchntk
 from torch import nn
 
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
+
 seen = []
 matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
 

@@ -1,4 +1,8 @@
-"""``torchntk.predict`` against direct numerical integration, dense solves and real training."""
+"""``torchntk.predict`` against direct numerical integration, dense solves and real training.
+
+Kernels, targets, models and inputs live on the run device (``pytest --device``): the tensor
+factories below draw or build on the CPU and move there, so the numbers are the same on any device.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,25 @@ import torch
 
 import torchntk
 from tests._processes import run_python
+from tests.cases import DEVICE
 from torchntk import predict
 
 F64 = torch.float64
 
 
+def _on_device(factory):
+    """``factory`` (a torch tensor factory) drawing or building on the CPU, then moving to the run device."""
+    return lambda *arguments, **keywords: factory(*arguments, **keywords).to(DEVICE)
+
+
+_randn, _eye, _zeros, _ones, _tensor, _arange = map(
+    _on_device, (torch.randn, torch.eye, torch.zeros, torch.ones, torch.tensor, torch.arange)
+)
+
+
 def _psd(n: int, seed: int, rank: int | None = None) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    a = torch.randn(n, rank or n + 2, generator=generator, dtype=F64)
+    a = _randn(n, rank or n + 2, generator=generator, dtype=F64)
     return a @ a.T / a.shape[1]
 
 
@@ -42,7 +57,7 @@ def _rk4(derivative, state: tuple, t_end: float, steps: int) -> tuple:
 
 def _full(k: torch.Tensor, outputs: int) -> torch.Tensor:
     """``(N1, N2)`` -> ``(N1, N2, O, O)``: the kernel times the identity over outputs."""
-    return torch.einsum("ab,ij->abij", k, torch.eye(outputs, dtype=k.dtype))
+    return torch.einsum("ab,ij->abij", k, torch.eye(outputs, dtype=k.dtype, device=k.device))
 
 
 def _close(a, b, tolerance=1e-9):
@@ -59,10 +74,10 @@ def test_mse_closed_form_equals_integrating_the_ode(traced, diag_reg):
     n, n_test, outputs, lr = 5, 3, 2, 0.7
     k_dd, k_td, _ = _joint(n, n_test, seed=0)
     generator = torch.Generator().manual_seed(1)
-    y = torch.randn(n, outputs, generator=generator, dtype=F64)
-    f0 = torch.randn(n, outputs, generator=generator, dtype=F64)
-    g0 = torch.randn(n_test, outputs, generator=generator, dtype=F64)
-    regularised = k_dd + diag_reg * k_dd.diagonal().mean() * torch.eye(n, dtype=F64)
+    y = _randn(n, outputs, generator=generator, dtype=F64)
+    f0 = _randn(n, outputs, generator=generator, dtype=F64)
+    g0 = _randn(n_test, outputs, generator=generator, dtype=F64)
+    regularised = k_dd + diag_reg * k_dd.diagonal().mean() * _eye(n, dtype=F64)
     if traced:
         kernels, axes = (k_dd, k_td), (-1,)
     else:
@@ -84,40 +99,41 @@ def test_mse_closed_form_equals_integrating_the_ode(traced, diag_reg):
 def test_infinite_time_is_a_linear_solve_and_the_limit_of_finite_time():
     n, n_test = 6, 2
     k_dd, k_td, _ = _joint(n, n_test, seed=2)
-    y = torch.randn(n, 3, dtype=F64)
-    f0, g0 = torch.randn(n, 3, dtype=F64), torch.randn(n_test, 3, dtype=F64)
+    y = _randn(n, 3, dtype=F64)
+    f0, g0 = _randn(n, 3, dtype=F64), _randn(n_test, 3, dtype=F64)
     predict_fn = predict.gradient_descent_mse(k_dd, y)
     train, test = predict_fn(None, f0, g0, k_td)
     _close(train, y)
     _close(test, g0 + k_td @ torch.linalg.solve(k_dd, y - f0))
-    late = predict_fn(torch.tensor(1e9), f0, g0, k_td)
+    late = predict_fn(_tensor(1e9), f0, g0, k_td)
     _close(late[0], train, 1e-6)
     _close(late[1], test, 1e-6)
 
 
 def test_times_shape_the_leading_axes_and_either_side_can_be_left_out():
     k_dd, k_td, _ = _joint(4, 2, seed=3)
-    y = torch.randn(4, 2, dtype=F64)
+    y = _randn(4, 2, dtype=F64)
     predict_fn = predict.gradient_descent_mse(k_dd, y)
-    g0 = torch.zeros(2, 2, dtype=F64)
+    g0 = _zeros(2, 2, dtype=F64)
     assert predict_fn(1.0).shape == (4, 2)
-    assert predict_fn(torch.ones(3)).shape == (3, 4, 2)
-    assert predict_fn(torch.ones(2, 5)).shape == (2, 5, 4, 2)
-    test_only = predict_fn(torch.ones(3), None, g0, k_td)
+    assert predict_fn(_ones(3)).shape == (3, 4, 2)
+    assert predict_fn(_ones(2, 5)).shape == (2, 5, 4, 2)
+    test_only = predict_fn(_ones(3), None, g0, k_td)
     assert test_only.shape == (3, 2, 2)
-    _close(test_only, predict_fn(torch.ones(3), 0.0, g0, k_td)[1])
-    _close(predict_fn(0.0, 2.5), torch.full((4, 2), 2.5, dtype=F64))  # at t=0 the outputs are where they started
+    _close(test_only, predict_fn(_ones(3), 0.0, g0, k_td)[1])
+    started = torch.full((4, 2), 2.5, dtype=F64, device=DEVICE)
+    _close(predict_fn(0.0, 2.5), started)  # at t=0 the outputs are where they started
 
 
 def test_outputs_with_more_axes_and_a_traced_middle_axis():
     """y of shape (N, C, O), C traced: the kernel has pairs for N and O."""
     n, channels, outputs = 4, 3, 2
     k_dd, k_td, _ = _joint(n, 2, seed=4)
-    y = torch.randn(n, channels, outputs, dtype=F64)
+    y = _randn(n, channels, outputs, dtype=F64)
     full_dd, full_td = _full(k_dd, outputs), _full(k_td, outputs)
     traced_middle = predict.gradient_descent_mse(full_dd, y, trace_axes=(1,))
     traced_both = predict.gradient_descent_mse(k_dd, y, trace_axes=(1, 2))
-    g0 = torch.randn(2, channels, outputs, dtype=F64)
+    g0 = _randn(2, channels, outputs, dtype=F64)
     for t in (0.5, None):
         a = traced_middle(t, 0.0, g0, full_td)
         b = traced_both(t, 0.0, g0, k_td)
@@ -128,19 +144,19 @@ def test_outputs_with_more_axes_and_a_traced_middle_axis():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: predict.gradient_descent_mse(torch.eye(3), torch.zeros(4, 1)), ValueError, "has shape \\(3, 3\\), but targets"),
-        (lambda: predict.gradient_descent_mse(torch.eye(4), torch.zeros(4, 1), trace_axes=(0,)), ValueError, "traces the batch axis"),
-        (lambda: predict.gradient_descent_mse(torch.eye(4), torch.zeros(4, 1), trace_axes=(3,)), ValueError, "out of range"),
-        (lambda: predict.gradient_descent_mse([[1.0]], torch.zeros(1, 1)), TypeError, "must be a tensor"),
-        (lambda: predict.gp_inference(torch.eye(2), torch.tensor(1.0)), TypeError, "`y_train` must be a tensor with a batch axis"),
-        (lambda: predict.gradient_descent_mse(torch.eye(2), torch.zeros(2, 1))(1.0, 0.0, torch.zeros(1, 1)), ValueError,
+        (lambda: predict.gradient_descent_mse(_eye(3), _zeros(4, 1)), ValueError, "has shape \\(3, 3\\), but targets"),
+        (lambda: predict.gradient_descent_mse(_eye(4), _zeros(4, 1), trace_axes=(0,)), ValueError, "traces the batch axis"),
+        (lambda: predict.gradient_descent_mse(_eye(4), _zeros(4, 1), trace_axes=(3,)), ValueError, "out of range"),
+        (lambda: predict.gradient_descent_mse([[1.0]], _zeros(1, 1)), TypeError, "must be a tensor"),
+        (lambda: predict.gp_inference(_eye(2), _tensor(1.0)), TypeError, "`y_train` must be a tensor with a batch axis"),
+        (lambda: predict.gradient_descent_mse(_eye(2), _zeros(2, 1))(1.0, 0.0, _zeros(1, 1)), ValueError,
          "`fx_test_0` needs `k_test_train`"),
-        (lambda: predict.gradient_descent_mse(torch.eye(2), torch.zeros(2, 1))(1.0, None, None), ValueError, "nothing to predict"),
-        (lambda: predict.gradient_descent_mse(torch.eye(2), torch.zeros(2, 1))(1.0, torch.zeros(3, 1)), ValueError,
+        (lambda: predict.gradient_descent_mse(_eye(2), _zeros(2, 1))(1.0, None, None), ValueError, "nothing to predict"),
+        (lambda: predict.gradient_descent_mse(_eye(2), _zeros(2, 1))(1.0, _zeros(3, 1)), ValueError,
          "does not broadcast"),
-        (lambda: predict.gradient_descent_mse(torch.eye(2), torch.zeros(2, 1))(1.0, 0.0, torch.zeros(1, 1), torch.zeros(2, 1)),
+        (lambda: predict.gradient_descent_mse(_eye(2), _zeros(2, 1))(1.0, 0.0, _zeros(1, 1), _zeros(2, 1)),
          ValueError, "`k_test_train` has shape \\(2, 1\\)"),
-        (lambda: predict.gradient_descent_mse(-torch.eye(2), torch.zeros(2, 1))(None, 0.0, torch.zeros(1, 1), torch.ones(1, 2)),
+        (lambda: predict.gradient_descent_mse(-_eye(2), _zeros(2, 1))(None, 0.0, _zeros(1, 1), _ones(1, 2)),
          ValueError, "not positive definite"),
     ],
 )
@@ -151,9 +167,9 @@ def test_mse_errors(call, error, message):
 
 def test_float32_kernels_from_the_library():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
-    x_train, x_test = torch.randn(10, 3), torch.randn(4, 3)
-    y = torch.randn(10, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2)).to(DEVICE)
+    x_train, x_test = _randn(10, 3), _randn(4, 3)
+    y = _randn(10, 2)
     with torch.no_grad():
         f0, g0 = model(x_train), model(x_test)
     results = {}
@@ -162,7 +178,7 @@ def test_float32_kernels_from_the_library():
         for axes in ((-1,), ()):
             ntk_fn = torchntk.empirical_ntk_fn(model_d, trace_axes=axes, vmap_axes=0)
             predict_fn = predict.gradient_descent_mse(ntk_fn(x_train.to(dtype)), y.to(dtype), trace_axes=axes)
-            train, test = predict_fn(torch.tensor([1.0, 50.0]), f0.to(dtype), g0.to(dtype), ntk_fn(x_test.to(dtype), x_train.to(dtype)))
+            train, test = predict_fn(_tensor([1.0, 50.0]), f0.to(dtype), g0.to(dtype), ntk_fn(x_test.to(dtype), x_train.to(dtype)))
             assert train.dtype == dtype and test.shape == (2, 4, 2)
             results[dtype, axes] = test
     for axes in ((-1,), ()):
@@ -178,8 +194,8 @@ def _mse(f, y):
 
 def test_ode_with_the_mse_equals_the_closed_form_in_any_time_order():
     k_dd, k_td, _ = _joint(5, 2, seed=5)
-    y, f0, g0 = torch.randn(5, 2, dtype=F64), torch.randn(5, 2, dtype=F64), torch.randn(2, 2, dtype=F64)
-    times = torch.tensor([3.0, 0.5, 3.0, 0.0], dtype=F64)
+    y, f0, g0 = _randn(5, 2, dtype=F64), _randn(5, 2, dtype=F64), _randn(2, 2, dtype=F64)
+    times = _tensor([3.0, 0.5, 3.0, 0.0], dtype=F64)
     closed = predict.gradient_descent_mse(k_dd, y, learning_rate=0.8)(times, f0, g0, k_td)
     ode = predict.gradient_descent(_mse, k_dd, y, learning_rate=0.8, rtol=1e-11, atol=1e-13)(times, f0, g0, k_td)
     _close(ode[0], closed[0], 1e-8)
@@ -188,8 +204,8 @@ def test_ode_with_the_mse_equals_the_closed_form_in_any_time_order():
 
 def test_momentum_and_cross_entropy_against_integration():
     k_dd, k_td, _ = _joint(4, 2, seed=6)
-    labels = torch.nn.functional.one_hot(torch.tensor([0, 2, 1, 2]), 3).to(F64)
-    f0, g0 = torch.randn(4, 3, dtype=F64), torch.randn(2, 3, dtype=F64)
+    labels = torch.nn.functional.one_hot(_tensor([0, 2, 1, 2]), 3).to(F64)
+    f0, g0 = _randn(4, 3, dtype=F64), _randn(2, 3, dtype=F64)
 
     def cross_entropy(f, y):
         return -(torch.log_softmax(f, -1) * y).mean()
@@ -225,15 +241,15 @@ def test_momentum_and_cross_entropy_against_integration():
 
 
 def test_ode_errors():
-    k, y = torch.eye(2, dtype=F64), torch.zeros(2, 1, dtype=F64)
+    k, y = _eye(2, dtype=F64), _zeros(2, 1, dtype=F64)
     with pytest.raises(ValueError, match="no closed form at t=None"):
         predict.gradient_descent(_mse, k, y)(None)
     with pytest.raises(ValueError, match="must be non-negative"):
-        predict.gradient_descent(_mse, k, y)(torch.tensor([-1.0]))
+        predict.gradient_descent(_mse, k, y)(_tensor([-1.0]))
     with pytest.raises(ValueError, match="`momentum` must be None or a number in \\[0, 1\\)"):
         predict.gradient_descent(_mse, k, y, momentum=1.5)
     with pytest.raises(ValueError, match="velocities .* but `momentum` is None"):
-        predict.gradient_descent(_mse, k, y)(1.0, predict.ODEState(torch.zeros(2, 1), qx_train=torch.zeros(2, 1)))
+        predict.gradient_descent(_mse, k, y)(1.0, predict.ODEState(_zeros(2, 1), qx_train=_zeros(2, 1)))
     with pytest.raises(TypeError, match="`loss` must be callable"):
         predict.gradient_descent("mse", k, y)
 
@@ -241,7 +257,7 @@ def test_ode_errors():
 def test_without_torchdiffeq_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchdiffeq", None)
     with pytest.raises(ImportError, match="pip install 'torchntk\\[predict\\]'"):
-        predict.gradient_descent(_mse, torch.eye(2), torch.zeros(2, 1))
+        predict.gradient_descent(_mse, _eye(2), _zeros(2, 1))
 
 
 # -- gp_inference --------------------------------------------------------------------------------
@@ -251,7 +267,7 @@ def test_gp_inference_against_dense_solves():
     n, n_test = 6, 3
     nngp_dd, nngp_td, nngp_tt = _joint(n, n_test, seed=7)
     ntk_dd, ntk_td, ntk_tt = _joint(n, n_test, seed=8)
-    y = torch.randn(n, 2, dtype=F64)
+    y = _randn(n, 2, dtype=F64)
     Kernel = torchntk._outputs.empirical_kernel_type(("nngp", "ntk"))
     k_dd, k_td, k_tt = Kernel(nngp_dd, ntk_dd), Kernel(nngp_td, ntk_td), Kernel(nngp_tt, ntk_tt)
     result = predict.gp_inference(k_dd, y)(("nngp", "ntk", "ntkgp"), k_td, k_tt)
@@ -259,7 +275,7 @@ def test_gp_inference_against_dense_solves():
     _close(result.nngp.mean, nngp_td @ solve(nngp_dd, y))
     _close(result.nngp.covariance, nngp_tt - nngp_td @ solve(nngp_dd, nngp_td.T))
     _close(result.ntk.mean, ntk_td @ solve(ntk_dd, y))
-    a = ntk_td @ solve(ntk_dd, torch.eye(n, dtype=F64))               # T_td T^{-1}
+    a = ntk_td @ solve(ntk_dd, _eye(n, dtype=F64))               # T_td T^{-1}
     ntk_cov = nngp_tt + a @ nngp_dd @ a.T - a @ nngp_td.T - nngp_td @ a.T
     _close(result.ntk.covariance, ntk_cov)
     _close(result.ntkgp.mean, result.ntk.mean)
@@ -274,10 +290,10 @@ def test_gp_inference_against_dense_solves():
 
 def test_gp_inference_with_library_kernels_and_a_full_layout():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2)).double()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2)).double().to(DEVICE)
     kernel_fn = torchntk.empirical_kernel_fn(model, trace_axes=(), vmap_axes=0)
-    x_train, x_test = torch.randn(5, 3, dtype=F64), torch.randn(2, 3, dtype=F64)
-    y = torch.randn(5, 2, dtype=F64)
+    x_train, x_test = _randn(5, 3, dtype=F64), _randn(2, 3, dtype=F64)
+    y = _randn(5, 2, dtype=F64)
     k_dd, k_td, k_tt = kernel_fn(x_train), kernel_fn(x_test, x_train), kernel_fn(x_test)
     result = predict.gp_inference(k_dd, y, diag_reg=1e-3, trace_axes=())("ntk", k_td, k_tt)
     assert result.mean.shape == (2, 2) and result.covariance.shape == (2, 2, 2, 2)
@@ -286,23 +302,23 @@ def test_gp_inference_with_library_kernels_and_a_full_layout():
 
 
 def test_gp_inference_errors_and_jitter():
-    y = torch.zeros(3, 1, dtype=F64)
+    y = _zeros(3, 1, dtype=F64)
     with pytest.raises(ValueError, match="not positive definite"):
-        predict.gp_inference(-torch.eye(3, dtype=F64), y)("nngp", torch.ones(1, 3, dtype=F64))
+        predict.gp_inference(-_eye(3, dtype=F64), y)("nngp", _ones(1, 3, dtype=F64))
     singular = _psd(3, 9, rank=1)  # rank one: Cholesky needs jitter
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mean = predict.gp_inference(singular, y + 1)("nngp", torch.ones(1, 3, dtype=F64))
+        mean = predict.gp_inference(singular, y + 1)("nngp", _ones(1, 3, dtype=F64))
     assert torch.isfinite(mean).all() and any("added" in str(w.message) for w in caught)
     with pytest.raises(ValueError, match="hold a 'nngp' kernel"):
         Kernel = torchntk._outputs.empirical_kernel_type(("ntk",))
-        predict.gp_inference(Kernel(torch.eye(3, dtype=F64)), y)("nngp", torch.ones(1, 3, dtype=F64))
+        predict.gp_inference(Kernel(_eye(3, dtype=F64)), y)("nngp", _ones(1, 3, dtype=F64))
     with pytest.raises(ValueError, match="needs both the NNGP and the NTK"):
-        predict.gp_inference(torch.eye(3, dtype=F64), y)("ntk", torch.ones(1, 3, dtype=F64), torch.ones(1, 1, dtype=F64))
+        predict.gp_inference(_eye(3, dtype=F64), y)("ntk", _ones(1, 3, dtype=F64), _ones(1, 1, dtype=F64))
     with pytest.raises(ValueError, match="`get` must name each of"):
-        predict.gp_inference(torch.eye(3, dtype=F64), y)("gp")
+        predict.gp_inference(_eye(3, dtype=F64), y)("gp")
     with pytest.raises(ValueError, match="`k_test_test` has shape"):
-        predict.gp_inference(torch.eye(3, dtype=F64), y)("nngp", torch.ones(1, 3, dtype=F64), torch.ones(2, 2, dtype=F64))
+        predict.gp_inference(_eye(3, dtype=F64), y)("nngp", _ones(1, 3, dtype=F64), _ones(2, 2, dtype=F64))
 
 
 # -- gradient_descent_mse_ensemble ---------------------------------------------------------------
@@ -326,8 +342,8 @@ class _FixedKernels:
 def test_ensemble_against_dense_formulas():
     n, n_test = 5, 3
     nngp, ntk = _psd(n + n_test, 10), _psd(n + n_test, 11)
-    train, test = torch.arange(n), torch.arange(n, n + n_test)
-    y = torch.randn(n, 1, dtype=F64)
+    train, test = _arange(n), _arange(n, n + n_test)
+    y = _randn(n, 1, dtype=F64)
     predict_fn = predict.gradient_descent_mse_ensemble(_FixedKernels(nngp, ntk), train, y, learning_rate=0.9)
     t = 2.5
     tau = 0.9 * t / y.numel()
@@ -335,7 +351,7 @@ def test_ensemble_against_dense_formulas():
         theta = (nngp if name == "nngp" else ntk)
         t_dd, t_td = theta[:n, :n], theta[n:, :n]
         k_dd, k_td, k_tt = nngp[:n, :n], nngp[n:, :n], nngp[n:, n:]
-        decay = torch.eye(n, dtype=F64) - torch.linalg.matrix_exp(-tau * t_dd)
+        decay = _eye(n, dtype=F64) - torch.linalg.matrix_exp(-tau * t_dd)
         a = t_td @ torch.linalg.solve(t_dd, decay)               # f_test(t) = f_test(0) + a (y - f(0))
         mean = a @ y
         covariance = k_tt - a @ k_td.T - k_td @ a.T + a @ k_dd @ a.T
@@ -344,24 +360,24 @@ def test_ensemble_against_dense_formulas():
         _close(got.covariance, covariance, 1e-8)
         train_got = predict_fn(t, None, name, compute_cov=True)
         b = torch.linalg.matrix_exp(-tau * t_dd)                  # f(t) - y = b (f(0) - y)
-        _close(train_got.mean, (torch.eye(n, dtype=F64) - b) @ y)
+        _close(train_got.mean, (_eye(n, dtype=F64) - b) @ y)
         _close(train_got.covariance, b @ k_dd @ b.T, 1e-8)
-    both = predict_fn(torch.tensor([1.0, 2.0]), test)
+    both = predict_fn(_tensor([1.0, 2.0]), test)
     assert both._fields == ("nngp", "ntk") and both.ntk.shape == (2, n_test, 1)
     converged = predict_fn(None, test, "ntk", compute_cov=True)
-    late = predict_fn(torch.tensor(1e9), test, "ntk", compute_cov=True)
+    late = predict_fn(_tensor(1e9), test, "ntk", compute_cov=True)
     _close(late.mean, converged.mean, 1e-6)
     _close(late.covariance, converged.covariance, 1e-6)
 
 
 def test_ensemble_with_a_monte_carlo_kernel_function():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).double()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).double().to(DEVICE)
     kernel_fn = torchntk.monte_carlo_kernel_fn(model, 4, seed=0, vmap_axes=0)
-    x_train, x_test = torch.randn(6, 2, dtype=F64), torch.randn(3, 2, dtype=F64)
-    y = torch.randn(6, 1, dtype=F64)
+    x_train, x_test = _randn(6, 2, dtype=F64), _randn(3, 2, dtype=F64)
+    y = _randn(6, 1, dtype=F64)
     result = predict.gradient_descent_mse_ensemble(kernel_fn, x_train, y, diag_reg=1e-6)(
-        torch.tensor([1.0, 100.0]), x_test, ("nngp", "ntk"), compute_cov=True
+        _tensor([1.0, 100.0]), x_test, ("nngp", "ntk"), compute_cov=True
     )
     assert result.ntk.mean.shape == (2, 3, 1) and result.ntk.covariance.shape == (2, 3, 3)
 
@@ -372,7 +388,7 @@ def test_ensemble_with_a_monte_carlo_kernel_function():
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
 def test_max_learning_rate_is_the_edge_of_stability(momentum):
     k = _psd(6, 12)
-    y = torch.randn(6, 1, dtype=F64)
+    y = _randn(6, 1, dtype=F64)
     lr = predict.max_learning_rate(k, y.numel(), momentum)
     assert lr == pytest.approx(2 * (1 + momentum) * 6 / torch.linalg.eigvalsh(k)[-1].item(), rel=1e-9)
 
@@ -389,7 +405,7 @@ def test_max_learning_rate_is_the_edge_of_stability(momentum):
 
 def test_max_learning_rate_errors():
     with pytest.raises(ValueError, match="pairs of equal axes"):
-        predict.max_learning_rate(torch.ones(2, 3))
+        predict.max_learning_rate(_ones(2, 3))
 
 
 # -- the real check: trained networks ------------------------------------------------------------
@@ -397,8 +413,8 @@ def test_max_learning_rate_errors():
 
 def _wide_problem():
     generator = torch.Generator().manual_seed(1)
-    x_train = torch.randn(12, 3, generator=generator, dtype=F64)
-    x_test = torch.randn(6, 3, generator=generator, dtype=F64)
+    x_train = _randn(12, 3, generator=generator, dtype=F64)
+    x_test = _randn(6, 3, generator=generator, dtype=F64)
     return x_train, x_test, torch.sin(x_train.sum(1, keepdim=True))
 
 
@@ -406,7 +422,8 @@ def _wide_mlp(width: int) -> torch.nn.Module:
     from tests.ntk_param import NtkDense
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(NtkDense(3, width, 1.5, 0.1, F64), torch.nn.Tanh(), NtkDense(width, 1, 1.5, 0.1, F64))
+    model = torch.nn.Sequential(NtkDense(3, width, 1.5, 0.1, F64), torch.nn.Tanh(), NtkDense(width, 1, 1.5, 0.1, F64))
+    return model.to(DEVICE)
 
 
 def _train(model, x_train, x_test, y, lr, steps, checkpoints):
@@ -443,7 +460,7 @@ def test_trained_wide_networks_follow_the_prediction_closer_as_width_grows():
             f0, g0 = model(x_train), model(x_test)
         coarse = _train(_wide_mlp(width), x_train, x_test, y, lr, 1500, steps)
         fine = _train(_wide_mlp(width), x_train, x_test, y, lr / 2, 3000, [2 * s for s in steps])
-        predicted = predict.gradient_descent_mse(k_dd, y, lr, trace_axes=())(torch.tensor(steps, dtype=F64), f0, g0, k_td)
+        predicted = predict.gradient_descent_mse(k_dd, y, lr, trace_axes=())(_tensor(steps, dtype=F64), f0, g0, k_td)
         for side, (a, b, p) in enumerate(zip(coarse, fine, predicted)):
             trained = 2 * b - a
             errors[width, side] = ((p[1:] - trained[1:]).norm() / (trained[1:] - trained[:1]).norm()).item()
@@ -468,7 +485,7 @@ def test_training_the_linearised_network_matches_to_near_machine_precision():
         return linear(dict(zip(names, values)), x)
 
     loss_gradient = torch.func.grad(lambda values: ((outputs(values, x_train) - y) ** 2).sum() / (2 * y.numel()))
-    times = torch.tensor([0.0, 40.0, t_end], dtype=F64)
+    times = _tensor([0.0, 40.0, t_end], dtype=F64)
     path = torchdiffeq.odeint(
         lambda _, values: tuple(-lr * g for g in loss_gradient(values)), start, times, rtol=1e-12, atol=1e-14
     )
@@ -482,6 +499,7 @@ def test_training_the_linearised_network_matches_to_near_machine_precision():
     _close(predicted[1], trained_test, 1e-9)
 
 
+@pytest.mark.cpu_only("runs the example script in a subprocess, on the device it picks itself")
 def test_the_example_script_draws_its_figure(tmp_path):
     script = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "predict_training_curves.py"
     output = tmp_path / "curves.png"

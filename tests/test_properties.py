@@ -1,4 +1,5 @@
-"""Hypothesis property tests on random small MLPs and inputs."""
+"""Hypothesis property tests on random small MLPs and inputs, on the run device (``pytest --device``):
+the numbers are drawn on the CPU and moved there."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchntk
+from tests.cases import DEVICE, to_device
 from torchntk.testing import assert_kernels_close
 
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -22,12 +24,12 @@ def problems(draw):
     n1, n2 = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     model = torch.nn.Sequential(
         torch.nn.Linear(features, width), torch.nn.Tanh(), torch.nn.Linear(width, outputs)
-    ).double()
+    ).double().to(DEVICE)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
-    x1 = torch.randn(n1, features, generator=generator, dtype=torch.float64)
-    x2 = torch.randn(n2, features, generator=generator, dtype=torch.float64)
+    x1 = to_device(torch.randn(n1, features, generator=generator, dtype=torch.float64))
+    x2 = to_device(torch.randn(n2, features, generator=generator, dtype=torch.float64))
     implementation = draw(st.sampled_from([1, 2, 3]))
     vmap_axes = draw(st.sampled_from([None, 0]))
     return model, x1, x2, implementation, vmap_axes
@@ -97,7 +99,7 @@ def test_chunked_equals_unchunked(problem, chunk_size):
 @given(problems())
 def test_ntk_vp_is_kernel_times_vector(problem):
     model, x1, x2, _, _ = problem
-    vector = torch.randn(x2.shape[0], model[-1].out_features, dtype=torch.float64)
+    vector = to_device(torch.randn(x2.shape[0], model[-1].out_features, dtype=torch.float64))
     full = torchntk.empirical_ntk_fn(model, trace_axes=())(x1, x2)
     product = torchntk.empirical_ntk_vp_fn(model, x1, x2)(vector)
     assert_kernels_close(product, torch.einsum("nmab,mb->na", full, vector))
@@ -108,11 +110,11 @@ def test_ntk_vp_is_kernel_times_vector(problem):
 def test_linearize_and_taylor_expand_match_their_definitions(problem, step):
     model, x1, _, _, _ = problem
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    direction = {name: torch.randn_like(p) for name, p in params.items()}
+    direction = to_device({name: torch.randn(p.shape, dtype=p.dtype) for name, p in params.items()})
     moved = {name: p + step * direction[name] for name, p in params.items()}
     f = lambda p, x: torch.func.functional_call(model, p, (x,))  # noqa: E731
     g = lambda t: f({k: params[k] + t * direction[k] for k in params}, x1)  # noqa: E731
-    zero = torch.zeros((), dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=DEVICE)
     value, slope = torch.func.jvp(g, (zero,), (torch.ones_like(zero),))
     curvature = torch.func.jvp(lambda t: torch.func.jvp(g, (t,), (torch.ones_like(t),))[1], (zero,), (torch.ones_like(zero),))[1]
     assert_kernels_close(torchntk.linearize(f, params)(moved, x1), value + step * slope)
@@ -125,9 +127,9 @@ def test_linearize_and_taylor_expand_match_their_definitions(problem, step):
 
 def test_high_degree_taylor_expansion_of_a_polynomial_is_exact():
     f = lambda p, x: p["a"] ** 3 * x + p["a"] * p["b"] ** 2  # noqa: E731
-    params = {"a": torch.tensor(0.7, dtype=torch.float64), "b": torch.tensor(-0.3, dtype=torch.float64)}
-    moved = {"a": torch.tensor(1.9, dtype=torch.float64), "b": torch.tensor(0.4, dtype=torch.float64)}
-    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    params = to_device({"a": torch.tensor(0.7, dtype=torch.float64), "b": torch.tensor(-0.3, dtype=torch.float64)})
+    moved = to_device({"a": torch.tensor(1.9, dtype=torch.float64), "b": torch.tensor(0.4, dtype=torch.float64)})
+    x = to_device(torch.tensor([1.0, 2.0], dtype=torch.float64))
     for degree in (3, 4):
         assert_kernels_close(torchntk.taylor_expand(f, params, degree)(moved, x), f(moved, x))
     assert not torch.allclose(torchntk.taylor_expand(f, params, 2)(moved, x), f(moved, x))

@@ -5,6 +5,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.cpu_only("runs the README and docs examples as written, on the CPU")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLES = [

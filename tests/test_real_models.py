@@ -4,7 +4,8 @@ The zoo (``tests/zoo.py``): torchvision's ResNet-18, MobileNetV3-small, Efficien
 small VisionTransformer, a timm ViT, Hugging Face BERT and GPT-2 with padding masks and an output
 selector, nn.TransformerEncoder, nn.MultiheadAttention, nn.LSTM and nn.GRU, a weight-norm
 parametrization, a tied autoencoder using ``W.T``, and forward hooks; each with ``vmap_axes`` 0
-(or the keyword-argument form) and None, traced and full kernels.
+(or the keyword-argument form) and None, traced and full kernels. Models and inputs are built on
+the CPU and moved to the run device (``pytest --device``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 import torchntk
-from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
-
 from tests import zoo
+from tests.cases import DEVICE, to_device
+from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 IMPLEMENTATIONS = (1, 2, 3, 0)
 TRACES = {"traced": (-1,), "full": ()}
@@ -27,7 +28,9 @@ TRACES = {"traced": (-1,), "full": ()}
 @functools.lru_cache(maxsize=None)
 def _case(name: str) -> zoo.Case:
     torch.manual_seed(0)
-    return {**zoo.FAST, **zoo.SLOW}[name]()
+    case = {**zoo.FAST, **zoo.SLOW}[name]()
+    return case._replace(module=case.module.to(DEVICE), x1=to_device(case.x1), x2=to_device(case.x2),
+                         kwargs=to_device(case.kwargs))
 
 
 @functools.lru_cache(maxsize=None)

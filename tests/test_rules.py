@@ -44,6 +44,7 @@ from torchntk._implementations.structured._roles import Role, RuleCall
 from torchntk._implementations.structured.rules import RULES, rule, rule_for, unregister
 
 pytestmark = [
+    pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)"),
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),
 ]
 

@@ -9,6 +9,9 @@ Three kinds of checks:
 * statistical: the mean over fixed seeds of the estimate approaches the float64 reference NTK
   (``torchntk.testing.reference_ntk``) within a few standard errors, estimated from the same draws;
 * reproducibility: batch size, chunking, vmap or not, and dtype do not change the features.
+
+Models, inputs and the dense projections live on the run device (``pytest --device``); the
+projections' streams are the same on every device.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 import torchntk
+from tests.cases import DEVICE, to_device
 from torchntk import _sketch_projections as streams
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
@@ -28,7 +32,7 @@ PROJECTIONS = ("gaussian", "sparse", "kronecker")
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double().eval()
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double().to(DEVICE).eval()
 
 
 class _ConvNet(nn.Module):
@@ -49,7 +53,7 @@ class _ConvNet(nn.Module):
 
 def _conv_net() -> nn.Module:
     torch.manual_seed(0)
-    return _ConvNet().double().eval()
+    return _ConvNet().double().to(DEVICE).eval()
 
 
 class _Transposed(nn.Module):
@@ -82,7 +86,7 @@ class _HiddenUse(nn.Module):
 def _inputs(model: nn.Module, n: int, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     shape = (n, 4, 8, 8) if isinstance(model, _ConvNet) else (n, 3)
-    return torch.randn(shape, generator=generator, dtype=torch.float64)
+    return to_device(torch.randn(shape, generator=generator, dtype=torch.float64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,11 +110,11 @@ def _jacobian(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[tup
 def _dense_projection(named, k: int, projection: str, seed: int, kronecker: set[str], traced: int = 0) -> torch.Tensor:
     """The ``(P, k)`` projection the features use, assembled tile by tile (NOTE: [Sketch streams]);
     a CountSketch has one per traced output coordinate ``traced``."""
-    like = torch.zeros((), dtype=torch.float64)
+    like = torch.zeros((), dtype=torch.float64, device=DEVICE)
     parts = []
     for name, param in named:
         numel = param.numel()
-        omega = torch.zeros(numel, k, dtype=torch.float64)
+        omega = torch.zeros(numel, k, dtype=torch.float64, device=DEVICE)
         if projection == "kronecker" and name in kronecker:
             out_size, in_size = param.shape[0], numel // param.shape[0]
             for block, start, width in streams.column_blocks(k):
@@ -120,7 +124,7 @@ def _dense_projection(named, k: int, projection: str, seed: int, kronecker: set[
         elif projection == "sparse":
             for row_block, row_start, rows in streams.row_blocks(numel):
                 buckets, signs = streams.sparse_hash(seed, name, row_block, rows, k, traced, like)
-                omega[row_start + torch.arange(rows), buckets] = signs
+                omega[row_start + torch.arange(rows, device=DEVICE), buckets] = signs
         else:
             for row_block, row_start, rows in streams.row_blocks(numel):
                 for block, start, width in streams.column_blocks(k):
@@ -163,7 +167,7 @@ def test_features_are_the_documented_projection_of_the_jacobian(make_model, trac
 
 def test_a_weight_used_other_than_by_linear_gets_the_gaussian_projection():
     torch.manual_seed(0)
-    model = _Transposed().double()
+    model = _Transposed().double().to(DEVICE)
     x = _inputs(model, 3)
     kronecker = torchntk.sketched_ntk_features_fn(model, 64, vmap_axes=0, projection="kronecker")(x)
     expected = _expected_features(model, x, 64, "kronecker", 0, True, {"head.weight"})
@@ -172,7 +176,7 @@ def test_a_weight_used_other_than_by_linear_gets_the_gaussian_projection():
 
 def test_a_weight_with_a_use_hidden_from_the_capture_gets_the_gaussian_projection():
     torch.manual_seed(0)
-    model = _HiddenUse().double()
+    model = _HiddenUse().double().to(DEVICE)
     x = _inputs(model, 3)
     for vmap_axes in (0, None):
         kronecker = torchntk.sketched_ntk_features_fn(model, 64, vmap_axes=vmap_axes, projection="kronecker")(x)
@@ -216,7 +220,7 @@ def _estimates(model, x1, x2, trace_axes, projection) -> torch.Tensor:
             model, k, trace_axes=trace_axes, vmap_axes=0, projection=projection, seed=seed, check_vmap_axes=False
         )
         phi1, phi2 = features_fn(x).split([len(x1), len(x2)])
-        for group in torch.arange(k).split(16):
+        for group in torch.arange(k, device=DEVICE).split(16):
             equation = "nj,mj->nm" if trace_axes else "naj,mbj->nmab"
             estimates.append(torch.einsum(equation, phi1[..., group], phi2[..., group]) * (k / 16))
     return torch.stack(estimates)
@@ -396,4 +400,4 @@ def test_bad_calls_raise_clear_errors():
     with pytest.raises(ValueError, match=r"ntk_fn: the output has diagonal axis 0 of size 3 for x1 but 2 for x2"):
         torchntk.sketched_ntk_fn(model, 8, diagonal_axes=0, vmap_axes=0)(x, x[:2])
     with pytest.raises(TypeError, match=r"features_fn: `x` must be a tensor or a pytree of tensors"):
-        torchntk.sketched_ntk_features_fn(model, 8, vmap_axes=0)(x.numpy())
+        torchntk.sketched_ntk_features_fn(model, 8, vmap_axes=0)(x.cpu().numpy())

@@ -16,6 +16,8 @@ import torchntk
 from tests.cases import cnn, mlp
 from torchntk.testing import ModuleSnapshot, reference_ntk
 
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
+
 # -- helpers written for the tests, independent of the library's layout code --------------------
 
 

@@ -12,6 +12,8 @@ Also tested: ``empirical_kernel_fn`` with ``implementation=3``; the builder's te
 (``structure_rules``, ``closed_form_rules``, ``local_jacobian``, ``verify``); ``verify=True``
 catching a parameter use hidden from the recorder; and ``implementation=0`` (AUTO) choosing
 structured derivatives for a wide MLP.
+
+Models and inputs live on the run device (``pytest --device``), inputs drawn on the CPU and moved.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 import torchntk
+from tests.cases import DEVICE, to_device
 from tests.structured_cases import N1, N2, STRUCTURED_CASES, make_x1_x2
 from torchntk import NtkImplementation
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_nngp, reference_ntk
@@ -329,9 +332,9 @@ class _Recorder(TorchFunctionMode):
 def test_verify_catches_a_parameter_use_hidden_from_the_recorder():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        module = _HiddenScale().double().eval()
-    x1 = torch.randn(N1, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    x2 = torch.randn(N2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        module = _HiddenScale().double().to(DEVICE).eval()
+    x1 = to_device(torch.randn(N1, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    x2 = to_device(torch.randn(N2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
     with _Recorder() as recorder:
         module(x1)
     # The premise: a TorchFunctionMode never sees the multiplication by `scale`.
@@ -359,10 +362,10 @@ def test_auto_picks_structured_derivatives_for_a_wide_mlp():
         torch.manual_seed(0)
         module = nn.Sequential(
             nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-        ).double().eval()
+        ).double().to(DEVICE).eval()
     generator = torch.Generator().manual_seed(0)
-    x1 = torch.randn(8, 64, dtype=torch.float64, generator=generator)
-    x2 = torch.randn(8, 64, dtype=torch.float64, generator=generator)
+    x1 = to_device(torch.randn(8, 64, dtype=torch.float64, generator=generator))
+    x2 = to_device(torch.randn(8, 64, dtype=torch.float64, generator=generator))
 
     auto_fn = torchntk.empirical_ntk_fn(module, trace_axes=(), vmap_axes=0, implementation=0)
     choice = auto_fn.auto_choice(x1, x2)
@@ -385,8 +388,8 @@ def test_auto_picks_structured_derivatives_for_a_wide_mlp():
 
 def test_plan_follows_parameters_frozen_between_calls():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
-    x1, x2 = torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double().to(DEVICE)
+    x1, x2 = to_device((torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)))
     structured = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=3)
     structured(x1, x2)
     model[0].weight.requires_grad_(False)
@@ -409,9 +412,9 @@ class _DataDependentBranch(torch.nn.Module):
 
 def test_operations_that_differ_between_x1_and_x2_are_re_planned():
     torch.manual_seed(0)
-    model = _DataDependentBranch().double()
-    x1 = -torch.rand(3, 4, dtype=torch.float64)  # plan probed here: `extra` unused
-    x2 = torch.rand(2, 4, dtype=torch.float64)  # `extra` used
+    model = _DataDependentBranch().double().to(DEVICE)
+    x1 = to_device(-torch.rand(3, 4, dtype=torch.float64))  # plan probed here: `extra` unused
+    x2 = to_device(torch.rand(2, 4, dtype=torch.float64))  # `extra` used
     expected = torchntk.empirical_ntk_fn(model, trace_axes=())(x1, x2)
     assert_kernels_close(torchntk.empirical_ntk_fn(model, trace_axes=(), implementation=3)(x1, x2), expected)
 
@@ -483,7 +486,7 @@ def test_x1_and_x2_share_one_pass_when_only_their_examples_differ(monkeypatch):
 def test_x1_and_x2_of_different_shapes_take_a_pass_each(monkeypatch):
     passes = _counting_passes(monkeypatch)
     case, x1, _ = _recurrent_case()
-    x2 = torch.randn(N2, 4, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # 4 steps, not 6
+    x2 = to_device(torch.randn(N2, 4, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64))  # 4 steps
     kernel = torchntk.empirical_ntk_fn(case.module, trace_axes=(), vmap_axes=0, implementation=3)(x1, x2)
     assert passes[-2:] == [N2, N1]
     assert_kernels_close(kernel, reference_ntk(case.module, x1, x2, trace_axes=()))

@@ -33,10 +33,13 @@ from torchntk._implementations import auto as auto_module
 from torchntk.cli._models import BENCH_MODELS, inputs
 from torchntk.testing import assert_kernels_close, reference_ntk
 
-pytestmark = pytest.mark.filterwarnings(
-    # functorch has no batching rule for PyTorch's fused attention kernels (vmap falls back).
-    "ignore:There is a performance drop because we have not yet implemented the batching rule:UserWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings(
+        # functorch has no batching rule for PyTorch's fused attention kernels (vmap falls back).
+        "ignore:There is a performance drop because we have not yet implemented the batching rule:UserWarning"
+    ),
+    pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)"),
+]
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from torchntk.testing import (
     reference_ntk_vp,
 )
 
+pytestmark = pytest.mark.cpu_only("checks torchntk.testing's float64 reference itself, against closed forms on the CPU")
+
 F64 = torch.float64
 
 
@@ -215,7 +217,9 @@ SHAPE_TABLE = [
 
 @pytest.fixture(scope="module")
 def conv_setup():
-    module = CASES["cnn"]().module  # SAME convolutions accept any spatial size
+    # SAME convolutions accept any spatial size. On the CPU explicitly: this module-scoped fixture is
+    # built before the autouse fixture that makes the CPU the run device of cpu_only tests.
+    module = CASES["cnn"]().module.cpu()
     return module, _randn(3, 2, 5, 6, seed=7), _randn(2, 2, 5, 6, seed=8)
 
 

@@ -31,6 +31,8 @@ from torchntk._model import functional_model
 from torchntk._unfused import Unfused, forward_mode_kernels, fused_layers
 from torchntk.testing import assert_kernels_close, reference_ntk
 
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
+
 F64 = torch.float64
 INPUT, HIDDEN, STEPS, BATCH = 3, 5, 4, 3
 

@@ -18,6 +18,8 @@ from torch import nn
 import torchntk
 from torchntk.testing import assert_kernels_close, reference_ntk
 
+pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
+
 F64 = torch.float64
 IMPLEMENTATIONS = pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
 X2_GIVEN = pytest.mark.parametrize("x2_given", [True, False], ids=["x2", "x2-None"])
