@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from ._tree import Flat
+from ._tree import Flat, key_entry
 
 RECORD_SECONDS = 10.0
 """At most this long between rewrites of the progress record (blocks done since are redone after
@@ -62,16 +62,9 @@ def as_numpy(block: torch.Tensor) -> np.ndarray:
     return block.detach().to("cpu").numpy()
 
 
-def _key_name(key: Any) -> Any:
-    for attribute in ("key", "name", "idx"):
-        if hasattr(key, attribute):
-            return getattr(key, attribute)
-    return str(key)
-
-
 def _paths(tree: Any, is_leaf=None) -> list[tuple]:
     flat, _ = pytree.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [tuple(_key_name(key) for key in path) for path, _ in flat]
+    return [tuple(key_entry(key) for key in path) for path, _ in flat]
 
 
 def _is_array(value: Any) -> bool:

@@ -39,8 +39,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._checks import show
-from ._model import FunctionalModel
-from ._tree import Flat
+from ._model import FunctionalModel, predicate_verdict
+from ._tree import Flat, key_entry
 
 
 class GroupKernels(dict):
@@ -84,13 +84,8 @@ class _Selection:
 
     def selects(self, name: str, parameter: torch.Tensor, group: str, where: str) -> bool:
         if self.predicate is not None:
-            verdict = self.predicate(name, parameter)
-            if not isinstance(verdict, bool):
-                raise TypeError(
-                    f"{where}: the predicate of `groups` entry {group!r} must return a bool for (name, "
-                    f"parameter), got {show(verdict)} for {name!r}."
-                )
-            return verdict
+            what = f"the predicate of `groups` entry {group!r}"
+            return predicate_verdict(self.predicate, name, parameter, what, where)
         if any(path == "" or name.startswith(path + ".") for path in self.modules):
             return True
         return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in self.patterns)
@@ -173,15 +168,8 @@ def parameter_paths(flat: Flat) -> list[str]:
     names = [""] * len(flat.leaves)
     for path, leaf in pytree.tree_flatten_with_path(markers)[0]:
         if leaf is not None:
-            names[leaf] = ".".join(_key_name(key) for key in path)
+            names[leaf] = ".".join(str(key_entry(key)) for key in path)
     return names
-
-
-def _key_name(key: Any) -> str:
-    for attribute in ("key", "idx", "name"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
 
 
 _EXPECTED = (

@@ -244,17 +244,8 @@ def _selected(module: nn.Module, selection: Any, where: str) -> dict[str, torch.
     """
     named = list(module.named_parameters())
     if callable(selection) and not isinstance(selection, str):
-        chosen = {}
-        for name, param in named:
-            verdict = selection(name, param)
-            if not isinstance(verdict, bool):
-                raise TypeError(
-                    f"{where}: the `params` predicate must return a bool for (name, parameter), got "
-                    f"{show(verdict)} for {name!r}."
-                )
-            if verdict:
-                chosen[name] = param
         what = "the `params` predicate"
+        chosen = {name: param for name, param in named if predicate_verdict(selection, name, param, what, where)}
     else:
         patterns = [selection] if isinstance(selection, str) else list(selection)
         chosen = {name: param for name, param in named if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
@@ -264,6 +255,16 @@ def _selected(module: nn.Module, selection: Any, where: str) -> dict[str, torch.
         listing = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         raise ValueError(f"{where}: {what} selects no parameter of the module; its parameters are {listing}.")
     return chosen
+
+
+def predicate_verdict(predicate: Callable, name: str, parameter: torch.Tensor, what: str, where: str) -> bool:
+    """``predicate(name, parameter)``, which must be a bool (``what`` names the predicate in the TypeError)."""
+    verdict = predicate(name, parameter)
+    if not isinstance(verdict, bool):
+        raise TypeError(
+            f"{where}: {what} must return a bool for (name, parameter), got {show(verdict)} for {name!r}."
+        )
+    return verdict
 
 
 def _private_copies(tensors: Mapping[str, torch.Tensor], lazy: bool = False) -> dict[str, torch.Tensor]:

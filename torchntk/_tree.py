@@ -59,3 +59,11 @@ def describe(tree: Any) -> str:
         return leaf
 
     return str(pytree.tree_map(show, tree))
+
+
+def key_entry(key: Any) -> Any:
+    """The key, index or attribute name of one entry of a pytree key path (``tree_flatten_with_path``)."""
+    for attribute in ("key", "idx", "name"):
+        if hasattr(key, attribute):
+            return getattr(key, attribute)
+    return str(key)

@@ -226,13 +226,15 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
         factors = pending.pop(id(side), None) if side is call.side1 else None
         return prepare(side) if factors is None else factors
 
+    group_sets = [set(indices) for indices in call.groups or ()]
+
     def contract(first: SideFactors, second: SideFactors, needed) -> list[Optional[Any]]:
         if call.groups is None:
             return contract_sides(call.layouts, out_axes, first, second, needed, call.dtypes, param_sizes)
         per_group = []
-        for indices in call.groups:  # every use's pair contraction lands in one group's sum
-            one = _group_factors(first, set(indices), plan)
-            two = one if second is first else _group_factors(second, set(indices), plan)
+        for indices in group_sets:  # every use's pair contraction lands in one group's sum
+            one = _group_factors(first, indices, plan)
+            two = one if second is first else _group_factors(second, indices, plan)
             per_group.append(contract_sides(call.layouts, out_axes, one, two, needed, call.dtypes, param_sizes))
         return [
             tuple(blocks[leaf] for blocks in per_group) if is_needed else None for leaf, is_needed in enumerate(needed)
