@@ -7,9 +7,9 @@ nn.LSTM, nn.GRU, a weight-norm MLP, a tied autoencoder, a hooked MLP), with ``N1
 examples (x2 given), its ``vmap_axes`` and the full or traced kernel, this times implementations 1,
 2 and 3 (a first call, then the median of ``--repeats`` calls), and AUTO: what it picks, the picked
 implementation's time over the fastest one's, and what the choice costs (``choice_cost``: the
-time of AUTO's ``choose`` on a new kernel function, less implementation 3's plan when 3 is picked
-and computes with it; median of ``--repeats``), also as a fraction of the picked implementation's
-steady time. A configuration that raises is reported, not fatal.
+time of AUTO's ``choose`` on a new kernel function, less implementation 3's plan (its probe and
+check) when 3 is picked and computes with it; median of ``--repeats``), also as a fraction of the
+picked implementation's steady time. A configuration that raises is reported, not fatal.
 
     python benchmarks/bench_zoo.py                       # all models, full and traced kernels
     python benchmarks/bench_zoo.py --models lstm bert --kernels full --n1 16 --n2 16
@@ -80,22 +80,25 @@ def cold(call) -> float:
 def choice_cost(case: zoo.Case, trace_axes: tuple, repeats: int) -> float:
     """What choosing adds, once per input shapes: the time AUTO's ``choose`` takes in ``auto_choice``
     on a new AUTO kernel function, planners' caches emptied, less the time it spends making
-    implementation 3's plan when it picks 3 (the kernel then computes with that plan, as a kernel
+    implementation 3's plan (probe and check) when it picks 3 (the kernel then computes with that plan, as a kernel
     function of implementation 3 would). The median of ``repeats`` such choices."""
     spent: list[float] = []
 
-    def timed_choose(call, make_plan):
+    def timed_choose(call, plans):
         planning = [0.0]
 
-        def timed_plan():
-            start = time.perf_counter()
-            try:
-                return make_plan()
-            finally:
-                planning[0] += time.perf_counter() - start
+        def timed(make):
+            def run():
+                start = time.perf_counter()
+                try:
+                    return make()
+                finally:
+                    planning[0] += time.perf_counter() - start
+
+            return run
 
         start = time.perf_counter()
-        choice = choose(call, timed_plan)
+        choice = choose(call, auto_module.StructuredPlans(timed(plans.unchecked), timed(plans.checked)))
         reused = planning[0] if choice.implementation == torchntk.NtkImplementation.STRUCTURED_DERIVATIVES else 0.0
         spent.append(time.perf_counter() - start - reused)
         return choice

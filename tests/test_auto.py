@@ -16,12 +16,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import torchntk
+from tests import cases
+from tests.cases import to_device
 from torchntk import Estimate, NtkImplementation
 from torchntk._implementations import auto as auto_module
 from torchntk._implementations import structured as structured_module
+from torchntk._implementations.structured import _joint as structured_joint
 from torchntk.testing import assert_kernels_close, reference_ntk
-
-pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
 
 JACOBIAN = NtkImplementation.JACOBIAN_CONTRACTION
 PRODUCTS = NtkImplementation.NTK_VECTOR_PRODUCTS
@@ -29,16 +30,17 @@ STRUCTURED = NtkImplementation.STRUCTURED_DERIVATIVES
 
 
 def _tiny() -> nn.Module:
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double().to(cases.DEVICE)
 
 
 def _wide() -> nn.Module:
-    return nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)).double()
+    layers = (nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    return nn.Sequential(*layers).double().to(cases.DEVICE)
 
 
 def _inputs(features: int, n1: int = 5, n2: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(3)
-    return (torch.randn(n, features, dtype=torch.float64, generator=generator) for n in (n1, n2))
+    generator = torch.Generator().manual_seed(3)  # on the CPU, then moved: the same numbers on every device
+    return to_device(tuple(torch.randn(n, features, dtype=torch.float64, generator=generator) for n in (n1, n2)))
 
 
 class _Spies:
@@ -107,6 +109,100 @@ def test_the_plan_made_to_price_structured_derivatives_is_reused_by_the_kernel()
     assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
 
 
+def _plan_spies():
+    """Spies on implementation 3's probe passes and on the check of a plan against autograd."""
+    return (
+        mock.patch.object(structured_module, "probe_plan", wraps=structured_module.probe_plan),
+        mock.patch.object(structured_module, "disagreements", wraps=structured_module.disagreements),
+    )
+
+
+def test_structured_derivatives_are_priced_from_the_probe_and_checked_only_when_picked():
+    model = _wide()
+    x1, x2 = _inputs(16, 6, 4)
+    priced = mock.patch.object(auto_module, "_PROBE_BUDGET", float("inf"))  # price 3 whatever it saves
+    losing = mock.patch.object(auto_module, "_STRUCTURED_CONTRACTION_WEIGHT", 1e12)  # ... and let it lose
+    probes, checks = _plan_spies()
+    with priced, losing, probes as probe_passes, checks as check_passes:
+        auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
+        choice = auto.auto_choice(x1, x2)
+        assert STRUCTURED in choice.estimates and choice.implementation != STRUCTURED
+        assert (probe_passes.call_count, check_passes.call_count) == (1, 0), "3 lost: its plan is not checked"
+        actual = auto(x1, x2)
+    assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
+
+    probes, checks = _plan_spies()
+    with priced, probes as probe_passes, checks as check_passes:
+        auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
+        choice = auto.auto_choice(x1, x2)
+        assert choice.implementation == STRUCTURED
+        assert check_passes.call_count == 1, "3 is picked: its plan is checked against autograd"
+        actual = auto(x1, x2)
+        # the check reused the probe AUTO priced from, and the kernel computes with the checked plan
+        assert (probe_passes.call_count, check_passes.call_count) == (1, 1)
+    assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
+
+
+def test_parameters_the_check_demotes_are_priced_again_as_fallback():
+    model = _wide()
+    x1, x2 = _inputs(16, 6, 4)
+    first_weight = dict(model.named_parameters())["0.weight"]
+
+    def demoting(side, plan):
+        index = next(i for i, param in enumerate(side.model.params) if param.shape == first_weight.shape)
+        return {index: "demoted by the test"}
+
+    probes, _ = _plan_spies()
+    with probes, mock.patch.object(structured_module, "disagreements", demoting):
+        unchecked = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
+        with mock.patch.object(structured_module.StructuredDerivatives, "plan", lambda *args, **kwargs: 1 / 0):
+            priced_unchecked = unchecked.auto_choice(x1, x2)  # 3 is excluded when checking it fails
+        auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
+        choice = auto.auto_choice(x1, x2)
+        actual = auto(x1, x2)
+    assert priced_unchecked.excluded == {STRUCTURED: "ZeroDivisionError: division by zero"}
+    assert STRUCTURED not in priced_unchecked.estimates and priced_unchecked.implementation != STRUCTURED
+    assert choice.fallback_parameters == {"0.weight": "demoted by the test"}
+    call = _first_call(model, x1, x2)
+    probed = structured_module.probe_plan(call, structured_module.StructuredOptions()).unchecked()
+    assert choice.estimates[STRUCTURED].flops > auto_module._Prices(call).structured_derivatives(probed).flops
+    assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
+
+
+def _first_call(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor):
+    """The validated kernel call AUTO chooses for (caught on its way to ``choose``)."""
+    calls = []
+    original = auto_module.choose
+
+    def catching(call, plans):
+        calls.append(call)
+        return original(call, plans)
+
+    with mock.patch.object(auto_module, "choose", catching):
+        torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0).auto_choice(x1, x2)
+    return calls[0]
+
+
+def test_one_df_dy_pass_for_both_sides_is_priced_where_the_sides_join():
+    model = _wide()
+    x1, x2 = _inputs(16, 6, 4)
+    call = _first_call(model, x1, x2)
+    plan = structured_module.plan_for(call, structured_module.StructuredOptions())
+    per_example = structured_joint.gradients_per_example(call, plan)
+    assert per_example == 4 * (256 + 256 + 4)  # outputs times the perturbed entries of the three layers
+    assert structured_joint.joinable(call.side1, call.side2, per_example)
+    assert structured_joint.joined(call.side1, call.side2, per_example) is not None
+    prices = auto_module._Prices(call)
+    joint = prices.structured_derivatives(plan).flops
+    with mock.patch.object(structured_joint, "MAX_JOINED_GRADIENTS", 0):  # G too large to join
+        assert not structured_joint.joinable(call.side1, call.side2, per_example)
+        assert structured_joint.joined(call.side1, call.side2, per_example) is None
+        apart = prices.structured_derivatives(plan).flops
+    # the ATen calls of one side's df/dy pass are saved: 4 per call of the counted pass (forward and sweep)
+    assert apart - joint == pytest.approx(4 * prices.per_op * prices.per_example_ops[1])
+    assert not structured_joint.joinable(call.side1, call.side2, None)
+
+
 def test_implementation_2_is_never_picked_unprobed_and_is_excluded_when_its_probe_fails():
     """Priced cheapest of 1 and 2, implementation 2 is probed; a failing probe excludes it."""
     model = _tiny()
@@ -164,7 +260,7 @@ def test_the_choice_never_raises_when_the_cost_model_fails():
 @pytest.mark.parametrize("trace_axes", [(), (-1,)], ids=["full", "traced"])
 @pytest.mark.parametrize("width", [2, 64])
 def test_the_choice_is_a_priced_candidate_and_its_kernel_is_right(width, trace_axes, vmap_axes):
-    model = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 3)).double()
+    model = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 3)).double().to(cases.DEVICE)
     x1, x2 = _inputs(3, 4, 2)
     auto = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=vmap_axes, implementation=0)
     choice = auto.auto_choice(x1, x2)
@@ -192,8 +288,8 @@ class _Mixed(nn.Module):
 
 
 def test_the_counter_counts_the_flops_torchs_flop_counter_counts():
-    model = _Mixed().eval()
-    x = torch.randn(2, 2, 7)
+    model = _Mixed().eval().to(cases.DEVICE)
+    x = to_device(torch.randn(2, 2, 7))
     params = dict(model.named_parameters())
     with torch.no_grad(), FlopCounterMode(display=False) as reference:
         model(x)

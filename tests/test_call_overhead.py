@@ -3,7 +3,9 @@
 NOTE: [Modules are never mutated] (``_model.py``): the private copies of a kernel call are
 copy-on-write, so a call that only reads the parameters copies none of them, a forward pass that
 writes into one copies that one first, and nothing of the call outlives it. Every kernel here is
-checked against the float64 brute force of ``torchntk.testing``.
+checked against the float64 brute force of ``torchntk.testing``. Models and inputs live on the run
+device (``pytest --device``; CPU and CUDA memory are both shared copy-on-write), inputs drawn on the
+CPU and moved.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ from torchntk._call import prepare_call
 from torchntk._vmap_axes import parse_vmap_axes
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
-pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
 
-
-def _mlp() -> nn.Module:
+def _mlp(device: torch.device) -> nn.Module:
+    """A float32 MLP on ``device``, its parameters drawn on the CPU."""
     generator = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator))
-    return model
+    return model.to(device)
+
+
+def _inputs(n1: int, n2: int, device: torch.device, dtype: torch.dtype = torch.float32):
+    """``(n1, 5)`` and ``(n2, 5)`` inputs on ``device``, drawn on the CPU."""
+    generator = torch.Generator().manual_seed(1)
+    x1, x2 = (torch.randn(n, 5, generator=generator, dtype=dtype) for n in (n1, n2))
+    return x1.to(device), x2.to(device)
 
 
 def _prepare(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, params=None):
@@ -37,30 +45,30 @@ def _prepare(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, params=None):
     )
 
 
-def test_private_parameters_share_the_module_memory_copy_on_write():
-    model = _mlp()
-    call = _prepare(model, torch.randn(4, 5), torch.randn(3, 5))
+def test_private_parameters_share_the_module_memory_copy_on_write(device):
+    model = _mlp(device)
+    call = _prepare(model, *_inputs(4, 3, device))
     assert len(call.model.params) == 4
     assert all(torch._C._is_cow_tensor(param) for param in call.model.params)
     for param, original in zip(call.model.params, model.parameters()):
         assert param is not original and not param.requires_grad
-        assert torch.equal(param, original)
+        assert param.device == original.device and torch.equal(param, original)
 
 
-def test_a_write_into_the_private_copy_leaves_the_module_unchanged():
-    model = _mlp()
+def test_a_write_into_the_private_copy_leaves_the_module_unchanged(device):
+    model = _mlp(device)
     snapshot = ModuleSnapshot.of(model)
-    call = _prepare(model, torch.randn(4, 5), torch.randn(3, 5))
+    call = _prepare(model, *_inputs(4, 3, device))
     private = call.model.params[0]
     private.add_(1.0)  # what a forward pass renormalising its weight in place does
     snapshot.assert_unchanged()
     assert torch.equal(private, model[0].weight.detach() + 1.0)
 
 
-def test_no_copy_outlives_the_call():
+def test_no_copy_outlives_the_call(device):
     """After a call, the module's next write takes its memory back: nothing shares it any more."""
-    model = _mlp()
-    x1, x2 = torch.randn(6, 5), torch.randn(4, 5)
+    model = _mlp(device)
+    x1, x2 = _inputs(6, 4, device)
     addresses = [param.data_ptr() for param in model.parameters()]
     kernel_fns = [torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=index) for index in (0, 1, 2, 3)]
     kernel_fns.append(torchntk.empirical_ntk_fn(model, vmap_axes=None, implementation=3))
@@ -72,9 +80,10 @@ def test_no_copy_outlives_the_call():
     assert [param.data_ptr() for param in model.parameters()] == addresses
 
 
-def test_parameters_from_numpy_are_copied_eagerly():
+@pytest.mark.cpu_only("memory owned by NumPy (torch.from_numpy) exists only on the CPU; moved elsewhere, torch owns it")
+def test_parameters_from_numpy_are_copied_eagerly(device):
     """Memory torch does not own cannot be shared copy-on-write; the call copies it instead."""
-    model = _mlp().double()
+    model = _mlp(device).double()
     generator = np.random.default_rng(1)
     params = {
         name: torch.from_numpy(generator.standard_normal(tuple(param.shape)))
@@ -82,7 +91,7 @@ def test_parameters_from_numpy_are_copied_eagerly():
     }
     before = {name: tensor.clone() for name, tensor in params.items()}
     snapshot = ModuleSnapshot.of(model, extra=params)
-    x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    x1, x2 = _inputs(6, 4, device, torch.float64)
     call = _prepare(model, x1, x2, params)
     assert not any(torch._C._is_cow_tensor(param) for param in call.model.params)
     kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3)(x1, x2, params=params)

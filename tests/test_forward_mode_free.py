@@ -4,7 +4,8 @@ NOTE: [NTK-vector products without forward mode] in ``ntk_vector_products.py``: 
 comes from two VJPs when PyTorch has no forward-mode derivative for an operation of the model.
 Every kernel here is checked against the float64 oracle :func:`torchntk.testing.reference_ntk`.
 On the code before that path, implementation 2 raised on every model of ``_NO_FORWARD_MODE`` and
-AUTO (with ``vmap_axes=None``) picked it and raised too.
+AUTO (with ``vmap_axes=None``) picked it and raised too. Models and inputs live on the run device
+(``pytest --device``): built and drawn on the CPU, then moved, so that every device sees the same numbers.
 
 Cost, measured on the benchmark MLP (784-512-512-10, ReLU, float32, N1 = N2 = 64, traced,
 vmap_axes=0, shared 2-core CPU, best of 5, three runs): forward mode 0.66-0.72 s, double VJP
@@ -31,8 +32,6 @@ from torchntk._implementations import auto as auto_module
 from torchntk._implementations import ntk_vector_products as nvp
 from torchntk._implementations.structured import StructuredDerivatives
 from torchntk.testing import assert_kernels_close, reference_ntk
-
-pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
 
 VECTOR_PRODUCTS = NtkImplementation.NTK_VECTOR_PRODUCTS
 
@@ -91,7 +90,7 @@ class _CtcLoss(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         n = x.shape[0]
         log_probs = self.linear(x).view(n, 5, 3).log_softmax(-1).transpose(0, 1)
-        targets = torch.ones(n, 2, dtype=torch.long)
+        targets = torch.ones(n, 2, dtype=torch.long, device=x.device)
         return F.ctc_loss(log_probs, targets, [5] * n, [2] * n, reduction="none")[:, None]
 
 
@@ -126,17 +125,23 @@ class _GridSample(nn.Module):
         return self.head(sampled.reshape(*x.shape[:-1], 8))
 
 
-def _weight_normed() -> nn.Module:
+Build = Callable[[torch.device], nn.Module]
+"""``build(device)``: a float64 model, its parameters drawn from a fixed seed on the CPU, on ``device``."""
+
+
+def _weight_normed(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    # The old-style weight_norm is what users still bring.
+    # The old-style weight_norm is what users still bring. It is applied on the device: its `weight`
+    # is a plain attribute, which `.to()` would leave behind.
     with pytest.warns(FutureWarning, match="`torch.nn.utils.weight_norm` is deprecated"):
-        return nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 2)).double()
+        normed = nn.utils.weight_norm(nn.Linear(4, 6).double().to(device))
+    return nn.Sequential(normed, nn.Tanh(), nn.Linear(6, 2)).double().to(device)
 
 
-def _built(cls: type) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
+def _built(cls: type) -> Build:
+    def build(device: torch.device) -> nn.Module:
         torch.manual_seed(0)
-        return cls().double().eval()
+        return cls().double().eval().to(device)
     return build
 
 
@@ -156,14 +161,16 @@ _UNFUSED = {
 }
 
 
-def _inputs(shape: tuple[int, ...], dtype=torch.float64) -> tuple[Tensor, Tensor]:
+def _inputs(shape: tuple[int, ...], device: torch.device, dtype=torch.float64) -> tuple[Tensor, Tensor]:
+    """5 and 3 examples of ``shape`` on ``device``, drawn on the CPU."""
     generator = torch.Generator().manual_seed(1)
-    return torch.randn(5, *shape, generator=generator, dtype=dtype), torch.randn(3, *shape, generator=generator, dtype=dtype)
+    x1, x2 = (torch.randn(n, *shape, generator=generator, dtype=dtype) for n in (5, 3))
+    return x1.to(device), x2.to(device)
 
 
-def _reference(build: Callable[[], nn.Module], x1, x2, **axes):
-    """The oracle on a twin (an old-style weight-normed module cannot be deep-copied)."""
-    twin = build()
+def _reference(build: Build, x1, x2, **axes):
+    """The oracle on a twin on ``x1``'s device (an old-style weight-normed module cannot be deep-copied)."""
+    twin = build(x1.device)
     params = {name: p.detach() for name, p in twin.named_parameters()}
     return reference_ntk(lambda p, x: torch.func.functional_call(twin, p, (x,)), x1, x2, params=params, **axes)
 
@@ -201,11 +208,11 @@ def _counting_paths():
 @pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
 @pytest.mark.parametrize("same", [False, True], ids=["x1x2", "x2None"])
 @pytest.mark.parametrize("name", list(_NO_FORWARD_MODE))
-def test_vector_products_without_forward_mode_match_the_reference(name, same, vmap_axes, trace_axes):
+def test_vector_products_without_forward_mode_match_the_reference(name, same, vmap_axes, trace_axes, device):
     build, shape, _ = _NO_FORWARD_MODE[name]
-    x1, x2 = _inputs(shape)
+    x1, x2 = _inputs(shape, device)
     x2 = None if same else x2
-    ntk_fn = torchntk.empirical_ntk_fn(build(), trace_axes, vmap_axes=vmap_axes, implementation=2)
+    ntk_fn = torchntk.empirical_ntk_fn(build(device), trace_axes, vmap_axes=vmap_axes, implementation=2)
     counts, patches = _counting_paths()
     with patches[0], patches[1]:
         actual = ntk_fn(x1, x2)
@@ -219,20 +226,20 @@ def test_vector_products_without_forward_mode_match_the_reference(name, same, vm
     # nn.LSTM per example (vmap_axes): test_recurrent_model_in_float32_stays_in_forward_mode_and_accurate
     [(name, vmap_axes) for name in _UNFUSED for vmap_axes in (0, None) if not (name == "lstm" and vmap_axes == 0)],
 )
-def test_fused_kernels_are_replaced_in_forward_mode(name, vmap_axes):
+def test_fused_kernels_are_replaced_in_forward_mode(name, vmap_axes, device):
     """Old-style weight norm, eval-mode attention and nn.LSTM used to take the double-VJP path."""
     build, shape = _UNFUSED[name]
-    x1, x2 = _inputs(shape)
+    x1, x2 = _inputs(shape, device)
     counts, patches = _counting_paths()
     with patches[0], patches[1]:
-        actual = torchntk.empirical_ntk_fn(build(), trace_axes=(), vmap_axes=vmap_axes, implementation=2)(x1, x2)
+        actual = torchntk.empirical_ntk_fn(build(device), trace_axes=(), vmap_axes=vmap_axes, implementation=2)(x1, x2)
     assert_kernels_close(actual, _reference(build, x1, x2, trace_axes=()), rtol=1e-10)
     assert counts["double VJP"] == 0 and counts["forward mode"] >= 1
 
 
-def test_forward_mode_stays_where_it_works():
-    model = _built(_TwoLeaves)()
-    x1, x2 = _inputs((4,))
+def test_forward_mode_stays_where_it_works(device):
+    model = _built(_TwoLeaves)(device)
+    x1, x2 = _inputs((4,), device)
     counts, patches = _counting_paths()
     with patches[0], patches[1]:
         actual = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=2)(x1, x2)
@@ -241,14 +248,15 @@ def test_forward_mode_stays_where_it_works():
 
 
 @pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
-def test_recurrent_model_in_float32_stays_in_forward_mode_and_accurate(vmap_axes):
-    """Float32 ``nn.LSTM`` on CPU runs ``mkldnn_rnn_layer`` (no forward-mode derivative), which the
-    forward-mode passes replace by its decomposition (NOTE: [Unfused kernels]); checked at float32
-    tolerance against the float64 oracle. Per example, vmap runs the decomposition too (``aten::lstm``
-    has no batching rule), so no example loop is needed."""
+def test_recurrent_model_in_float32_stays_in_forward_mode_and_accurate(vmap_axes, device):
+    """Float32 ``nn.LSTM`` runs a fused kernel (on the CPU ``mkldnn_rnn_layer``, which has no
+    forward-mode derivative), which the forward-mode passes replace by its decomposition on every
+    device (NOTE: [Unfused kernels]); checked at float32 tolerance against the float64 oracle. Per
+    example, vmap runs the decomposition too (``aten::lstm`` has no batching rule), so no example
+    loop is needed."""
     torch.manual_seed(0)
-    model = _Recurrent().eval()
-    x1, x2 = _inputs((3, 3), dtype=torch.float32)
+    model = _Recurrent().eval().to(device)
+    x1, x2 = _inputs((3, 3), device, dtype=torch.float32)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=2)
     counts, patches = _counting_paths()
     with patches[0], patches[1], warnings.catch_warnings():
@@ -271,10 +279,10 @@ def test_recurrent_model_in_float32_stays_in_forward_mode_and_accurate(vmap_axes
 @pytest.mark.parametrize("chunk_size", [None, 2], ids=["whole", "chunk2"])
 @pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
 @pytest.mark.parametrize("same", [False, True], ids=["x1x2", "x2None"])
-def test_forced_double_vjp_matches_the_reference(same, vmap_axes, chunk_size, axes):
+def test_forced_double_vjp_matches_the_reference(same, vmap_axes, chunk_size, axes, device):
     """Pytree outputs, x1 cut into runs (diagonal batch axis with chunk_size) and x2 runs."""
-    model = _built(_TwoLeaves)()
-    x1, x2 = _inputs((4,))
+    model = _built(_TwoLeaves)(device)
+    x1, x2 = _inputs((4,), device)
     if "diagonal_axes" in axes:  # a diagonal batch axis pairs example i of x1 with example i of x2
         x2 = x1.flip(0)
     x2 = None if same else x2
@@ -287,30 +295,30 @@ def test_forced_double_vjp_matches_the_reference(same, vmap_axes, chunk_size, ax
 
 
 @pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
-def test_forced_double_vjp_on_recurrent_and_attention_models_in_float64(vmap_axes):
+def test_forced_double_vjp_on_recurrent_and_attention_models_in_float64(vmap_axes, device):
     """The double backward of ``nn.LSTM`` and of attention (MATH kernel) at float64 precision."""
     for build, shape in ((_built(_Recurrent), (3, 3)), (_built(_Attention), (3, 4))):
-        if vmap_axes == 0 and build().__class__ is _Recurrent:
+        if vmap_axes == 0 and build(device).__class__ is _Recurrent:
             continue  # refused by the vmap_axes check, see the float32 test above
-        x1, x2 = _inputs(shape)
+        x1, x2 = _inputs(shape, device)
         with _forced_double_vjp():
-            actual = torchntk.empirical_ntk_fn(build(), vmap_axes=vmap_axes, implementation=2)(x1, x2)
+            actual = torchntk.empirical_ntk_fn(build(device), vmap_axes=vmap_axes, implementation=2)(x1, x2)
         assert_kernels_close(actual, _reference(build, x1, x2), rtol=1e-10)
 
 
-def test_neither_forward_mode_nor_double_backward_is_a_clear_value_error():
-    model = _built(_CtcLoss)()
-    x1, _ = _inputs((4,))
+def test_neither_forward_mode_nor_double_backward_is_a_clear_value_error(device):
+    model = _built(_CtcLoss)(device)
+    x1, _ = _inputs((4,), device)
     with pytest.raises(ValueError, match=r"implementation 2 .*_ctc_loss.*_ctc_loss_backward.*implementation=1"):
         torchntk.empirical_ntk_fn(model, implementation=2)(x1)
 
 
-def test_forced_forward_mode_keeps_the_explained_error():
-    x1, _ = _inputs((4,))
+def test_forced_forward_mode_keeps_the_explained_error(device):
+    x1, _ = _inputs((4,), device)
     original = nvp.ntk_vector_products_blocks
     forced = mock.patch.object(nvp, "ntk_vector_products_blocks", lambda call: original(call, forward_mode=True))
     with forced, pytest.raises(ValueError, match="needs forward-mode derivatives.*_weight_norm_interface"):
-        torchntk.empirical_ntk_fn(_built(_DirectWeightNorm)(), implementation=2)(x1)
+        torchntk.empirical_ntk_fn(_built(_DirectWeightNorm)(device), implementation=2)(x1)
 
 
 def test_missing_forward_mode_reads_only_pytorchs_forward_ad_errors():
@@ -329,21 +337,21 @@ def test_missing_forward_mode_reads_only_pytorchs_forward_ad_errors():
 
 @pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
 @pytest.mark.parametrize("name", list(_NO_FORWARD_MODE))
-def test_auto_on_models_without_forward_mode(name, vmap_axes):
+def test_auto_on_models_without_forward_mode(name, vmap_axes, device):
     build, shape, missing = _NO_FORWARD_MODE[name]
-    x1, x2 = _inputs(shape)
+    x1, x2 = _inputs(shape, device)
     for trace_axes in ((-1,), ()):
-        auto = torchntk.empirical_ntk_fn(build(), trace_axes, vmap_axes=vmap_axes, implementation=0)
+        auto = torchntk.empirical_ntk_fn(build(device), trace_axes, vmap_axes=vmap_axes, implementation=0)
         choice = auto.auto_choice(x1, x2)
         assert choice.excluded == {}
         assert choice.estimates[VECTOR_PRODUCTS].note.startswith("double VJP") and missing in choice.estimates[VECTOR_PRODUCTS].note
         assert_kernels_close(auto(x1, x2), _reference(build, x1, x2, trace_axes=trace_axes), rtol=1e-10)
 
 
-def test_auto_on_float32_lstm():
+def test_auto_on_float32_lstm(device):
     torch.manual_seed(0)
-    model = _Recurrent().eval()
-    x1, x2 = _inputs((3, 3), dtype=torch.float32)
+    model = _Recurrent().eval().to(device)
+    x1, x2 = _inputs((3, 3), device, dtype=torch.float32)
     auto = torchntk.empirical_ntk_fn(model, vmap_axes=None, implementation=0)
     assert auto.auto_choice(x1, x2).estimates[VECTOR_PRODUCTS].note == ""  # mkldnn_rnn_layer is replaced
     assert_kernels_close(auto(x1, x2), reference_ntk(model, x1, x2))
@@ -353,17 +361,17 @@ def test_auto_on_float32_lstm():
     assert_kernels_close(mapped, reference_ntk(model, x1, x2))
 
 
-def test_auto_keeps_forward_mode_estimates_unmarked():
-    model = _built(_TwoLeaves)()
-    x1, x2 = _inputs((4,))
+def test_auto_keeps_forward_mode_estimates_unmarked(device):
+    model = _built(_TwoLeaves)(device)
+    x1, x2 = _inputs((4,), device)
     choice = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0).auto_choice(x1, x2)
     assert choice.estimates[VECTOR_PRODUCTS].note == "" and choice.excluded == {}
 
 
 @pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
-def test_auto_excludes_implementation_2_when_it_cannot_run(vmap_axes):
-    model = _built(_CtcLoss)()
-    x1, x2 = _inputs((4,))
+def test_auto_excludes_implementation_2_when_it_cannot_run(vmap_axes, device):
+    model = _built(_CtcLoss)(device)
+    x1, x2 = _inputs((4,), device)
     auto = torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=0)
     choice = auto.auto_choice(x1, x2)
     assert set(choice.excluded) == {VECTOR_PRODUCTS} and VECTOR_PRODUCTS not in choice.estimates
@@ -372,9 +380,9 @@ def test_auto_excludes_implementation_2_when_it_cannot_run(vmap_axes):
     assert_kernels_close(auto(x1, x2), reference_ntk(model, x1, x2), rtol=1e-10)
 
 
-def test_auto_excludes_a_candidate_whose_pricing_fails():
-    model = _built(_TwoLeaves)()
-    x1, x2 = _inputs((4,))
+def test_auto_excludes_a_candidate_whose_pricing_fails(device):
+    model = _built(_TwoLeaves)(device)
+    x1, x2 = _inputs((4,), device)
 
     def broken(*args, **kwargs):
         raise RuntimeError("pricing broke")
@@ -390,9 +398,9 @@ def test_auto_excludes_a_candidate_whose_pricing_fails():
     assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
 
 
-def test_auto_excludes_implementation_3_when_its_plan_fails():
-    model = _built(_TwoLeaves)()
-    x1, x2 = _inputs((4,))
+def test_auto_excludes_implementation_3_when_its_plan_fails(device):
+    model = _built(_TwoLeaves)(device)
+    x1, x2 = _inputs((4,), device)
 
     def no_plan(self, *args, **kwargs):
         raise RuntimeError("the probe failed")
@@ -408,9 +416,9 @@ def test_auto_excludes_implementation_3_when_its_plan_fails():
     assert_kernels_close(actual, reference_ntk(model, x1, x2), rtol=1e-10)
 
 
-def test_auto_with_every_candidate_excluded_runs_jacobian_contraction():
-    model = _built(_TwoLeaves)()
-    x1, x2 = _inputs((4,))
+def test_auto_with_every_candidate_excluded_runs_jacobian_contraction(device):
+    model = _built(_TwoLeaves)(device)
+    x1, x2 = _inputs((4,), device)
 
     def broken(*args, **kwargs):
         raise RuntimeError("pricing broke")
@@ -427,12 +435,12 @@ def test_auto_with_every_candidate_excluded_runs_jacobian_contraction():
 
 
 @pytest.mark.parametrize("implementation", [0, 2], ids=["AUTO", "NVP"])
-def test_batched_kernels_without_forward_mode(implementation):
+def test_batched_kernels_without_forward_mode(implementation, device):
     """``torchntk.batch`` builds implementation 2's block plan through the implementation table."""
     build, shape, _ = _NO_FORWARD_MODE["custom_function"]
     generator = torch.Generator().manual_seed(2)
-    x1, x2 = (torch.randn(n, *shape, generator=generator, dtype=torch.float64) for n in (7, 5))
-    ntk_fn = torchntk.empirical_ntk_fn(build(), vmap_axes=0, implementation=implementation)
+    x1, x2 = (torch.randn(n, *shape, generator=generator, dtype=torch.float64).to(device) for n in (7, 5))
+    ntk_fn = torchntk.empirical_ntk_fn(build(device), vmap_axes=0, implementation=implementation)
     actual = torchntk.batch(ntk_fn, 3, cache_bytes=0)(x1, x2)
     assert_kernels_close(actual, _reference(build, x1, x2), rtol=1e-10)
 
@@ -463,12 +471,12 @@ class _DetachedModel(_LinearScaleHead):
         return self.head(_DetachedBackward.apply(torch.tanh(self.linear(x)), self.scale))
 
 
-def test_a_backward_that_cannot_be_differentiated_is_refused_not_wrong():
+def test_a_backward_that_cannot_be_differentiated_is_refused_not_wrong(device):
     """The double-VJP path differentiates the backward pass; where that derivative is wrong
     (detached), the adjoint check refuses instead of returning zero columns."""
     torch.manual_seed(0)
-    model = _DetachedModel().double()
-    x1 = torch.randn(4, 4, dtype=torch.float64)
+    model = _DetachedModel().double().to(device)
+    x1 = torch.randn(4, 4, dtype=torch.float64).to(device)
     with pytest.raises(ValueError, match="derivative is wrong"):
         torchntk.empirical_ntk_fn(model, implementation=2)(x1)
     expected = reference_ntk(model, x1)

@@ -2,7 +2,9 @@
 
 NOTE: [Modules are never mutated] (``_model.py``) and NOTE: [Threads] (``_threads.py``) state the
 promises; every test here checks the kernels against the float64 brute force of
-``torchntk.testing`` and the module against a :class:`~torchntk.testing.ModuleSnapshot`.
+``torchntk.testing`` and the module against a :class:`~torchntk.testing.ModuleSnapshot`. Models and
+inputs live on the run device (``pytest --device``): built and drawn on the CPU, then moved, so
+that every device sees the same numbers.
 """
 
 from __future__ import annotations
@@ -16,19 +18,27 @@ from torch import nn
 import torchntk
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
-pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
-
 IMPLEMENTATIONS = [1, 2, 3, 0]
 VMAP_AXES = [0, None]
 
 
-def _mlp(seed: int) -> nn.Module:
+def _mlp(seed: int, device: torch.device) -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype))
-    return model
+    return model.to(device)
+
+
+def _randn(device: torch.device, *shape: int) -> torch.Tensor:
+    """Float64, drawn from the global CPU generator (seeded for every test), then moved to ``device``."""
+    return torch.randn(*shape, dtype=torch.float64).to(device)
+
+
+def _tokens(device: torch.device, *shape: int) -> torch.Tensor:
+    """Token ids below 10, drawn like :func:`_randn`."""
+    return torch.randint(0, 10, shape).to(device)
 
 
 def _right_or_refused(compute, expected, reason: str) -> None:
@@ -68,12 +78,12 @@ def _in_threads(work, count: int = 4, repeats: int = 5) -> list:
 
 @pytest.mark.parametrize("vmap_axes", VMAP_AXES, ids=["vmap0", "no-vmap"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP", "SD", "AUTO"])
-def test_kernel_functions_from_four_threads(implementation, vmap_axes):
+def test_kernel_functions_from_four_threads(implementation, vmap_axes, device):
     """Four threads share two kernel functions of two models (two threads each); every result is
     right and both modules keep their nn.Parameters and values."""
-    models = [_mlp(0), _mlp(1)]
+    models = [_mlp(0, device), _mlp(1, device)]
     snapshots = [ModuleSnapshot.of(model) for model in models]
-    x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    x1, x2 = _randn(device, 6, 5), _randn(device, 4, 5)
     expected = [reference_ntk(model, x1, x2, trace_axes=()) for model in models]
     functions = [
         torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=vmap_axes, implementation=implementation)
@@ -87,10 +97,10 @@ def test_kernel_functions_from_four_threads(implementation, vmap_axes):
         snapshot.assert_unchanged()
 
 
-def test_batch_and_monte_carlo_from_threads():
-    model = _mlp(2)
+def test_batch_and_monte_carlo_from_threads(device):
+    model = _mlp(2, device)
     snapshot = ModuleSnapshot.of(model)
-    x1 = torch.randn(7, 5, dtype=torch.float64)
+    x1 = _randn(device, 7, 5)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
     batched = torchntk.batch(ntk_fn, 3)
     monte_carlo = torchntk.monte_carlo_kernel_fn(model, 3, seed=4, vmap_axes=0)
@@ -115,24 +125,24 @@ class _RenormalisedEmbedding(nn.Module):
         return self.linear(self.embedding(tokens).mean(1))
 
 
-def _renormalised_embedding() -> nn.Module:
+def _renormalised_embedding(device: torch.device) -> nn.Module:
     torch.manual_seed(3)
     model = _RenormalisedEmbedding().double()
     with torch.no_grad():
         model.embedding.weight.mul_(3.0)  # every row longer than max_norm
-    return model
+    return model.to(device)
 
 
 @pytest.mark.parametrize("trace_axes", [(-1,), ()], ids=["traced", "full"])
 @pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
 @pytest.mark.parametrize("vmap_axes", VMAP_AXES, ids=["vmap0", "no-vmap"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP", "SD", "AUTO"])
-def test_embedding_max_norm_leaves_the_weight_alone(implementation, vmap_axes, same, trace_axes):
+def test_embedding_max_norm_leaves_the_weight_alone(implementation, vmap_axes, same, trace_axes, device):
     """The renormalisation lands in a private copy: the kernel is that of the model as called
     (rows renormalised), or a ValueError says that torch.func cannot differentiate the in-place
     write; the module's weight is never changed."""
-    model = _renormalised_embedding()
-    x1, x2 = torch.randint(0, 10, (5, 3)), torch.randint(0, 10, (4, 3))
+    model = _renormalised_embedding(device)
+    x1, x2 = _tokens(device, 5, 3), _tokens(device, 4, 3)
     x2 = None if same else x2
     snapshot = ModuleSnapshot.of(model)
     expected = reference_ntk(model, x1, x2, trace_axes=trace_axes)
@@ -144,12 +154,12 @@ def test_embedding_max_norm_leaves_the_weight_alone(implementation, vmap_axes, s
 
 
 @pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
-def test_embedding_max_norm_leaves_params_alone(implementation):
+def test_embedding_max_norm_leaves_params_alone(implementation, device):
     """Tensors passed in ``params`` are as much the user's as the module's own."""
-    model = _renormalised_embedding()
+    model = _renormalised_embedding(device)
     params = {"embedding.weight": model.embedding.weight.detach().clone() * 2}
     snapshot = ModuleSnapshot.of(model, extra=params)
-    x1 = torch.randint(0, 10, (5, 3))
+    x1 = _tokens(device, 5, 3)
     expected = reference_ntk(model, x1, params=params)
     compute = lambda: torchntk.empirical_ntk_fn(model, implementation=implementation)(x1, None, params)  # noqa: E731
     _right_or_refused(compute, expected, "in place")
@@ -178,13 +188,13 @@ class _SelfChanging(nn.Module):
 @pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
 @pytest.mark.parametrize("vmap_axes", VMAP_AXES, ids=["vmap0", "no-vmap"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=["JC", "NVP", "SD", "AUTO"])
-def test_a_forward_that_writes_into_the_module_changes_nothing(implementation, vmap_axes, same, trace_axes):
+def test_a_forward_that_writes_into_the_module_changes_nothing(implementation, vmap_axes, same, trace_axes, device):
     torch.manual_seed(0)
-    model = _SelfChanging().double()
+    model = _SelfChanging().double().to(device)
     with torch.no_grad():
         model.linear.weight.mul_(4.0)  # entries outside the clamp
     snapshot = ModuleSnapshot.of(model)
-    x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    x1, x2 = _randn(device, 5, 4), _randn(device, 3, 4)
     x2 = None if same else x2
     expected = reference_ntk(model, x1, x2, trace_axes=trace_axes)
     ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes, vmap_axes=vmap_axes, implementation=implementation)
@@ -193,19 +203,21 @@ def test_a_forward_that_writes_into_the_module_changes_nothing(implementation, v
     assert model.seen == 0 and model.history == []
 
 
-def _weight_normed() -> nn.Module:
+def _weight_normed(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 2)).double()
+    # Moved before weight_norm, whose `weight` is a plain attribute that `.to()` would leave behind.
+    normed = torch.nn.utils.weight_norm(nn.Linear(4, 6).double().to(device))
+    return nn.Sequential(normed, nn.Tanh(), nn.Linear(6, 2)).double().to(device)
 
 
 @pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
-def test_old_style_weight_norm_hook_writes_into_a_private_copy(implementation):
+def test_old_style_weight_norm_hook_writes_into_a_private_copy(implementation, device):
     """``torch.nn.utils.weight_norm`` sets ``module.weight`` from a pre-forward hook."""
-    model = _weight_normed()
+    model = _weight_normed(device)
     snapshot = ModuleSnapshot.of(model)
     weight_before = model[0].weight
-    x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
-    twin = _weight_normed()  # such a module cannot be deep-copied, so the reference gets its own
+    x1, x2 = _randn(device, 5, 4), _randn(device, 3, 4)
+    twin = _weight_normed(device)  # such a module cannot be deep-copied, so the reference gets its own
     params = {name: p.detach() for name, p in twin.named_parameters()}
     expected = reference_ntk(lambda p, x: torch.func.functional_call(twin, p, (x,)), x1, x2, params=params)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
@@ -214,16 +226,16 @@ def test_old_style_weight_norm_hook_writes_into_a_private_copy(implementation):
     assert model[0].weight is weight_before
 
 
-def test_shared_submodules_stay_shared_in_the_private_copy():
+def test_shared_submodules_stay_shared_in_the_private_copy(device):
     torch.manual_seed(0)
     shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.Tanh(), shared).double()
-    x1 = torch.randn(5, 4, dtype=torch.float64)
+    model = nn.Sequential(shared, nn.Tanh(), shared).double().to(device)
+    x1 = _randn(device, 5, 4)
     actual = torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1)
     assert_kernels_close(actual, reference_ntk(model, x1))
 
 
-def test_snapshot_sees_every_kind_of_change():
+def test_snapshot_sees_every_kind_of_change(device):
     def changes():
         def values(model):
             with torch.no_grad():
@@ -250,7 +262,7 @@ def test_snapshot_sees_every_kind_of_change():
         return [values, plain_tensor, attribute, hook, mode, frozen, buffer]
 
     for change in changes():
-        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).eval()
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).eval().to(device)
         snapshot = ModuleSnapshot.of(model)
         snapshot.assert_unchanged()
         change(model)
@@ -258,7 +270,7 @@ def test_snapshot_sees_every_kind_of_change():
             snapshot.assert_unchanged()
 
 
-def test_structured_kernel_function_reports_its_fallback_parameters():
+def test_structured_kernel_function_reports_its_fallback_parameters(device):
     """``auto_choice`` of an implementation-3 kernel function reports the plan its calls use."""
     class Hidden(nn.Module):
         def __init__(self):
@@ -270,8 +282,8 @@ def test_structured_kernel_function_reports_its_fallback_parameters():
             weight[0] = 0.0  # an in-place write the rules cannot follow
             return torch.nn.functional.linear(x, weight, self.linear.bias)
 
-    model = Hidden().double()
-    x1 = torch.randn(5, 4, dtype=torch.float64)
+    model = Hidden().double().to(device)
+    x1 = _randn(device, 5, 4)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3)
     assert_kernels_close(ntk_fn(x1), reference_ntk(model, x1))
     choice = ntk_fn.auto_choice(x1)
@@ -279,7 +291,7 @@ def test_structured_kernel_function_reports_its_fallback_parameters():
     assert torchntk.empirical_ntk_fn(model, implementation=1).auto_choice(x1).fallback_parameters == {}
 
 
-def test_torchscript_modules_are_refused_clearly():
-    model = torch.jit.script(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+def test_torchscript_modules_are_refused_clearly(device):
+    model = torch.jit.script(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double().to(device))
     with pytest.raises(TypeError, match="TorchScript"):
-        torchntk.empirical_ntk_fn(model)(torch.randn(5, 3))
+        torchntk.empirical_ntk_fn(model)(_randn(device, 5, 3))

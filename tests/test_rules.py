@@ -20,6 +20,9 @@ Also tested: rules that must decline (the parameter goes to the Jacobian fallbac
 the ``ParamRef.index`` of views, slices and casts between a parameter and its consumer, and the
 registry: a rule registered with ``@rule`` is found by the recorder, a function gets one rule,
 and importing ``torchntk`` registers every rule module.
+
+Parameters, inputs and cotangents live on the run device (``pytest --device``): they are drawn from
+the seeded global CPU generator and moved, so every device sees the same numbers.
 """
 
 from __future__ import annotations
@@ -38,13 +41,13 @@ import torch.nn.functional as F
 from torch.func import jacrev
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
+from tests.cases import to_device
 from torchntk._implementations.structured import rules as rules_package
 from torchntk._implementations.structured._recorder import Recorder
 from torchntk._implementations.structured._roles import Role, RuleCall
 from torchntk._implementations.structured.rules import RULES, rule, rule_for, unregister
 
 pytestmark = [
-    pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)"),
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),
 ]
 
@@ -53,7 +56,8 @@ TOL = dict(rtol=1e-12, atol=1e-12)
 
 
 def rand(*shape: int, dtype: torch.dtype = DT) -> torch.Tensor:
-    return torch.randn(*shape, dtype=dtype)
+    """Standard normal entries from the global CPU generator, on the run device."""
+    return to_device(torch.randn(*shape, dtype=dtype))
 
 
 def nonzero(*shape: int) -> torch.Tensor:
@@ -114,7 +118,7 @@ def closed_form(role: Role, g: torch.Tensor) -> torch.Tensor:
 
 
 def flat_positions(param: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.arange(param.numel()).view(param.shape) if index is None else index
+    return torch.arange(param.numel(), device=param.device).view(param.shape) if index is None else index
 
 
 def check_rule(case: Case) -> None:
@@ -128,7 +132,7 @@ def check_rule(case: Case) -> None:
     torch.testing.assert_close(y, fn(*params), rtol=0, atol=0)
 
     separate, joint = call.roles()
-    g = torch.randn_like(y)
+    g = torch.randn(y.shape, dtype=y.dtype).to(y.device)  # drawn on the CPU: the same on every device
     assert sorted(role.refs[0].param for role in separate) == list(range(len(params)))
 
     seen_vjp: dict[str, torch.Tensor] = {}
@@ -149,7 +153,7 @@ def check_rule(case: Case) -> None:
         assert index.shape == seen.shape
         assert torch.equal(param.detach().flatten()[index].to(seen.dtype), seen)
         if case.index is not None:
-            expected = case.index[ref.param](torch.arange(param.numel()).view(param.shape))
+            expected = case.index[ref.param](torch.arange(param.numel(), device=param.device).view(param.shape))
             if expected is None:
                 assert ref.index is None
             else:
@@ -161,7 +165,7 @@ def check_rule(case: Case) -> None:
         torch.testing.assert_close(closed.reshape(seen.shape).to(local_vjp.dtype), local_vjp, **tol)
 
         # The oracle with respect to the parameter itself, through the view's positions.
-        scattered = torch.zeros(param.numel(), dtype=DT)
+        scattered = torch.zeros(param.numel(), dtype=DT, device=param.device)
         scattered.index_add_(0, index.reshape(-1), closed.reshape(-1).to(DT))
         param_vjp = oracle(fn, params, ref.param, g)
         torch.testing.assert_close(scattered.view(param.shape), param_vjp, **tol)
@@ -356,7 +360,7 @@ PADDING = {"nopad": None, "pad2": 2, "pad-1": -1, "pad-5": -5}
 @pytest.mark.parametrize("padding_idx", list(PADDING.values()), ids=list(PADDING))
 @pytest.mark.parametrize("indices", list(INDICES.values()), ids=list(INDICES))
 def test_embedding(indices, padding_idx, keyword):
-    W = rand(6, 3)
+    indices, W = to_device(indices), rand(6, 3)
     if keyword:
         fn = lambda W: F.embedding(indices, W, padding_idx=padding_idx)  # noqa: E731
     else:
@@ -488,9 +492,9 @@ def test_elementwise_number(op, p_shape):
 
 
 OTHER_DTYPES = {
-    "x-int64": lambda shape: torch.randint(1, 9, shape),
+    "x-int64": lambda shape: to_device(torch.randint(1, 9, shape)),
     "x-float32": lambda shape: nonzero(*shape).to(torch.float32),
-    "x-float32-0dim": lambda shape: torch.tensor(3.0, dtype=torch.float32),
+    "x-float32-0dim": lambda shape: to_device(torch.tensor(3.0, dtype=torch.float32)),
 }
 MIXED_OPS = {"x*p": TENSOR_OPS["x*p"], "p*x": TENSOR_OPS["p*x"], "p/x": TENSOR_OPS["p/x"], "x+p": TENSOR_OPS["x+p"]}
 
@@ -505,7 +509,7 @@ def test_elementwise_other_dtype(op, make_x):
 
 
 def test_elementwise_bool_mask():
-    mask = torch.tensor([[True, False, True], [False, True, True]])
+    mask = to_device(torch.tensor([[True, False, True], [False, True, True]]))
     check_rule(Case(lambda p: p * mask, (rand(3),)))
 
 
@@ -516,7 +520,7 @@ def test_elementwise_bool_mask():
 
 def _declines():
     x, p, W = nonzero(2, 3), nonzero(2, 3), rand(6, 3)
-    indices = torch.tensor([0, 2, 5, 2])
+    indices = to_device(torch.tensor([0, 2, 5, 2]))
     image, kernel = rand(2, 3, 5, 5), rand(4, 3, 3, 3)
     signal, kernel1d, weight, batch, W3 = rand(2, 3, 6), rand(2, 3, 2), rand(4, 3), rand(2, 5, 3), rand(2, 3, 4)
     return {
@@ -730,6 +734,7 @@ def test_registering_a_function_twice_is_an_error(custom_rule):
         RULES[torch.exp] = another_rule  # the table is read-only: rules are registered with rule()
 
 
+@pytest.mark.cpu_only("runs a fresh Python process that only imports torchntk: no tensors, nothing on a device")
 def test_importing_torchntk_registers_every_rule_module():
     """Each module of ``rules/`` registers its rules on import; ``import torchntk`` must import them all."""
     package = pathlib.Path(rules_package.__file__).parent

@@ -12,6 +12,8 @@ and ``auto_choice(...).fallback_parameters`` names the parameters sent there and
 
 Float32 models whose rules hold (a conv net, a transformer block, the benchmark models) must not
 lose a parameter to the fallback through that check's rounding tolerance.
+
+Models and inputs live on the run device (``pytest --device``), inputs drawn on the CPU and moved.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchntk
-from tests.cases import N1, N2, ModelCase, _build, _normal, make_x1_x2
+from tests.cases import N1, N2, ModelCase, _build, _normal, make_x1_x2, to_device
 from tests.structured_cases import STRUCTURED_CASES, _tokens
 from torchntk import NtkImplementation
 from torchntk._implementations import auto as auto_module
@@ -38,7 +40,6 @@ pytestmark = [
         # functorch has no batching rule for PyTorch's fused attention kernels (vmap falls back).
         "ignore:There is a performance drop because we have not yet implemented the batching rule:UserWarning"
     ),
-    pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)"),
 ]
 
 
@@ -244,13 +245,20 @@ DEMOTED = {
 
 
 @functools.lru_cache(maxsize=None)
-def _model(case_id: str) -> tuple[ModelCase, Tensor, Tensor]:
+def _model(case_id: str, device: torch.device) -> tuple[ModelCase, Tensor, Tensor]:
+    """The case's module and inputs on ``device`` (the run device: ``_build`` and ``ModelCase`` put them there)."""
     module_fn, make_inputs = CASES[case_id]
     module = _build(module_fn, seed=0)
     with torch.no_grad():
-        shape = module(make_inputs(1, torch.Generator().manual_seed(0))).shape
+        shape = module(to_device(make_inputs(1, torch.Generator().manual_seed(0)))).shape
     case = ModelCase(case_id, module, make_inputs, (-1,), True, ((-1, *shape[1:]),))
     return (case, *make_x1_x2(case))
+
+
+def _four_features() -> tuple[Tensor, Tensor]:
+    """``N1`` and ``N2`` examples of 4 features (generators seeded 0 and 1), on the run device."""
+    draw = _normal(4)
+    return to_device((draw(N1, torch.Generator().manual_seed(0)), draw(N2, torch.Generator().manual_seed(1))))
 
 
 def _fallback(module: nn.Module, x1, x2=None, vmap_axes=0, trace_axes=(-1,)) -> dict[str, str]:
@@ -263,8 +271,8 @@ def _fallback(module: nn.Module, x1, x2=None, vmap_axes=0, trace_axes=(-1,)) -> 
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(case_id: str, trace: str, same: bool):
-    case, x1, x2 = _model(case_id)
+def _reference(case_id: str, trace: str, same: bool, device: torch.device):
+    case, x1, x2 = _model(case_id, device)
     return reference_ntk(case.module, x1, None if same else x2, trace_axes=_trace_axes(case, trace))
 
 
@@ -277,17 +285,17 @@ def _trace_axes(case: ModelCase, trace: str) -> tuple:
 @pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
 @pytest.mark.parametrize("implementation", [3, 0], ids=["structured", "auto"])
 @pytest.mark.parametrize("case_id", sorted(CASES))
-def test_matches_the_reference(case_id, implementation, same, vmap_axes, trace):
-    case, x1, x2 = _model(case_id)
+def test_matches_the_reference(case_id, implementation, same, vmap_axes, trace, device):
+    case, x1, x2 = _model(case_id, device)
     ntk_fn = torchntk.empirical_ntk_fn(
         case.module, trace_axes=_trace_axes(case, trace), vmap_axes=vmap_axes, implementation=implementation
     )
-    assert_kernels_close(ntk_fn(x1, None if same else x2), _reference(case_id, trace, same))
+    assert_kernels_close(ntk_fn(x1, None if same else x2), _reference(case_id, trace, same, device))
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))
-def test_plan_names_each_parameter_sent_to_the_fallback_and_why(case_id):
-    case, x1, x2 = _model(case_id)
+def test_plan_names_each_parameter_sent_to_the_fallback_and_why(case_id, device):
+    case, x1, x2 = _model(case_id, device)
     with mock.patch.object(auto_module, "_PROBE_EVERYTHING", True):  # else no plan on a model this small
         choice = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=0).auto_choice(x1, x2)
     for name, phrase in DEMOTED[case_id].items():
@@ -297,10 +305,10 @@ def test_plan_names_each_parameter_sent_to_the_fallback_and_why(case_id):
     assert all(math.isfinite(estimate.flops) for estimate in choice.estimates.values())
 
 
-def test_a_joint_weight_and_bias_are_checked_one_by_one():
+def test_a_joint_weight_and_bias_are_checked_one_by_one(device):
     """Only the bias of ``_HiddenBias`` has a hidden use: its weight keeps its rule (before the
     check was per parameter, the pair was compared by its norm)."""
-    case, x1, x2 = _model("hidden_bias")
+    case, x1, x2 = _model("hidden_bias", device)
     fallback = _fallback(case.module, x1, x2)
     assert "linear.bias" in fallback and "linear.weight" not in fallback
 
@@ -324,7 +332,7 @@ def test_an_input_written_in_place_after_its_use_gives_autograds_error():
             return y + h[..., :3]
 
     module = _build(_WrittenAfterUse, seed=0)
-    x1, x2 = _normal(4)(N1, torch.Generator().manual_seed(0)), _normal(4)(N2, torch.Generator().manual_seed(1))
+    x1, x2 = _four_features()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         reference_ntk(module, x1, x2)
     for implementation in (1, 3, 0):
@@ -334,8 +342,8 @@ def test_an_input_written_in_place_after_its_use_gives_autograds_error():
                 ntk_fn(x1, x2)
 
 
-def test_verify_true_still_raises_instead_of_falling_back():
-    case, x1, x2 = _model("scripted_helper")
+def test_verify_true_still_raises_instead_of_falling_back(device):
+    case, x1, x2 = _model("scripted_helper", device)
     ntk_fn = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=3, verify=True)
     with pytest.raises(ValueError, match="'scale'.*cannot see"):
         ntk_fn(x1, x2)
@@ -347,7 +355,7 @@ def test_auto_never_uses_forward_mode_through_a_custom_function_without_jvp():
             return self.head(_ScaleWithoutJvp.apply(torch.tanh(self.linear(x)), self.scale))
 
     module = _build(_Model, seed=0)
-    x1, x2 = _normal(4)(N1, torch.Generator().manual_seed(0)), _normal(4)(N2, torch.Generator().manual_seed(1))
+    x1, x2 = _four_features()
     for vmap_axes in (0, None):
         for trace_axes in ((), (-1,)):
             auto = torchntk.empirical_ntk_fn(module, trace_axes=trace_axes, vmap_axes=vmap_axes, implementation=0)
@@ -378,8 +386,8 @@ def test_float32_rules_are_not_demoted(case_id, vmap_axes):
     assert_kernels_close(structured(x1, x2), reference_ntk(module, x1, x2, trace_axes=trace_axes))
 
 
-def test_float32_check_still_catches_a_hidden_use():
-    _, x1, x2 = _model("hidden_bias")
+def test_float32_check_still_catches_a_hidden_use(device):
+    _, x1, x2 = _model("hidden_bias", device)
     module = _build(_HiddenBias, seed=0).float()
     ntk_fn = torchntk.empirical_ntk_fn(module, vmap_axes=0, implementation=3)
     assert set(_fallback(module, x1.float())) == {"linear.bias"}
@@ -387,9 +395,9 @@ def test_float32_check_still_catches_a_hidden_use():
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_float32_benchmark_models_are_not_demoted(name):
+def test_float32_benchmark_models_are_not_demoted(name, device):
     choice = BENCH_MODELS[name]
-    assert _fallback(choice.build(), inputs(choice.input_shape, 4, torch.float32, torch.device("cpu"))) == {}
+    assert _fallback(choice.build().to(device), inputs(choice.input_shape, 4, torch.float32, device)) == {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,8 +407,8 @@ def test_float32_benchmark_models_are_not_demoted(name):
 
 @pytest.mark.parametrize("case_id", ["tied_autoencoder", "tied_head", "forward_hook"])
 @pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
-def test_auto_prices_a_weight_seen_in_two_coordinate_systems(case_id, vmap_axes):
-    case, x1, x2 = _model(case_id)
+def test_auto_prices_a_weight_seen_in_two_coordinate_systems(case_id, vmap_axes, device):
+    case, x1, x2 = _model(case_id, device)
     auto = torchntk.empirical_ntk_fn(case.module, trace_axes=(), vmap_axes=vmap_axes, implementation=0)
     with mock.patch.object(auto_module, "_PROBE_EVERYTHING", True):  # else 3 is not priced on a model this small
         estimates = auto.auto_choice(x1, x2).estimates

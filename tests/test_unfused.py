@@ -4,10 +4,16 @@ NOTE: [Unfused kernels] in ``torchntk/_unfused.py``. The decompositions are chec
 fused kernels they replace (outputs, final states and gradients, float64, every call option), the
 forward-mode context on the modules whose kernels lack forward-mode derivatives, and the kernel
 functions on recurrent models against the float64 oracle :func:`torchntk.testing.reference_ntk`.
+
+Modules and inputs live on the run device (``pytest --device``), random values drawn on the CPU and
+moved, so every device sees the same numbers; there the fused kernels are the device's own (cuDNN
+on CUDA), and the decompositions must match them just the same. Which fused kernels lack a
+forward-mode derivative depends on the device: that is checked on the CPU only.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import re
@@ -24,14 +30,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 import torchntk
+from tests.cases import to_device
 from torchntk import NtkImplementation, _unfused
 from torchntk._implementations import auto as auto_module
 from torchntk._implementations import ntk_vector_products as nvp
 from torchntk._model import functional_model
 from torchntk._unfused import Unfused, forward_mode_kernels, fused_layers
 from torchntk.testing import assert_kernels_close, reference_ntk
-
-pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
 
 F64 = torch.float64
 INPUT, HIDDEN, STEPS, BATCH = 3, 5, 4, 3
@@ -52,7 +57,8 @@ class _Seen(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _recurrent_module(kind: str, **options: Any) -> nn.RNNBase:
+def _recurrent_module(kind: str, device: torch.device, **options: Any) -> nn.RNNBase:
+    """A float64 recurrent layer on ``device``, its parameters drawn on the CPU from seed 0."""
     torch.manual_seed(0)
     if kind == "lstm":
         module = nn.LSTM(INPUT, HIDDEN, **options)
@@ -60,11 +66,12 @@ def _recurrent_module(kind: str, **options: Any) -> nn.RNNBase:
         module = nn.GRU(INPUT, HIDDEN, **options)
     else:
         module = nn.RNN(INPUT, HIDDEN, nonlinearity=kind.removeprefix("rnn_"), **options)
-    return module.to(F64)
+    return module.to(F64).to(device)
 
 
 def _call_arguments(module: nn.RNNBase, batch_first: bool, generator: torch.Generator) -> tuple:
-    """The non-packed ``torch._VF`` call of ``module`` on random input and states (all float64)."""
+    """The non-packed ``torch._VF`` call of ``module`` on random input and states (all float64,
+    drawn from the CPU ``generator`` and moved to the module's device)."""
     directions = 2 if module.bidirectional else 1
     shape = (BATCH, STEPS, INPUT) if batch_first else (STEPS, BATCH, INPUT)
     x = torch.randn(shape, generator=generator, dtype=F64)
@@ -73,6 +80,7 @@ def _call_arguments(module: nn.RNNBase, batch_first: bool, generator: torch.Gene
     hx: Any = h0
     if isinstance(module, nn.LSTM):
         hx = (h0, torch.randn(units, BATCH, HIDDEN, generator=generator, dtype=F64))
+    x, hx = (pytree.tree_map(lambda t: t.to(module.weight_ih_l0.device), part) for part in (x, hx))
     return x, hx, list(module._flat_weights), module.bias, module.num_layers, module.dropout, module.training, \
         module.bidirectional, batch_first
 
@@ -115,7 +123,7 @@ def _assert_same_call(kind: str, arguments: tuple) -> None:
     for one, two in zip(actual, expected):
         torch.testing.assert_close(one, two, rtol=1e-12, atol=1e-12)
     generator = torch.Generator().manual_seed(3)
-    cotangents = [torch.randn(t.shape, generator=generator, dtype=F64) for t in expected]
+    cotangents = [torch.randn(t.shape, generator=generator, dtype=F64).to(t.device) for t in expected]
     grads_expected = torch.autograd.grad(expected, _differentiable(expected_arguments), cotangents, allow_unused=True)
     grads_actual = torch.autograd.grad(actual, _differentiable(actual_arguments), cotangents, allow_unused=True)
     for one, two in zip(grads_actual, grads_expected):
@@ -128,34 +136,34 @@ def _assert_same_call(kind: str, arguments: tuple) -> None:
 
 
 @pytest.mark.parametrize("case", _option_cases(), ids=_case_id)
-def test_recurrent_decomposition_matches_the_fused_kernel(case):
+def test_recurrent_decomposition_matches_the_fused_kernel(case, device):
     kind, layers, bidirectional, batch_first, bias, proj_size = case
     extra = {"proj_size": proj_size} if proj_size else {}
-    module = _recurrent_module(kind, num_layers=layers, bidirectional=bidirectional, bias=bias, **extra)
+    module = _recurrent_module(kind, device, num_layers=layers, bidirectional=bidirectional, bias=bias, **extra)
     arguments = _call_arguments(module, batch_first, torch.Generator().manual_seed(1))
     _assert_same_call(kind, arguments)
 
 
 @pytest.mark.parametrize("kind", list(FUSED))
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-def test_dropout_between_layers_is_decomposed_only_where_it_draws_nothing(kind, train):
+def test_dropout_between_layers_is_decomposed_only_where_it_draws_nothing(kind, train, device):
     """``dropout > 0`` with ``train=False``, or ``dropout=0`` with ``train=True``: decomposed."""
-    module = _recurrent_module(kind, num_layers=2, dropout=0.0 if train else 0.5)
+    module = _recurrent_module(kind, device, num_layers=2, dropout=0.0 if train else 0.5)
     arguments = list(_call_arguments(module, False, torch.Generator().manual_seed(1)))
     arguments[6] = train
     _assert_same_call(kind, tuple(arguments))
 
 
 @pytest.mark.parametrize("kind", list(FUSED))
-def test_random_dropout_and_packed_sequences_run_the_fused_kernel(kind):
-    module = _recurrent_module(kind, num_layers=2, dropout=0.5)
+def test_random_dropout_and_packed_sequences_run_the_fused_kernel(kind, device):
+    module = _recurrent_module(kind, device, num_layers=2, dropout=0.5)
     arguments = list(_call_arguments(module, False, torch.Generator().manual_seed(1)))
     arguments[6] = True
     assert DECOMPOSED[kind](*arguments) is NotImplemented
 
     module.eval()
-    lengths = torch.tensor([4, 3, 1])
-    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(STEPS, BATCH, INPUT, dtype=F64), lengths)
+    lengths = torch.tensor([4, 3, 1])  # on the CPU, as pack_padded_sequence requires
+    packed = nn.utils.rnn.pack_padded_sequence(to_device(torch.randn(STEPS, BATCH, INPUT, dtype=F64)), lengths)
     seen = _Seen()
     with seen, Unfused():
         output, _ = module(packed)
@@ -169,7 +177,7 @@ _MALFORMED = {
     "input_dtype": lambda x, hx: (x.float(), hx),
     "unbatched_input": lambda x, hx: (x[:, 0], hx[:, 0]),  # the modules unsqueeze it; the kernel does not
 }
-# What the fused kernel says about each (PyTorch's own messages).
+# What the fused CPU kernel says about each (PyTorch's own messages; other devices' kernels word theirs otherwise).
 _FUSED_ERRORS = {
     "hidden_state_batch": r"The size of tensor a \(2\) must match the size of tensor b \(3\)",
     "input_features": "mat1 and mat2 shapes cannot be multiplied",
@@ -178,25 +186,44 @@ _FUSED_ERRORS = {
 }
 
 
+def _outcome(call: Callable[[], Any]) -> Any:
+    """What ``call()`` returns, or the exception it raises."""
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 - whatever the kernel raises is the outcome to compare
+        return error
+
+
 @pytest.mark.parametrize("malformed", list(_MALFORMED))
-def test_calls_the_fused_kernel_rejects_give_its_own_error(malformed):
-    module = _recurrent_module("gru")
+def test_calls_the_fused_kernel_rejects_give_its_own_error(malformed, device):
+    """The decomposition declines these calls; under the mode the fused kernel then runs, with its own outcome."""
+    module = _recurrent_module("gru", device)
     x, hx, *rest = _call_arguments(module, False, torch.Generator().manual_seed(1))
     x, hx = _MALFORMED[malformed](x, hx)
     assert _unfused.gru(x, hx, *rest) is NotImplemented
-    with pytest.raises((RuntimeError, IndexError), match=_FUSED_ERRORS[malformed]) as fused_error:
-        torch._VF.gru(x, hx, *rest)
-    with Unfused(), pytest.raises(fused_error.type, match=re.escape(str(fused_error.value))) as unfused_error:
-        torch._VF.gru(x, hx, *rest)
-    assert str(unfused_error.value) == str(fused_error.value)
+    fused = _outcome(lambda: torch._VF.gru(x, hx, *rest))
+    with Unfused():
+        unfused = _outcome(lambda: torch._VF.gru(x, hx, *rest))
+    if device.type == "cpu":
+        assert isinstance(fused, (RuntimeError, IndexError)), fused
+        assert re.search(_FUSED_ERRORS[malformed], str(fused)), fused
+    # Other devices' kernels (cuDNN) check their arguments their own way, or convert them: the mode must
+    # give back exactly what the kernel gives.
+    if isinstance(fused, Exception):
+        assert type(unfused) is type(fused) and str(unfused) == str(fused), (unfused, fused)
+    else:
+        unfused_leaves, fused_leaves = pytree.tree_leaves(unfused), pytree.tree_leaves(fused)
+        assert len(unfused_leaves) == len(fused_leaves)
+        for one, two in zip(unfused_leaves, fused_leaves):
+            torch.testing.assert_close(one, two, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", list(FUSED))
 @pytest.mark.parametrize("batch_first", [False, True], ids=["tm", "bf"])
-def test_modules_under_the_mode_match_including_unbatched_input(kind, batch_first):
+def test_modules_under_the_mode_match_including_unbatched_input(kind, batch_first, device):
     """nn.LSTM and friends accept 2-D (unbatched) input and unsqueeze it before the kernel."""
-    module = _recurrent_module(kind, batch_first=batch_first, bidirectional=True).eval()
-    for x in (torch.randn(BATCH, STEPS, INPUT, dtype=F64), torch.randn(STEPS, INPUT, dtype=F64)):
+    module = _recurrent_module(kind, device, batch_first=batch_first, bidirectional=True).eval()
+    for x in to_device((torch.randn(BATCH, STEPS, INPUT, dtype=F64), torch.randn(STEPS, INPUT, dtype=F64))):
         seen = _Seen()
         with seen, Unfused():
             actual = module(x)
@@ -205,8 +232,8 @@ def test_modules_under_the_mode_match_including_unbatched_input(kind, batch_firs
             torch.testing.assert_close(one, two, rtol=1e-12, atol=1e-12)
 
 
-def test_keyword_arguments_are_bound_by_name():
-    module = _recurrent_module("lstm")
+def test_keyword_arguments_are_bound_by_name(device):
+    module = _recurrent_module("lstm", device)
     x, hx, params, *rest = _call_arguments(module, False, torch.Generator().manual_seed(1))
     expected = torch._VF.lstm(x, hx, params, *rest)
     actual = _unfused.lstm(x, hx, params, has_biases=rest[0], num_layers=rest[1], dropout=rest[2], train=rest[3],
@@ -225,29 +252,30 @@ def test_keyword_arguments_are_bound_by_name():
     [(shape, dim) for shape in ((6,), (4, 3), (4, 3, 2)) for dim in (0, 1, -1, -2, None)
      if dim is None or -len(shape) <= dim < len(shape)],
 )
-def test_weight_norm_decomposition_matches_the_op(shape, dim):
+def test_weight_norm_decomposition_matches_the_op(shape, dim, device):
     """``dim=None`` is what the weight_norm helpers pass on as -1: the norm of the whole tensor."""
     op_dim = -1 if dim is None else dim
     generator = torch.Generator().manual_seed(2)
-    v = torch.randn(shape, generator=generator, dtype=F64)
+    v = torch.randn(shape, generator=generator, dtype=F64).to(device)
     norm = torch.norm_except_dim(v, 2, op_dim)
-    g = norm * (1 + torch.rand(norm.shape, generator=generator, dtype=F64))
+    g = norm * (1 + torch.rand(norm.shape, generator=generator, dtype=F64).to(device))
     fused, unfused = ([v.clone().requires_grad_(), g.clone().requires_grad_()] for _ in range(2))
     expected = torch._weight_norm(*fused, op_dim)
     actual = _unfused.weight_norm(*unfused, op_dim)
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-    cotangent = torch.randn(shape, generator=generator, dtype=F64)
+    cotangent = torch.randn(shape, generator=generator, dtype=F64).to(device)
     grads = torch.autograd.grad(actual, unfused, cotangent), torch.autograd.grad(expected, fused, cotangent)
     for one, two in zip(*grads):
         torch.testing.assert_close(one, two, rtol=1e-10, atol=1e-12)
 
 
 def test_weight_norm_default_dim_and_odd_calls():
-    v, g = torch.randn(4, 3, dtype=F64), torch.rand(4, 1, dtype=F64)
+    v, g = to_device((torch.randn(4, 3, dtype=F64), torch.rand(4, 1, dtype=F64)))
     torch.testing.assert_close(_unfused.weight_norm(v, g), torch._weight_norm(v, g))
     torch.testing.assert_close(_unfused.weight_norm(v, g=g), torch._weight_norm(v, g, 0))
     torch.testing.assert_close(_unfused.weight_norm(v=v, g=g, dim=-1), torch._weight_norm(v, g, -1))
-    assert _unfused.weight_norm(torch.tensor(2.0), torch.tensor(1.0), 0) is NotImplemented  # 0-d: the op decides
+    scalars = to_device((torch.tensor(2.0), torch.tensor(1.0)))
+    assert _unfused.weight_norm(*scalars, 0) is NotImplemented  # 0-d: the op decides
     assert _unfused.weight_norm(v, g, 5) is NotImplemented
 
 
@@ -286,7 +314,7 @@ def _encoder() -> nn.Module:
 
 
 _FORWARD_MODE_CASES = {
-    # name: (build, input shape, dtype, whether plain forward mode fails on it)
+    # name: (build, input shape, dtype, whether plain forward mode fails on it on the CPU)
     "lstm_float32": (lambda: _First(nn.LSTM(3, 5, batch_first=True)), (2, 4, 3), torch.float32, True),
     "gru": (lambda: _First(nn.GRU(3, 5, batch_first=True)), (2, 4, 3), F64, False),
     "attention_eval": (_Attention, (2, 3, 4), F64, True),
@@ -295,34 +323,56 @@ _FORWARD_MODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(_FORWARD_MODE_CASES))
-def test_jvp_inside_the_context_matches_reverse_mode(name):
-    build, shape, dtype, plain_fails = _FORWARD_MODE_CASES[name]
+def _forward_mode_case(name: str, device: torch.device) -> tuple[nn.Module, nn.Module, dict, dict, Tensor]:
+    """``(module, reference, params, tangents, x)``: the case's module in eval mode on ``device``, its
+    float64 copy on the CPU, the module's parameters, tangents like them and an input (drawn on the CPU)."""
+    build, shape, dtype, _ = _FORWARD_MODE_CASES[name]
     torch.manual_seed(0)
     module = build().to(dtype).eval()
-    params = {key: p.detach() for key, p in module.named_parameters()}
-    tangents = {key: torch.randn_like(p) for key, p in params.items()}
+    reference = copy.deepcopy(module).to(F64)
+    tangents = {key: torch.randn(p.shape, dtype=dtype) for key, p in module.named_parameters()}
     x = torch.randn(shape, dtype=dtype)
+    module.to(device)
+    params = {key: p.detach() for key, p in module.named_parameters()}
+    return module, reference, params, to_device(tangents), to_device(x)
 
-    def forward(values: dict) -> Tensor:
-        return functional_call(module, values, (x,))
 
-    if plain_fails:
-        with pytest.raises(RuntimeError, match="forward AD"):
-            jvp(forward, (params,), (tangents,))
+def _cpu_float64(tree: Any) -> Any:
+    """The tensors of ``tree`` as float64 CPU tensors (what the reference computations take)."""
+    return pytree.tree_map(lambda t: t.detach().to("cpu", F64), tree)
+
+
+@pytest.mark.parametrize("name", list(_FORWARD_MODE_CASES))
+def test_jvp_inside_the_context_matches_reverse_mode(name, device):
+    module, reference, params, tangents, x = _forward_mode_case(name, device)
     with forward_mode_kernels(bool(fused_layers(module))):
-        output, tangent = jvp(forward, (params,), (tangents,))
-    # reverse mode twice (the double-VJP identity): no forward-mode derivative involved; the
-    # fused attention kernels' backward passes have no derivative, hence MATH
+        output, tangent = jvp(lambda values: functional_call(module, values, (x,)), (params,), (tangents,))
+    # Reverse mode twice (the double-VJP identity) on the float64 CPU copy: no forward-mode derivative
+    # involved; the fused attention kernels' backward passes have no derivative, hence MATH; and no
+    # device kernel (cuDNN's RNN backward refuses eval mode).
     names = list(params)
+    params64, tangents64, x64 = _cpu_float64((params, tangents, x))
     with sdpa_kernel([SDPBackend.MATH]):
-        _, expected = torch.autograd.functional.jvp(
-            lambda *values: forward(dict(zip(names, values))), tuple(params[n] for n in names),
-            tuple(tangents[n] for n in names),
+        expected_output, expected = torch.autograd.functional.jvp(
+            lambda *values: functional_call(reference, dict(zip(names, values)), (x64,)),
+            tuple(params64[n] for n in names), tuple(tangents64[n] for n in names),
         )
-    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
-    torch.testing.assert_close(output, forward(params), **tolerance)
-    torch.testing.assert_close(tangent, expected, **tolerance)
+    float32 = _FORWARD_MODE_CASES[name][2] == torch.float32
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if float32 else {"rtol": 1e-10, "atol": 1e-12}
+    torch.testing.assert_close(_cpu_float64(output), expected_output, **tolerance)
+    torch.testing.assert_close(_cpu_float64(tangent), expected, **tolerance)
+
+
+@pytest.mark.cpu_only(
+    "names the CPU's fused kernels without forward-mode derivatives (mkldnn LSTM, the attention fast path, CPU "
+    "flash attention); other devices fuse differently (the context's jvp is checked on every device)"
+)
+@pytest.mark.parametrize("name", [name for name, case in _FORWARD_MODE_CASES.items() if case[3]])
+def test_plain_forward_mode_fails_on_the_fused_cpu_kernels(name, device):
+    """Why the context exists: outside it, ``jvp`` meets a kernel that has no forward-mode derivative."""
+    module, _, params, tangents, x = _forward_mode_case(name, device)
+    with pytest.raises(RuntimeError, match="forward AD"):
+        jvp(lambda values: functional_call(module, values, (x,)), (params,), (tangents,))
 
 
 def _fastpath() -> bool:
@@ -349,9 +399,9 @@ def test_the_context_restores_the_attention_fast_path_flag():
         torch.backends.mha.set_fastpath_enabled(True)
 
 
-def test_the_context_enables_the_mode_only_when_asked():
-    module = _recurrent_module("gru").eval()
-    x = torch.randn(STEPS, BATCH, INPUT, dtype=F64)
+def test_the_context_enables_the_mode_only_when_asked(device):
+    module = _recurrent_module("gru", device).eval()
+    x = to_device(torch.randn(STEPS, BATCH, INPUT, dtype=F64))
     for unfuse in (False, True):
         seen = _Seen()
         with seen, forward_mode_kernels(unfuse):
@@ -359,7 +409,7 @@ def test_the_context_enables_the_mode_only_when_asked():
         assert (torch._VF.gru in seen.functions) is not unfuse
 
 
-def test_fused_layers_names_the_modules_that_call_fused_kernels():
+def test_fused_layers_names_the_modules_that_call_fused_kernels(device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the old-style weight_norm is deprecated
         old_style = nn.utils.weight_norm(nn.Linear(3, 3))
@@ -367,12 +417,12 @@ def test_fused_layers_names_the_modules_that_call_fused_kernels():
         "lstm": nn.LSTM(3, 3), "gru": nn.GRU(3, 3), "rnn": nn.RNN(3, 3), "plain": nn.Linear(3, 3),
         "new_style": nn.utils.parametrizations.weight_norm(nn.Linear(3, 3)), "old_style": old_style,
         "cell": nn.LSTMCell(3, 3),  # lstm_cell is composite on CPU: forward mode and vmap handle it
-    })
+    }).to(device)
     assert fused_layers(model) == ("lstm", "gru", "rnn", "new_style", "old_style")
     assert fused_layers(nn.LSTM(3, 3)) == ("",)
     assert fused_layers(nn.Sequential(nn.Linear(3, 3), nn.Tanh())) == ()
     assert functional_model(model, None, "test").fused == fused_layers(model)
-    assert functional_model(lambda p, x: x * p, torch.ones(()), "test").fused == ()
+    assert functional_model(lambda p, x: x * p, torch.ones((), device=device), "test").fused == ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,11 +440,17 @@ _WRAPPERS = {
 
 
 @functools.lru_cache(maxsize=None)
-def _wrapper_case(name: str) -> tuple[nn.Module, Tensor, Any]:
+def _wrapper_case(name: str, device: torch.device) -> tuple[nn.Module, Tensor, Any]:
+    """The model in eval mode on ``device``, an input there, and the float64 reference kernel.
+
+    The reference is computed on the CPU, before the model moves: there the recurrent layers'
+    backward runs in eval mode (cuDNN's refuses to).
+    """
     torch.manual_seed(0)
     model = _WRAPPERS[name]().to(F64).eval()
     x = torch.randn(BATCH, STEPS, INPUT, dtype=F64)
-    return model, x, reference_ntk(model, x, trace_axes=())
+    expected = reference_ntk(model, x, trace_axes=())
+    return model.to(device), to_device(x), expected
 
 
 def _spy(function: Callable, calls: list) -> Callable:
@@ -407,8 +463,8 @@ def _spy(function: Callable, calls: list) -> Callable:
 
 @pytest.mark.parametrize("implementation", [1, 2, 3, 0], ids=["JC", "NVP", "SD", "AUTO"])
 @pytest.mark.parametrize("name", list(_WRAPPERS))
-def test_recurrent_kernels_match_the_reference(name, implementation):
-    model, x, expected = _wrapper_case(name)
+def test_recurrent_kernels_match_the_reference(name, implementation, device):
+    model, x, expected = _wrapper_case(name, device)
     ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=None, implementation=implementation)
     double_vjps: list = []
     methods: list = []
@@ -427,26 +483,23 @@ def test_recurrent_kernels_match_the_reference(name, implementation):
 
 
 @pytest.mark.parametrize("name", ["lstm_float32", "weight_norm"])
-def test_linearize_taylor_and_ntk_vector_products_use_the_context(name):
-    """The other forward-mode passes of torchntk (``taylor.py``, ``empirical_ntk_vp_fn``)."""
-    build, shape, dtype, _ = _FORWARD_MODE_CASES[name]
-    torch.manual_seed(0)
-    module = build().to(dtype).eval()
-    x = torch.randn(shape, dtype=dtype)
-    params = {key: p.detach().clone() for key, p in module.named_parameters()}
-    moved = {key: p + 1e-3 * torch.randn_like(p) for key, p in params.items()}
+def test_linearize_taylor_and_ntk_vector_products_use_the_context(name, device):
+    """The other forward-mode passes of torchntk (``taylor.py``, ``empirical_ntk_vp_fn``), against the
+    module's float64 copy on the CPU."""
+    module, reference, params, steps, x = _forward_mode_case(name, device)
+    moved = {key: p + 1e-3 * steps[key] for key, p in params.items()}
     linear = torchntk.linearize(module)(moved, x)
     quadratic = torchntk.taylor_expand(module, degree=2)(moved, x)
-    exact = functional_call(module, moved, (x,))
+    exact = functional_call(reference, _cpu_float64(moved), (_cpu_float64(x),))
     tolerance = {"rtol": 1e-4, "atol": 1e-5}
-    torch.testing.assert_close(linear, exact, **tolerance)  # second-order terms are ~1e-6
-    torch.testing.assert_close(quadratic, exact, **tolerance)
+    torch.testing.assert_close(_cpu_float64(linear), exact, **tolerance)  # second-order terms are ~1e-6
+    torch.testing.assert_close(_cpu_float64(quadratic), exact, **tolerance)
 
-    v = torch.randn_like(exact)
+    v = to_device(torch.randn(exact.shape, dtype=x.dtype))
     product = torchntk.empirical_ntk_vp_fn(module, x)(v)
-    matrix = _paired_matrix(reference_ntk(module, x, trace_axes=()), exact.shape)
-    expected = (matrix @ v.double().reshape(-1)).reshape(exact.shape)
-    torch.testing.assert_close(product.double(), expected, **tolerance)
+    matrix = _paired_matrix(reference_ntk(reference, _cpu_float64(x), trace_axes=()), exact.shape)
+    expected = (matrix @ _cpu_float64(v).reshape(-1)).reshape(exact.shape)
+    torch.testing.assert_close(_cpu_float64(product), expected, **tolerance)
 
 
 def _paired_matrix(kernel: Tensor, shape: torch.Size) -> Tensor:

@@ -5,6 +5,9 @@ naming the wrong cause. Each test computes the kernel with every implementation 
 either the float64 brute-force kernel (``reference_ntk``) or a ValueError whose message names
 the cause; where the message promises that another setting gives the right kernel, the test
 computes that kernel and compares it with the reference too.
+
+Models and inputs live on the run device (``pytest --device``), inputs drawn on CPU generators and
+moved, so every device sees the same numbers.
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ import torch
 from torch import nn
 
 import torchntk
+from tests.cases import to_device
 from torchntk.testing import assert_kernels_close, reference_ntk
-
-pytestmark = pytest.mark.cpu_only("builds its own models and inputs on the CPU (not converted to --device yet)")
 
 F64 = torch.float64
 IMPLEMENTATIONS = pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
@@ -27,14 +29,17 @@ TRACE = pytest.mark.parametrize("trace_axes", [(-1,), ()], ids=["traced", "full"
 
 
 def _inputs(n1: int, n2: int, *shape: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n1`` and ``n2`` float64 examples from one seeded CPU generator, on the run device."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(n1, *shape, generator=generator, dtype=F64), torch.randn(n2, *shape, generator=generator, dtype=F64)
+    x1 = torch.randn(n1, *shape, generator=generator, dtype=F64)
+    return to_device((x1, torch.randn(n2, *shape, generator=generator, dtype=F64)))
 
 
-def _seeded(build) -> nn.Module:
+def _seeded(build, device: torch.device) -> nn.Module:
+    """``build()`` from seed 0 (the global stream left as it was), as a float64 module on ``device`` in eval mode."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return build().double().eval()
+        return build().double().to(device).eval()
 
 
 def _kernel_or_error(kernel_fn, reference, *args, **kwargs) -> ValueError | None:
@@ -50,20 +55,20 @@ def _kernel_or_error(kernel_fn, reference, *args, **kwargs) -> ValueError | None
 # -- a PyTorch vmap bug in a derivative: nn.PReLU --------------------------------------------------
 
 
-def _prelu_model() -> nn.Module:
-    return _seeded(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(), nn.Linear(6, 3)))
+def _prelu_model(device: torch.device) -> nn.Module:
+    return _seeded(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(), nn.Linear(6, 3)), device)
 
 
 @IMPLEMENTATIONS
 @X2_GIVEN
 @TRACE
 @pytest.mark.parametrize("sizes", [(5, 3), (1, 3), (3, 2)], ids=["5-3", "1-3", "3-2"])
-def test_prelu_kernel_is_right_through_an_example_loop(implementation, x2_given, trace_axes, sizes):
+def test_prelu_kernel_is_right_through_an_example_loop(implementation, x2_given, trace_axes, sizes, device):
     """The forward pass of PReLU under vmap is right, its derivative is not (PyTorch 2.x): the
     per-example Jacobians mix examples up; with N2 = O = 3 that was a silently wrong kernel. The
     derivative check sees the bug (the same examples without vmap agree with the batch), and the
     kernel function evaluates the examples in a loop instead (NOTE: [Switching to example loops])."""
-    model = _prelu_model()
+    model = _prelu_model(device)
     x1, x2 = _inputs(*sizes, 4)
     x2 = x2 if x2_given else None
     reference = reference_ntk(model, x1, x2, trace_axes=trace_axes)
@@ -125,12 +130,14 @@ MASK_MODELS = {
 @X2_GIVEN
 @TRACE
 @pytest.mark.parametrize("model_id", MASK_MODELS)
-def test_unmapped_attention_mask_is_named_with_the_vmap_axes_to_pass(implementation, x2_given, trace_axes, model_id):
+def test_unmapped_attention_mask_is_named_with_the_vmap_axes_to_pass(
+    implementation, x2_given, trace_axes, model_id, device
+):
     build, shape, make_mask = MASK_MODELS[model_id]
-    module = _seeded(build)
+    module = _seeded(build, device)
     x1, x2 = _inputs(5, 3, *shape)
     generator = torch.Generator().manual_seed(1)
-    mask1, mask2 = make_mask(5, generator), make_mask(3, generator)
+    mask1, mask2 = to_device((make_mask(5, generator), make_mask(3, generator)))
     if not x2_given:
         x2, mask2 = None, mask1
     reference = _masked_reference(module, (x1, mask1), None if x2 is None else (x2, mask2), trace_axes)
@@ -150,13 +157,13 @@ def test_unmapped_attention_mask_is_named_with_the_vmap_axes_to_pass(implementat
     assert_kernels_close(suggested(x1, x2, attention_mask=mask), reference)
 
 
-def test_suggestion_keeps_the_keyword_axes_already_given():
-    module = _seeded(_MaskRows)
+def test_suggestion_keeps_the_keyword_axes_already_given(device):
+    module = _seeded(_MaskRows, device)
     x, _ = _inputs(5, 1, 4)
     f = lambda p, x, attention_mask, scale: torch.func.functional_call(module, p, (x * scale,), {"attention_mask": attention_mask})  # noqa: E731
     params = {name: p.detach() for name, p in module.named_parameters()}
-    mask = torch.ones(5, 4, dtype=F64)
-    scale = torch.rand(5, 1, dtype=F64)
+    mask = torch.ones(5, 4, dtype=F64, device=device)
+    scale = to_device(torch.rand(5, 1, dtype=F64))
     mask[2] = 0
     with pytest.raises(ValueError, match=r"Pass vmap_axes=\(0, 0, \{'scale': 0, 'attention_mask': 0\}\)"):
         torchntk.empirical_ntk_fn(f, vmap_axes=(0, 0, {"scale": 0}))(x, None, params, attention_mask=mask, scale=scale)
@@ -165,24 +172,24 @@ def test_suggestion_keeps_the_keyword_axes_already_given():
 # -- NaN / Inf ----------------------------------------------------------------------------------------
 
 
-def _tanh_mlp() -> nn.Module:
-    return _seeded(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)))
+def _tanh_mlp(device: torch.device) -> nn.Module:
+    return _seeded(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), device)
 
 
 @IMPLEMENTATIONS
 @pytest.mark.parametrize("side", ["x1", "x2"])
-def test_nan_in_an_input_is_named(implementation, side):
+def test_nan_in_an_input_is_named(implementation, side, device):
     x1, x2 = _inputs(5, 3, 4)
     (x1 if side == "x1" else x2)[1, 2] = float("nan")
-    ntk_fn = torchntk.empirical_ntk_fn(_tanh_mlp(), vmap_axes=0, implementation=implementation)
+    ntk_fn = torchntk.empirical_ntk_fn(_tanh_mlp(device), vmap_axes=0, implementation=implementation)
     with pytest.raises(ValueError, match=rf"output leaf 0 for {side} holds 3 NaN .* input {side} \(1 entry\)") as caught:
         ntk_fn(x1, x2)
     assert "couples" not in str(caught.value) and "check_vmap_axes=False" not in str(caught.value)
 
 
 @IMPLEMENTATIONS
-def test_nan_in_a_parameter_is_named(implementation):
-    model = _tanh_mlp()
+def test_nan_in_a_parameter_is_named(implementation, device):
+    model = _tanh_mlp(device)
     with torch.no_grad():
         model[2].weight[1, 0] = float("inf")
     x1, x2 = _inputs(5, 3, 4)
@@ -190,20 +197,21 @@ def test_nan_in_a_parameter_is_named(implementation):
         torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)(x1, x2)
 
 
-def test_nan_in_a_keyword_argument_is_named():
+def test_nan_in_a_keyword_argument_is_named(device):
     f = lambda p, x, shift: torch.tanh(x @ p + shift)  # noqa: E731
-    shift = torch.zeros(5, 3, dtype=F64)
+    shift = torch.zeros(5, 3, dtype=F64, device=device)
     shift[4, 1] = float("nan")
     x1, _ = _inputs(5, 1, 4)
     with pytest.raises(ValueError, match=r"NaN/Inf in keyword argument 'shift' \(1 entry\)"):
-        torchntk.empirical_ntk_fn(f, vmap_axes=(0, 0, {"shift": 0}))(x1, None, torch.randn(4, 3, dtype=F64), shift=shift)
+        params = to_device(torch.randn(4, 3, dtype=F64))
+        torchntk.empirical_ntk_fn(f, vmap_axes=(0, 0, {"shift": 0}))(x1, None, params, shift=shift)
 
 
 def test_nan_made_by_the_model_says_so():
     f = lambda p, x: torch.log(x @ p)  # noqa: E731  negative arguments
     x1, _ = _inputs(5, 1, 4)
     with pytest.raises(ValueError, match="the model creates them"):
-        torchntk.empirical_ntk_fn(f, vmap_axes=0)(x1, None, torch.randn(4, 3, dtype=F64))
+        torchntk.empirical_ntk_fn(f, vmap_axes=0)(x1, None, to_device(torch.randn(4, 3, dtype=F64)))
 
 
 # -- genuine coupling ---------------------------------------------------------------------------------
@@ -225,8 +233,8 @@ class _CoupledDerivatives(nn.Module):
 
 @IMPLEMENTATIONS
 @X2_GIVEN
-def test_coupling_only_in_derivatives_is_caught(implementation, x2_given):
-    model = _seeded(_CoupledDerivatives)
+def test_coupling_only_in_derivatives_is_caught(implementation, x2_given, device):
+    model = _seeded(_CoupledDerivatives, device)
     x1, x2 = _inputs(5, 3, 4)
     x2 = x2 if x2_given else None
     reference = reference_ntk(model, x1, x2)
@@ -251,16 +259,17 @@ class _CentreOverBatch(nn.Module):
 
 
 @pytest.mark.parametrize("implementation", [1, 2, 3], ids=["JC", "NVP", "SD"])
-def test_coupled_outputs_do_not_offer_to_skip_the_check(implementation):
+def test_coupled_outputs_do_not_offer_to_skip_the_check(implementation, device):
     x1, x2 = _inputs(5, 3, 4)
+    model = _seeded(lambda: _CentreOverBatch(1.0), device)
     with pytest.raises(ValueError, match="differs between the whole batch and a per-example evaluation") as caught:
-        torchntk.empirical_ntk_fn(_seeded(lambda: _CentreOverBatch(1.0)), vmap_axes=0, implementation=implementation)(x1, x2)
+        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)(x1, x2)
     assert "check_vmap_axes=False" not in str(caught.value)
 
 
-def test_differences_near_the_rounding_tolerance_offer_to_skip_the_check():
+def test_differences_near_the_rounding_tolerance_offer_to_skip_the_check(device):
     """float32 outputs are compared to 1e-4 relative; a 3e-4 coupling may be rounding."""
-    model = _seeded(lambda: _CentreOverBatch(3e-4)).float()
+    model = _seeded(lambda: _CentreOverBatch(3e-4), device).float()
     x1, x2 = (x.float() for x in _inputs(5, 3, 4))
     with pytest.raises(ValueError, match="if it is the expected rounding of this model, pass check_vmap_axes=False"):
         torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2)
@@ -271,29 +280,34 @@ def test_differences_near_the_rounding_tolerance_offer_to_skip_the_check():
 
 @IMPLEMENTATIONS
 @X2_GIVEN
-def test_independent_float32_models_pass_both_checks(implementation, x2_given):
+def test_independent_float32_models_pass_both_checks(implementation, x2_given, device):
     """No false alarm from rounding: float32, a conv net and an MLP, against the float64 reference."""
     torch.manual_seed(0)
-    conv = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 25, 3)).eval()
-    x1, x2 = torch.randn(6, 2, 5, 5), torch.randn(4, 2, 5, 5)
+    conv = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 25, 3))
+    conv = conv.to(device).eval()
+    x1, x2 = to_device((torch.randn(6, 2, 5, 5), torch.randn(4, 2, 5, 5)))
     x2 = x2 if x2_given else None
     kernel = torchntk.empirical_ntk_fn(conv, vmap_axes=0, implementation=implementation)(x1, x2)
     assert_kernels_close(kernel, reference_ntk(conv, x1, x2))
 
 
-def test_the_check_leaves_the_global_random_stream_alone():
-    torch.manual_seed(3)
-    expected = torch.rand(3)
-    torch.manual_seed(3)
+def test_the_check_leaves_the_global_random_stream_alone(device):
+    """Neither the CPU's stream nor the run device's (the same stream on the CPU)."""
+    # built first: its seeding forks the CPU stream only, and torch.manual_seed reseeds every device
+    ntk_fn = torchntk.empirical_ntk_fn(_tanh_mlp(device), vmap_axes=0)
     x1, _ = _inputs(5, 1, 4)
-    torchntk.empirical_ntk_fn(_tanh_mlp(), vmap_axes=0)(x1)
-    assert torch.equal(torch.rand(3), expected)
+    torch.manual_seed(3)
+    expected = torch.rand(3), torch.rand(3, device=device)
+    torch.manual_seed(3)
+    ntk_fn(x1)
+    assert torch.equal(torch.rand(3), expected[0])
+    assert torch.equal(torch.rand(3, device=device), expected[1])
 
 
-def test_batched_kernels_run_the_derivative_check_too():
+def test_batched_kernels_run_the_derivative_check_too(device):
     """``batch`` prepares the whole call once (by runs): the probe check runs there as well, and
     the blocks are computed by example loops."""
-    model = _prelu_model()
+    model = _prelu_model(device)
     x1, x2 = _inputs(6, 4, 4)
     with pytest.warns(torchntk.ExampleLoopWarning, match="bug of PyTorch's torch.func.vmap"):
         kernel = torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0), 2)(x1, x2)

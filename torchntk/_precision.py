@@ -18,7 +18,9 @@ PyTorch has two APIs for these settings (``torch.backends.cuda.matmul.allow_tf32
 torchntk uses the one already in use (the legacy one unless reading it raises). The settings are
 process-wide: another thread's work meanwhile runs in the kernel's precision too. Kernel functions
 called inside another one (``batch``'s workers, Monte Carlo samples) keep the outer call's setting.
-On CPU the settings change nothing.
+TF32 exists on CUDA only, but ``"bfloat16"`` reaches CPUs too: with bfloat16 units (AMX, AVX-512
+BF16) PyTorch then runs float32 matrix products in bfloat16 there as well. The ``vmap_axes`` check
+compares float32 results at the precision of the mode in force (``requested_mode``).
 """
 
 from __future__ import annotations
@@ -73,12 +75,18 @@ def precision(mode: str) -> Iterator[None]:
         _requested.mode = previous
 
 
+def requested_mode() -> str:
+    """The mode of this thread's kernel calls: that of the innermost :func:`precision` block, else
+    ``"float32"``."""
+    return getattr(_requested, "mode", None) or "float32"
+
+
 @contextlib.contextmanager
 def kernel_precision() -> Iterator[None]:
     """PyTorch's TF32 settings for the requested mode while a kernel is computed, restored after."""
     with _lock:
         if _active["depth"] == 0:
-            _active["restore"] = _apply(getattr(_requested, "mode", None) or "float32")
+            _active["restore"] = _apply(requested_mode())
         _active["depth"] += 1
     try:
         yield

@@ -20,11 +20,13 @@ ops the FLOP formulas ignore) and the shapes, plus a FLOP equivalent per sequent
   recorded reverse pass over x1 (``3 F1``) plus one backward of that backward pass per x2 output
   entry, priced ``4 F1``: measured as fast as forward mode on the benchmark MLP, whose ReLU's
   second backward is a mask; smooth activations and MATH attention cost more there;
-* structured derivatives (3): opt_einsum's planned cost of every pair contraction (weighted by
-  ``_STRUCTURED_CONTRACTION_WEIGHT``), plus the
-  Jacobian-contraction cost of parameters the rules do not cover (the plan implementation 3 would
-  use, checked against autograd, so demoted parameters are priced as fallback); memory: ``G``, the
-  operands and the largest planned intermediate.
+* structured derivatives (3): the ``df/dy`` sweeps (``B F``, their ATen calls once for x1 and
+  x2 when one pass serves both: NOTE: [One pass for both sides]), opt_einsum's planned cost of
+  every pair contraction (weighted by ``_STRUCTURED_CONTRACTION_WEIGHT``), plus the
+  Jacobian-contraction cost of parameters the rules do not cover, whose Jacobians take sweeps of
+  their own (the plan from the probe; when 3 is picked, the plan checked against autograd, so
+  demoted parameters are priced as fallback); memory: ``G``, the operands and the largest planned
+  intermediate.
 
 NOTE: [What choosing may cost]
 Choosing must cost a small fraction of the kernel it picks, also for models whose kernel takes a
@@ -35,12 +37,15 @@ can change the pick and can pay for itself:
 * implementation 2 is priced first with forward mode assumed, and probed (NOTE: [AUTO's
   feasibility filter]) only when it is the cheapest of 1 and 2: a candidate is never picked
   unprobed, and an unprobed one could not have been picked anyway;
-* implementation 3 needs its plan (a probe pass and the check of the plan against autograd, the
-  dearest part of choosing: estimated by :meth:`_Prices.plan_cost`). It is made when 3 can be
-  cheaper than the best of 1 and 2 (:meth:`_Prices.structured_lower_bound`, the cost of 3 without
-  its contractions) and the plan can pay for itself: it costs less than ``_PLAN_PAYBACK`` times
-  what 3 could save at most, or less than ``_PLAN_BUDGET`` of the best kernel's estimate. A plan
-  made is reused when 3 is picked, so it is wasted only when 3 then loses.
+* implementation 3 is priced from its probe pass (:func:`structured.probe_plan`, estimated by
+  :meth:`_Prices.probe_cost`) when 3 can be cheaper than the best of 1 and 2
+  (:meth:`_Prices.structured_lower_bound`, the cost of 3 without its contractions, with x1 and x2
+  in one ``df/dy`` pass wherever both are mapped) and the probe can pay for itself: it costs less
+  than ``_PROBE_PAYBACK`` times what 3 could save at most, or less than ``_PROBE_BUDGET`` of the
+  best kernel's estimate. Only when 3 is then the cheapest is its plan checked against autograd
+  (NOTE: [Checking a plan against autograd], the dearest part of a plan: many forward passes on
+  CNNs), reusing the probe; parameters the check demotes are priced again as fallback. The probe
+  and the check are the plan the kernel computes with, so they are wasted only when 3 loses.
 
 What was not probed or priced is reported in ``AutoChoice.unprobed``. With ``_PROBE_EVERYTHING``
 (the tests' switch) every candidate is probed and priced, as before the budget.
@@ -69,6 +74,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -83,6 +89,7 @@ from .._unfused import forward_mode_kernels
 from ._choice import AutoChoice, Estimate
 from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
 from .structured._cost import structured_cost
+from .structured._joint import gradients_per_example, joinable
 from .structured._plan import Plan
 
 _JACOBIAN = NtkImplementation.JACOBIAN_CONTRACTION
@@ -91,7 +98,17 @@ _STRUCTURED = NtkImplementation.STRUCTURED_DERIVATIVES
 _CANDIDATES = (_JACOBIAN, _PRODUCTS, _STRUCTURED)
 
 
-def choose(call: KernelCall, make_plan: Callable[[], Plan]) -> AutoChoice:
+@dataclass(frozen=True)
+class StructuredPlans:
+    """Implementation 3's plans for one call, made on demand: ``unchecked`` (from the probe pass:
+    what pricing needs) and ``checked`` (against autograd, reusing that probe: what the kernel
+    computes with). Any error either raises excludes 3."""
+
+    unchecked: Callable[[], Plan]
+    checked: Callable[[], Plan]
+
+
+def choose(call: KernelCall, plans: StructuredPlans) -> AutoChoice:
     """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that can run and fits.
 
     Never raises for the model's sake: see NOTE: [AUTO's feasibility filter]. Probes only what can
@@ -99,8 +116,8 @@ def choose(call: KernelCall, make_plan: Callable[[], Plan]) -> AutoChoice:
 
     Args:
         call: the validated kernel call.
-        make_plan: makes (or returns the cached) plan of implementation 3 for ``call``; called
-            only when 3 is priced, and any error it raises excludes 3.
+        plans: implementation 3's plans for ``call`` (made, or returned from the cache, only when 3
+            is priced; checked only when 3 is picked).
     """
     budget = _memory_budget(call.outputs1[0].device)
     try:
@@ -135,9 +152,15 @@ def choose(call: KernelCall, make_plan: Callable[[], Plan]) -> AutoChoice:
         reason = None
     if reason is None:
         try:
-            plan = make_plan()
+            plan = plans.unchecked()
             price(_STRUCTURED, lambda: prices.structured_derivatives(plan))
+            if _STRUCTURED in estimates and (_PROBE_EVERYTHING or _pick(estimates, budget) == _STRUCTURED):
+                checked = plans.checked()
+                if checked.fallback != plan.fallback:  # the check demoted parameters: 3 costs more
+                    price(_STRUCTURED, lambda: prices.structured_derivatives(checked))
+                plan = checked
         except Exception as error:  # noqa: BLE001 - excludes implementation 3, like a pricing error
+            estimates.pop(_STRUCTURED, None)
             excluded[_STRUCTURED] = f"{type(error).__name__}: {error}"
     else:
         unprobed[_STRUCTURED] = reason
@@ -165,13 +188,13 @@ def _why_not_plan(prices: "_Prices", best: Estimate, budget: float) -> Optional[
     it). See NOTE: [What choosing may cost]."""
     if best.memory_bytes > budget:
         return None  # 3 may be the only candidate that fits
-    bound, plan = prices.structured_lower_bound(), prices.plan_cost()
+    bound, probe = prices.structured_lower_bound(), prices.probe_cost()
     if bound >= best.flops:
         return f"not priced: its lower bound {bound:.3g} FLOPs exceeds the best estimate {best.flops:.3g}"
-    if plan <= _PLAN_PAYBACK * (best.flops - bound) or plan <= _PLAN_BUDGET * best.flops:
+    if probe <= _PROBE_PAYBACK * (best.flops - bound) or probe <= _PROBE_BUDGET * best.flops:
         return None
     return (
-        f"not priced: its plan (about {plan:.3g} FLOPs) would cost more than it can save "
+        f"not priced: its probe (about {probe:.3g} FLOPs) would cost more than it can save "
         f"(at most {best.flops - bound:.3g} of the best estimate {best.flops:.3g})"
     )
 
@@ -240,21 +263,33 @@ class _Prices:
 
     def structured_derivatives(self, plan: Plan) -> Estimate:
         structured = structured_cost(self.call, plan)
+        side1, side2 = self.call.side1, self.call.side2
+        joint = side2 is not None and joinable(side1, side2, gradients_per_example(self.call, plan))
         calls = _CONTRACTION_OPS * structured.contractions + (self.sweep_ops if plan.fallback else 0)
         contractions = _STRUCTURED_CONTRACTION_WEIGHT * structured.contraction_flops
-        flops = self.structured_lower_bound() + contractions + self.per_op * calls
+        # The fallback's Jacobians take backward sweeps of their own, through the whole model.
+        fallback_sweeps = self.sweeps / 2 if plan.fallback else 0.0
+        flops = self._structured_passes(joint) + fallback_sweeps + contractions + self.per_op * calls
         return Estimate(flops, self.element * structured.memory_elements)
 
     def structured_lower_bound(self) -> float:
-        """:meth:`structured_derivatives` without its contractions and fallback: what 3 costs at least."""
-        calls = (_SWEEP_OPS + 1) * sum(self.per_example_ops[: self.sweep_sides])
+        """:meth:`structured_derivatives` without its contractions and fallback: what 3 costs at least
+        (with x1 and x2 in one pass wherever both sides are mapped, as the plan may allow)."""
+        side1, side2 = self.call.side1, self.call.side2
+        may_join = side2 is not None and side1.mapped and side2.mapped and not (side1.loop or side2.loop)
+        return self._structured_passes(may_join)
+
+    def _structured_passes(self, joint: bool) -> float:
+        """The forward and ``df/dy`` passes of 3; ``joint``: x1 and x2 in one pass (NOTE: [One pass
+        for both sides]), which makes the ATen calls of one side's pass for both."""
+        per_example_ops = self.per_example_ops[:1] if joint else self.per_example_ops[: self.sweep_sides]
+        calls = (_SWEEP_OPS + 1) * sum(per_example_ops)
         return self.sweeps / 2 + 2.0 * sum(self.forward[: self.sweep_sides]) + self.per_op * calls
 
-    def plan_cost(self) -> float:
-        """What making implementation 3's plan costs, in the same FLOP equivalents: a recording
-        pass and the check against autograd on one example (fitted on the zoo: NOTE: [What
-        choosing may cost])."""
-        return _PLAN_OPS * self.per_op * self.ops[0] + _PLAN_FORWARDS * self.example_work
+    def probe_cost(self) -> float:
+        """What pricing implementation 3 costs, in the same FLOP equivalents: the recorded probe
+        pass of one example (NOTE: [What choosing may cost])."""
+        return _PROBE_OPS * self.per_op * self.ops[0] + _PROBE_FORWARDS * self.example_work
 
 
 class _Counter(TorchDispatchMode):
@@ -265,7 +300,7 @@ class _Counter(TorchDispatchMode):
     The estimates count a view's elements as written, as when their constants were fitted; that
     prices a dense layer's transposed weight as work, which inflates ``F`` of dense models (refitting
     without views made 2 look cheaper than it runs on GPT-2 and the small MLPs: left undone). The
-    plan's cost (:meth:`_Prices.plan_cost`, fitted later) leaves views out.
+    probe's cost (:meth:`_Prices.probe_cost`, fitted later) leaves views out.
 
     One mode instead of ``FlopCounterMode`` and a second call counter: this costs about a plain
     forward pass on top of the pass, half what the two did (whose module tracking hooked every
@@ -350,17 +385,17 @@ docs/benchmarks.md and the zoo), so their FLOPs count half."""
 _ELEMENT_FLOPS = 20.0
 """FLOPs per element an op writes: the FLOP formulas cover matrix products and convolutions only,
 while normalisations, activations and softmax move memory at a small fraction of their speed."""
-_PLAN_OPS = 8
-_PLAN_FORWARDS = 150
-"""Implementation 3's plan (a recording pass and its check against autograd on one example) cost
-7-10 ATen-call equivalents per call of the counted pass on the zoo's recurrent and attention
-models, and on its CNNs about 150 forward passes' FLOPs more (the check's per-output products)."""
-_PLAN_PAYBACK = 2.5
-"""A plan may cost this many times what 3 can save at most (the best estimate less 3's lower bound):
-when 3 then wins the plan is reused, not wasted, and the lower bound is loose on CNNs (on the
-traced MobileNetV3-small of the zoo, 3 saved 1.2 plans' cost though its bound allowed 0.8)."""
-_PLAN_BUDGET = 0.05
-"""The share of the best kernel's estimate a plan may cost even when 3 cannot save as much."""
+_PROBE_OPS = 4
+_PROBE_FORWARDS = 3
+"""Implementation 3's probe (one recorded forward pass of one example, :func:`structured.probe_plan`)
+cost 1.3-2.3 counted passes on the zoo, about 4 ATen-call equivalents per call of the counted pass,
+plus the pass's own FLOPs a few times over (its recorder keeps every parameter use)."""
+_PROBE_PAYBACK = 1.5
+"""The probe may cost this many times what 3 can save at most (the best estimate less 3's lower
+bound): it is reused by the plan when 3 wins, and the bound leaves out the contractions, so the
+saving is usually smaller than it allows."""
+_PROBE_BUDGET = 0.05
+"""The share of the best kernel's estimate the probe may cost even when 3 cannot save as much."""
 _PROBE_EVERYTHING = False
 """Probe and price every candidate whatever it costs (the tests of the probes set it)."""
 
@@ -394,7 +429,9 @@ class AutoSelector:
         cache_key = call.cache_key(key)
         choice = self._choices.get(cache_key)
         if choice is None:
-            choice = choose(call, lambda: self._table[_STRUCTURED].plan(call, key))
+            structured = self._table[_STRUCTURED]
+            plans = StructuredPlans(lambda: structured.unchecked_plan(call, key), lambda: structured.plan(call, key))
+            choice = choose(call, plans)
             self._choices[cache_key] = choice
         return choice
 

@@ -19,7 +19,6 @@ The pieces, in the order they run:
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -32,7 +31,7 @@ from ..._per_example import Side
 from ..._types import NtkImplementation
 from .._choice import AutoChoice
 from ._contract import contract_sides
-from ._joint import joined
+from ._joint import gradients_per_example, joined
 from ._plan import Plan, make_plan
 from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, probe, side_factors
@@ -49,25 +48,41 @@ class StructuredOptions:
     verify: bool = False
 
 
-def plan_for(call: KernelCall, options: StructuredOptions, thorough: bool = False) -> Plan:
-    """Splits the parameters between the rules and the fallback from probe passes, checked.
+@dataclass(frozen=True)
+class ProbedPlan:
+    """What the probe passes of a plan saw, before the plan is checked against autograd.
 
-    The quick plan probes the first example of x1; a ``thorough`` one probes every example of
-    both sides (needed when the model's operations depend on the data). The plan is then checked
-    against autograd on the probed examples (NOTE: [Checking a plan against autograd]) and every
-    parameter that fails goes to the fallback, its reason kept in :attr:`Plan.reasons`; with
-    ``verify=True`` the check runs on every call instead and raises.
-
-    Raises:
-        RuntimeError: the check's pass met other operations than the probe on the same inputs.
+    AUTO prices implementation 3 from :meth:`unchecked` and has the plan checked (the dearer part)
+    only when it picks 3; the check then reuses these probes. Holds shapes only (the rule calls
+    keep their roles on meta tensors), so a cached one keeps no parameters alive.
     """
-    n_params = len(call.model.params)
-    local = None if options.closed_form_rules else options.local_jacobian
-    if not options.structure_rules:
-        return make_plan([], set(), n_params, structure_rules=False, local_jacobian=local)
-    sides = [side for side in (call.side1, call.side2) if side is not None] if thorough else [call.side1]
-    if not thorough:
-        sides = [side.narrow(0, min(1, side.batch_size())) if side.mapped else side for side in sides]
+
+    calls: tuple[RuleCall, ...]
+    unruled: frozenset[int]
+    shapes: tuple[OutputSpec, ...]
+    reasons: dict[int, str]
+    n_params: int
+    local_jacobian: Optional[str]
+    thorough: bool
+    one_pass: bool  # one side probed with closed-form rules: its perturbed shapes serve every pass
+
+    def build(self, demoted: dict[int, str]) -> Plan:
+        """The plan with the ``demoted`` parameters (index: reason) in the fallback."""
+        return make_plan(
+            list(self.calls), set(self.unruled) | set(demoted), self.n_params, structure_rules=True,
+            local_jacobian=self.local_jacobian, shapes=list(self.shapes) if self.one_pass else None,
+            reasons={**self.reasons, **demoted},
+        )
+
+    def unchecked(self) -> Plan:
+        """The plan as probed, nothing demoted: what pricing needs."""
+        return _with_probe(self.build({}), self.calls, self.thorough)
+
+
+def probe_plan(call: KernelCall, options: StructuredOptions, thorough: bool = False) -> ProbedPlan:
+    """The probe passes of :func:`plan_for`: x1's first example, or (``thorough``) every example of
+    both sides. Needs ``options.structure_rules``."""
+    sides = _probed_sides(call, thorough)
     calls: list[RuleCall] = []
     unruled: set[int] = set()
     shapes: list[OutputSpec] = []
@@ -78,24 +93,53 @@ def plan_for(call: KernelCall, options: StructuredOptions, thorough: bool = Fals
         unruled |= probed.unruled
         shapes.extend(probed.output_specs)
         reasons = {**probed.reasons, **reasons}  # the first side's reason wins
-    one_pass = len(sides) == 1 and local is None
+    local = None if options.closed_form_rules else options.local_jacobian
+    return ProbedPlan(
+        tuple(calls), frozenset(unruled), tuple(shapes), reasons, len(call.model.params), local, thorough,
+        one_pass=len(sides) == 1 and local is None,
+    )
 
-    def build(demoted: dict[int, str]) -> Plan:
-        return make_plan(
-            calls, unruled | set(demoted), n_params, structure_rules=True, local_jacobian=local,
-            shapes=shapes if one_pass else None, reasons={**reasons, **demoted},
-        )
 
-    plan = build({})
+def _probed_sides(call: KernelCall, thorough: bool) -> list[Side]:
+    if thorough:
+        return [side for side in (call.side1, call.side2) if side is not None]
+    side = call.side1
+    return [side.narrow(0, min(1, side.batch_size())) if side.mapped else side]
+
+
+def plan_for(
+    call: KernelCall, options: StructuredOptions, thorough: bool = False, probed: Optional[ProbedPlan] = None
+) -> Plan:
+    """Splits the parameters between the rules and the fallback from probe passes, checked.
+
+    The quick plan probes the first example of x1; a ``thorough`` one probes every example of
+    both sides (needed when the model's operations depend on the data). The plan is then checked
+    against autograd on the probed examples (NOTE: [Checking a plan against autograd]) and every
+    parameter that fails goes to the fallback, its reason kept in :attr:`Plan.reasons`; with
+    ``verify=True`` the check runs on every call instead and raises.
+
+    Args:
+        probed: the quick probes of ``call`` made already (:func:`probe_plan`), to check.
+
+    Raises:
+        RuntimeError: the check's pass met other operations than the probe on the same inputs.
+    """
+    n_params = len(call.model.params)
+    if not options.structure_rules:
+        local = None if options.closed_form_rules else options.local_jacobian
+        return make_plan([], set(), n_params, structure_rules=False, local_jacobian=local)
+    if probed is None or probed.thorough != thorough:
+        probed = probe_plan(call, options, thorough)
+    plan = probed.build({})
     if options.verify or len(plan.fallback) == n_params:  # verify=True checks every call; nothing to check
-        return _with_probe(plan, calls, thorough)
+        return _with_probe(plan, probed.calls, thorough)
     demoted: dict[int, str] = {}
-    for side in sides:
+    for side in _probed_sides(call, thorough):
         try:
             demoted.update(disagreements(side, plan))
         except PlanMismatch:
             raise _nondeterministic(call.where) from None
-    return _with_probe(build(demoted) if demoted else plan, calls, thorough)
+    return _with_probe(probed.build(demoted) if demoted else plan, probed.calls, thorough)
 
 
 def _with_probe(plan: Plan, calls: list[RuleCall], thorough: bool) -> Plan:
@@ -126,6 +170,7 @@ class StructuredDerivatives:
     def __init__(self, options: StructuredOptions = StructuredOptions()):
         self.options = options
         self._plans = BoundedCache(_REMEMBERED_PLANS)
+        self._probes = BoundedCache(_REMEMBERED_PLANS)  # quick probes AUTO priced from, until checked
 
     def __call__(self, call: KernelCall, key: Any = None) -> list[torch.Tensor]:
         try:
@@ -150,10 +195,27 @@ class StructuredDerivatives:
         key = call.cache_key(key)
         plan = None if thorough else self._plans.get(key)
         if plan is None:
-            plan = plan_for(call, self.options, thorough=thorough)
+            probed = None if thorough or key is None else self._probes.pop(key, None)
+            plan = plan_for(call, self.options, thorough=thorough, probed=probed)
         if key is not None:
             self._plans[key] = plan
         return plan
+
+    def unchecked_plan(self, call: KernelCall, key: Any = None) -> Plan:
+        """The quick plan for ``key`` before its check against autograd (what AUTO prices 3 from);
+        the checked plan when there is one. Its probe is kept for :meth:`plan` to check."""
+        cache_key = call.cache_key(key)
+        plan = self._plans.get(cache_key)
+        if plan is not None:
+            return plan
+        if not self.options.structure_rules:
+            return self.plan(call, key)  # nothing to probe or check
+        probed = self._probes.get(cache_key)
+        if probed is None:
+            probed = probe_plan(call, self.options)
+            if cache_key is not None:
+                self._probes[cache_key] = probed
+        return probed.unchecked()
 
     def fallback_parameters(self, call: KernelCall, key: Any = None) -> dict[str, str]:
         """``{name: reason}`` of the parameters whose share comes from the Jacobian fallback."""
@@ -202,14 +264,11 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
         return factors
 
     pending: dict[int, SideFactors] = {}  # x1's half of a joint pass, until prepare1 asks for it
-    gradients_per_example = None  # entries of G per example: outputs times perturbed entries
-    if plan.perturbed_shapes is not None and call.side1.mapped and call.side1.batch_size():
-        outputs = sum(output.numel() for output in call.outputs1) // call.side1.batch_size()
-        gradients_per_example = outputs * sum(math.prod(shape) for shape, _ in plan.perturbed_shapes.values())
+    per_example = gradients_per_example(call, plan)
 
     def prepare2(side: Side) -> SideFactors:
         # NOTE: [One pass for both sides]: assemble prepares the whole x2 first, then the whole x1
-        both = joined(call.side1, side, gradients_per_example) if side is call.side2 else None
+        both = joined(call.side1, side, per_example) if side is call.side2 else None
         if both is None:
             return prepare(side)
         factors = side_factors(both, plan, inner_chunk)
