@@ -43,7 +43,8 @@ class AutoChoice:
             Jacobians, exact but slower) instead of their rules: an operation without a rule
             consumes it, it is written in place, or its rules disagreed with autograd when the
             plan was checked (see ``docs/structured.md``). Filled when implementation 3 is used or
-            priced; empty otherwise.
+            priced; empty otherwise. When AUTO priced 3 but picked another, the plan was not
+            checked (NOTE: [What choosing may cost]), so only rule-less and in-place uses appear.
         excluded: ``{NtkImplementation: reason}`` for every candidate AUTO found it cannot run on
             this model or could not price (NOTE: [AUTO's feasibility filter]); such a candidate is
             never chosen and has no entry in ``estimates``. Empty when ``implementation`` was
