@@ -6,9 +6,9 @@
 test that asks; the float64 references are computed from the same modules and inputs, wherever
 they are; the test files move their own models and inputs there with ``tests.cases.to_device``.
 Tests marked ``cpu_only(reason)`` (the command line, docs, several processes, NumPy errors,
-CPU-only kernels, and ``test_batching_disk.py``, not converted yet) run on the CPU whatever
-``--device`` says: for them the run device is the CPU, and the terminal summary of a run on
-another device counts them with their reasons.
+CPU-only kernels, a child process's bits) run on the CPU whatever ``--device`` says: for them
+the run device is the CPU, and the terminal summary of a run on another device counts them with
+their reasons.
 """
 
 import collections

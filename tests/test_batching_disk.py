@@ -1,5 +1,9 @@
 """``torchntk.batch`` writing into caller-given arrays (``out=``), resuming from a progress record
-(``progress_file=``), keeping row shards (``distributed="shard"``) and counting kernel entries."""
+(``progress_file=``), keeping row shards (``distributed="shard"``) and counting kernel entries.
+
+The model, the inputs and the batch workers are on the run device (``pytest --device``); ``out``
+stays in host memory (NumPy arrays, memmaps, a CPU tensor), so on an accelerator these tests
+exercise the device-to-host path. References are compared on the CPU."""
 
 from __future__ import annotations
 
@@ -13,12 +17,10 @@ import torch
 
 import torchntk
 import torchntk.batching
+from tests import cases
 from tests._processes import run_python
+from tests.cases import to_device
 from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk
-
-pytestmark = pytest.mark.cpu_only(
-    "writes kernels into NumPy and memory-mapped host arrays and progress files (not converted to --device yet)"
-)
 
 N1, N2 = 13, 8
 # (trace_axes, diagonal_axes): the full kernel, traced logits, the batch axis diagonal or traced.
@@ -28,13 +30,14 @@ MODES = {"spans": (0, 2**30), "no-cache": (0, 0), "per-block": (None, 0)}  # vma
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double().eval()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    return model.double().eval().to(cases.DEVICE)
 
 
 def _inputs(n1: int = N1, n2: int = N2) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
-    return (torch.randn(n1, 3, generator=generator, dtype=torch.float64),
-            torch.randn(n2, 3, generator=generator, dtype=torch.float64))
+    generator = torch.Generator().manual_seed(7)  # on the CPU, then moved: the same numbers on every device
+    return to_device((torch.randn(n1, 3, generator=generator, dtype=torch.float64),
+                      torch.randn(n2, 3, generator=generator, dtype=torch.float64)))
 
 
 class _Chunked:
@@ -57,8 +60,9 @@ class _Chunked:
 
 
 def _reference(layout, x1, x2):
+    """The float64 reference kernel, on the CPU (where ``out`` is)."""
     trace_axes, diagonal_axes = layout
-    return reference_ntk(_model(), x1, x2, trace_axes=trace_axes, diagonal_axes=diagonal_axes)
+    return reference_ntk(_model(), x1, x2, trace_axes=trace_axes, diagonal_axes=diagonal_axes).cpu()
 
 
 def _rotated(layouts: list, slow_marks: bool) -> list:
@@ -83,7 +87,8 @@ def test_out_receives_the_reference_kernel(tmp_path, mode, layout, same):
     shape = tuple(expected.shape)
     outs = [np.zeros(shape), np.lib.format.open_memmap(tmp_path / "k.npy", "w+", np.float64, shape),
             _Chunked(shape, np.float64), torch.zeros(shape, dtype=torch.float64)]
-    for out, devices in zip(outs, (["cpu"], ["cpu"] * 3, ["cpu"] * 2, ["cpu"])):
+    for out, workers in zip(outs, (1, 3, 2, 1)):
+        devices = [cases.DEVICE] * workers
         batched = torchntk.batch(ntk_fn, 3, devices=devices, cache_bytes=cache_bytes)
         assert batched(x1, x2, out=out) is out
         assert_kernels_close(torch.as_tensor(np.asarray(out)), expected, rtol=1e-10, atol=1e-12)
@@ -94,7 +99,8 @@ def test_out_receives_the_reference_kernel(tmp_path, mode, layout, same):
 def test_a_pytree_of_outs_for_several_kernels():
     x1, x2 = _inputs()
     kernel_fn = torchntk.empirical_kernel_fn(_model(), trace_axes=(), vmap_axes=0)
-    ntk, nngp = reference_ntk(_model(), x1, x2, trace_axes=()), reference_nngp(_model(), x1, x2, trace_axes=())
+    ntk = reference_ntk(_model(), x1, x2, trace_axes=()).cpu()
+    nngp = reference_nngp(_model(), x1, x2, trace_axes=()).cpu()
     out = {"ntk": np.zeros(tuple(ntk.shape)), "nngp": np.zeros(tuple(nngp.shape))}
     assert torchntk.batch(kernel_fn, 4)(x1, x2, ("ntk", "nngp"), out=out) is out
     assert_kernels_close(torch.from_numpy(out["ntk"]), ntk, rtol=1e-10, atol=1e-12)
@@ -124,7 +130,7 @@ def test_out_of_the_wrong_shape_or_dtype_or_type_is_refused(vmap_axes):
 
 def test_an_empty_side_fills_out_with_the_empty_kernel():
     x1 = _inputs()[0]
-    empty = torch.zeros(0, 3, dtype=torch.float64)
+    empty = to_device(torch.zeros(0, 3, dtype=torch.float64))
     out = np.zeros((N1, 0))
     assert torchntk.batch(torchntk.empirical_ntk_fn(_model(), vmap_axes=0), 4)(x1, empty, out=out) is out
 
@@ -146,7 +152,7 @@ def test_progress_file_records_blocks_and_a_finished_run_is_not_redone(tmp_path,
     saved = json.loads(record.read_text())
     assert len(saved["blocks"]) == 15  # 5 runs of x1: the pairs on and above the diagonal
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".progress-")]  # no temporary left
-    assert_kernels_close(torch.from_numpy(np.array(out)), reference_ntk(_model(), x1, trace_axes=()),
+    assert_kernels_close(torch.from_numpy(np.array(out)), reference_ntk(_model(), x1, trace_axes=()).cpu(),
                          rtol=1e-10, atol=1e-12)
     contracted = []
     original = torchntk._block_source.BlockSource.contract
@@ -227,6 +233,7 @@ def _batched(mode: str):
     return torchntk.batch(torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=vmap_axes), 3, cache_bytes=0)
 
 
+@pytest.mark.cpu_only("the killed child process computes on the CPU, and the resumed kernel must equal its bits")
 @pytest.mark.parametrize("mode", ["spans", pytest.param("per-block", marks=pytest.mark.slow)])
 def test_a_run_killed_midway_resumes_to_the_uninterrupted_kernel(tmp_path, monkeypatch, mode):
     """A process killed (SIGKILL) after 7 of 15 blocks (6 recorded, the 7th written but not
@@ -282,13 +289,14 @@ def test_each_rank_keeps_its_rows(monkeypatch, mode, layout, same):
         shared = np.zeros(tuple(expected.shape))
         for rank in range(world_size):
             monkeypatch.setattr(torchntk.batching, "world", lambda rank=rank: (rank, world_size))
-            batched = torchntk.batch(ntk_fn, 2, distributed="shard", cache_bytes=cache_bytes, devices=["cpu"] * 2)
+            batched = torchntk.batch(ntk_fn, 2, distributed="shard", cache_bytes=cache_bytes,
+                                     devices=[cases.DEVICE] * 2)
             shard = batched(x1, x2)
             assert isinstance(shard, torchntk.distributed.KernelShard)
             assert (shard.start, shard.stop) == torchntk.distributed.shard_rows(N1, 2, rank, world_size)
             assert shard.start == stops[-1]
             stops.append(shard.stop)
-            assert_kernels_close(shard.kernel, expected[shard.start:shard.stop], rtol=1e-10, atol=1e-12)
+            assert_kernels_close(shard.kernel.cpu(), expected[shard.start:shard.stop], rtol=1e-10, atol=1e-12)
             before = shared.copy()
             assert batched(x1, x2, out=shared).kernel is shared
             outside = np.ones(shared.shape[0], bool)
