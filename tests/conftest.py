@@ -8,7 +8,8 @@ they are; the test files move their own models and inputs there with ``tests.cas
 Tests marked ``cpu_only(reason)`` (the command line, docs, several processes, NumPy errors,
 CPU-only kernels, a child process's bits) run on the CPU whatever ``--device`` says: for them
 the run device is the CPU, and the terminal summary of a run on another device counts them with
-their reasons.
+their reasons. Tests marked ``cuda_only(reason)`` check what exists on CUDA alone (streams' memory
+statistics); other runs skip them, saying so (``pytest -rs`` lists them).
 """
 
 import collections
@@ -73,20 +74,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     elsewhere = cases.DEVICE.type != "cpu"
     reasons: collections.Counter = collections.Counter()
     for item in items:
+        cuda_marker = item.get_closest_marker("cuda_only")
+        if cuda_marker is not None:
+            reason = _marker_reason(item, cuda_marker)
+            if cases.DEVICE.type != "cuda":
+                item.add_marker(pytest.mark.skip(reason=f"needs --device cuda: {reason}"))
         if elsewhere and isinstance(item, pytest.DoctestItem):
             item.add_marker(pytest.mark.cpu_only("docstring examples run as written, on the CPU"))
         marker = item.get_closest_marker("cpu_only")
         if marker is not None:
-            reason = _cpu_only_reason(item, marker)  # checked on every run, so that CPU runs catch a missing one
+            reason = _marker_reason(item, marker)  # checked on every run, so that CPU runs catch a missing one
             if elsewhere:
                 reasons[reason] += 1
     config.stash[_CPU_ONLY_REASONS] = reasons
 
 
-def _cpu_only_reason(item: pytest.Item, marker: pytest.Mark) -> str:
+def _marker_reason(item: pytest.Item, marker: pytest.Mark) -> str:
     reason = marker.args[0] if marker.args else marker.kwargs.get("reason")
     if not isinstance(reason, str) or not reason:
-        raise pytest.UsageError(f"{item.nodeid}: cpu_only needs a reason, e.g. pytest.mark.cpu_only(\"runs the CLI\").")
+        raise pytest.UsageError(
+            f"{item.nodeid}: {marker.name} needs a reason, e.g. pytest.mark.{marker.name}(\"what it checks\")."
+        )
     return reason
 
 

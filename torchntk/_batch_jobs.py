@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -37,6 +37,7 @@ from ._batch_workers import serve
 from ._block_source import BlockSource, Prepared
 from ._kernel_function import KernelFnSpec
 from ._layout import make_layout
+from ._streams import Lane
 from ._threads import serialised
 from ._tree import Flat
 from .distributed import owned_blocks
@@ -49,7 +50,8 @@ class Job:
     """What both ways share: the kernel function per device, the tiling and where results go.
 
     ``shard``: keep only this rank's rows (NOTE: [Row shards] in ``_batch_tiling.py``); ``out`` and
-    ``record``: the caller's arrays and the progress record (NOTE: [Kernels on disk]).
+    ``record``: the caller's arrays and the progress record (NOTE: [Kernels on disk]). ``lanes``:
+    each worker's stream (NOTE: [Worker streams]), made with the job, in the calling thread.
     """
 
     spec: KernelFnSpec
@@ -64,6 +66,10 @@ class Job:
     shard: bool = False
     out: Any = None
     record: Optional[ProgressRecord] = None
+    lanes: tuple[Lane, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lanes", tuple(Lane(device, self.store_device) for device in self.devices))
 
     def check_pairs(self, kind: str, n1: int, n2: int) -> None:
         if kind != "kept" and n1 != n2:
@@ -101,7 +107,8 @@ class Job:
     def output(self, result: Flat, layouts: Sequence, n1: int, n2: int) -> KernelOutput:
         out = None if self.out is None else match_out(self.out, result)
         rows = self.rows(n1)
-        return KernelOutput(result.leaves, layouts, n1, n2, self.store_device, self.pin_memory, rows, out, self.record)
+        return KernelOutput(result.leaves, layouts, n1, n2, self.store_device, self.pin_memory,
+                            self.lanes[0].result_stream, rows, out, self.record)
 
 
 def _pending_pairs(job: Job, tiling: Tiling, s: int) -> list[tuple[int, bool]]:
@@ -123,14 +130,15 @@ def _progress(job: Job, tiling: Tiling, tasks: list[int], kept: bool) -> tuple[i
 
 
 class _SpanWorker:
-    """A device's :class:`BlockSource` and its cache of prepared spans (``room`` bytes left).
+    """A device's :class:`BlockSource`, its cache of prepared spans (``room`` bytes left) and its lane.
 
     The source is opened by ``open_source`` on first use, in the worker's own thread (opening
     runs the model's forward passes for the checks).
     """
 
-    def __init__(self, open_source: Callable[[], BlockSource], room: float):
+    def __init__(self, open_source: Callable[[], BlockSource], room: float, lane: Lane):
         self._open_source = open_source
+        self.lane = lane
         self._source: Optional[BlockSource] = None
         self.cache: dict[tuple[int, Run], Prepared] = {}
         self.room = room
@@ -196,10 +204,10 @@ def run_spans(
     tiling = tile(n1, n2, rows, min(by_memory, by_entries, share), length2, kind, mirrored)
     same_spans = mirrored or kind != "kept"
 
-    workers = [_SpanWorker(lambda: first, half)]
+    workers = [_SpanWorker(lambda: first, half, job.lanes[0])]
     workers += [
-        _SpanWorker(functools.partial(open_source, function, device), half)
-        for function, device in zip(job.functions[1:], job.devices[1:])
+        _SpanWorker(functools.partial(open_source, function, device), half, lane)
+        for function, device, lane in zip(job.functions[1:], job.devices[1:], job.lanes[1:])
     ]
     if tiling.rows and probe.run == tiling.rows[0]:
         workers[0].cache[(1, probe.run)] = probe
@@ -214,12 +222,12 @@ def run_spans(
             result = Flat.of(first.contract(probe, two))
         state["tree"], state["output"] = result, job.output(result, first.leaf_layouts(), n1, n2)
 
-    def write(source: BlockSource, result: Flat, s: int, t: int, mirror: bool) -> None:
+    def write(worker: _SpanWorker, result: Flat, s: int, t: int, mirror: bool) -> None:
         with lock:
             if "output" not in state:
                 state["tree"] = result
-                state["output"] = job.output(result, source.leaf_layouts(), n1, n2)
-        state["output"].write(result.leaves, tiling.rows[s], tiling.columns[t], mirror=mirror)
+                state["output"] = job.output(result, worker.source.leaf_layouts(), n1, n2)
+        state["output"].write(result.leaves, tiling.rows[s], tiling.columns[t], mirror=mirror, lane=worker.lane)
 
     def handle(worker: _SpanWorker, s: int, advance: Callable[[int], Any]) -> None:
         source = worker.source
@@ -231,11 +239,12 @@ def run_spans(
             two = one if same else worker.prepared(2, column, keep=True)
             with serialised(source.thread_safe):
                 result = Flat.of(source.contract(one, two))
-            write(source, result, s, t, mirror)
+            write(worker, result, s, t, mirror)
             advance(tiling.entries(s, t, mirror, kind == "kept"))
 
     total, initial = _progress(job, tiling, owned, kind == "kept")
-    serve(workers, tasks, handle, progress=job.progress, total=total, initial=initial, description="kernel blocks")
+    serve(workers, tasks, handle, lanes=job.lanes, progress=job.progress, total=total, initial=initial,
+          description="kernel blocks")
     return state["tree"], state["output"]
 
 
@@ -271,15 +280,15 @@ def run_blocks(
             break
 
     def handle(worker: tuple, block: tuple[int, int, bool], advance: Callable[[int], Any]) -> None:
-        function, device = worker
+        function, device, lane = worker
         s, t, mirror = block
         row, column = tiling.rows[s], tiling.columns[t]
         result = Flat.of(compute(function, device, row, None if (mirrored and row == column) else column))
-        output.write(result.leaves, row, column, mirror=mirror)
+        output.write(result.leaves, row, column, mirror=mirror, lane=lane)
         advance(tiling.entries(s, t, mirror, kind == "kept"))
 
-    serve(list(zip(job.functions, job.devices)), pending, handle, progress=job.progress, total=total,
-          initial=initial, description="kernel blocks")
+    serve(list(zip(job.functions, job.devices, job.lanes)), pending, handle, lanes=job.lanes, progress=job.progress,
+          total=total, initial=initial, description="kernel blocks")
     return first, output
 
 

@@ -2,11 +2,14 @@
 
 Each result leaf has a :class:`~torchntk._layout.KernelLayout` and a batch axis (``out_axes``);
 a block of examples ``run1 x run2`` lands where NOTE: [Tiles] (``_tiles.py``) says; a traced
-block is a mean over its examples, added with weight ``len(run1) / N``.
+block is a mean over its examples, added with weight ``len(run1) / N``. A worker's blocks come
+through its lane (NOTE: [Worker streams] in ``_streams.py``): into a result on a CUDA device on
+the result stream, into host memory after an asynchronous copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Optional, Sequence
 
@@ -15,6 +18,7 @@ import torch
 
 from ._batch_disk import ProgressRecord, as_numpy, assign_whole, check_out_leaf, checksum, flush
 from ._layout import KernelLayout
+from ._streams import Lane
 from ._tiles import Placement
 
 
@@ -48,6 +52,10 @@ class KernelOutput:
     Args:
         first_block, leaf_layouts: a block of the result (for shapes and dtypes) and every leaf's
             layout and batch axis.
+        device, pin_memory: where the result tensors are allocated, and whether they are pinned
+            (host memory for blocks from CUDA).
+        stream: on a CUDA ``device``, the result stream (NOTE: [Worker streams]), which the
+            tensors are allocated on: the calling thread's current stream of ``device``.
         rows: the x1 examples kept, ``(start, stop)`` (NOTE: [Row shards]); ``None``: all.
         out: ``(path, array)`` per leaf from :func:`~torchntk._batch_disk.match_out`, or ``None``.
             Arrays have the whole kernel's shape even when only ``rows`` are written.
@@ -60,7 +68,7 @@ class KernelOutput:
 
     def __init__(
         self, first_block: Sequence[torch.Tensor], leaf_layouts: Sequence[tuple[KernelLayout, int]],
-        n1: int, n2: int, device: torch.device, pin_memory: bool,
+        n1: int, n2: int, device: torch.device, pin_memory: bool, stream: Optional[torch.cuda.Stream],
         rows: Optional[tuple[int, int]] = None, out: Optional[list] = None, record: Optional[ProgressRecord] = None,
     ):
         self.n1 = n1
@@ -88,7 +96,8 @@ class KernelOutput:
             if out is None or placement.kind == "trace":
                 if out is None and placement.kind != "trace":
                     shape[placement.positions[0]] = self.rows[1] - self.rows[0]
-                tensor = torch.zeros(shape, dtype=leaf.dtype, device=device, pin_memory=pin_memory)
+                with _on(stream):  # the allocator's record of the stream that uses the memory
+                    tensor = torch.zeros(shape, dtype=leaf.dtype, device=device, pin_memory=pin_memory)
                 self.tensors.append(tensor)
                 self.targets.append(tensor)
             else:
@@ -102,29 +111,53 @@ class KernelOutput:
     def arrays(self) -> list[Any]:
         return [] if self._out is None else [array for _, array in self._out]
 
-    def write(self, leaves: Sequence[torch.Tensor], run1: tuple[int, int], run2: tuple[int, int], mirror: bool) -> None:
+    def write(
+        self, leaves: Sequence[torch.Tensor], run1: tuple[int, int], run2: tuple[int, int], mirror: bool,
+        lane: Optional[Lane] = None,
+    ) -> None:
         """Writes the block of x1 examples ``run1`` and x2 examples ``run2`` (and its mirror image);
-        a traced block is a mean over ``run1``, added with weight ``len(run1) / N1``."""
+        a traced block is a mean over ``run1``, added with weight ``len(run1) / N1``.
+
+        ``lane``: the worker's lane, from whose stream ``leaves`` come; ``None``: the calling
+        thread's current streams, written at once. Through a CUDA lane, blocks for host memory
+        are written once their copy has arrived (NOTE: [Worker streams])."""
+        if lane is None or all(_on_device(target) for target in self.targets):
+            self._write_now(leaves, run1, run2, mirror, lane)
+            return
+        staged = [
+            block if _on_device(target) else lane.to_host(block) for target, block in zip(self.targets, leaves)
+        ]
+        lane.then(lambda: self._write_now(staged, run1, run2, mirror, lane))
+
+    def _write_now(self, leaves: Sequence[torch.Tensor], run1: tuple[int, int], run2: tuple[int, int], mirror: bool,
+                   lane: Optional[Lane]) -> None:
         checksums = []
-        for target, block, placement in zip(self.targets, leaves, self._placements):
-            if placement.kind == "trace":
-                with self._lock:  # blocks of several workers add into one tensor
-                    placement.put(target, moved(block, target.device), run1, run2, weight=run1[1] / self.n1)
-                continue
-            if isinstance(target, torch.Tensor):
-                placement.put(target, moved(block, target.device), run1, run2, mirror=mirror,
-                              row_offset=self._row_offset)
-                data = None
-            else:
-                data = as_numpy(block)
-                with self._lock:  # blocks of two workers may share a chunk of a chunked store
-                    placement.put(target, data, run1, run2, mirror=mirror, row_offset=self._row_offset)
-            if self._record is not None:
-                checksums.append(checksum(as_numpy(block) if data is None else data))
+        device_blocks = [block for target, block in zip(self.targets, leaves) if _on_device(target)]
+        handing_over = lane.handing_over(device_blocks) if lane is not None and device_blocks else None
+        with handing_over or contextlib.nullcontext():
+            for target, block, placement in zip(self.targets, leaves, self._placements):
+                if placement.kind == "trace":
+                    with self._lock:  # blocks of several workers add into one tensor
+                        placement.put(target, moved(block, target.device), run1, run2, weight=run1[1] / self.n1)
+                    continue
+                checksums.append(self._put(target, block, placement, run1, run2, mirror))
         if self._record is not None:
             self._record.completed(run1, run2, checksums, self.arrays)
 
-    def finish(self) -> list[Any]:
+    def _put(self, target: Any, block: torch.Tensor, placement: Placement, run1, run2, mirror: bool) -> Optional[int]:
+        """Puts one kept or diagonal block in place; its checksum when a progress record is kept."""
+        if isinstance(target, torch.Tensor):
+            placement.put(target, moved(block, target.device), run1, run2, mirror=mirror, row_offset=self._row_offset)
+            data = None
+        else:
+            data = as_numpy(block)
+            with self._lock:  # blocks of two workers may share a chunk of a chunked store
+                placement.put(target, data, run1, run2, mirror=mirror, row_offset=self._row_offset)
+        if self._record is None:
+            return None
+        return checksum(as_numpy(block) if data is None else data)
+
+    def finish(self) -> list[Any]:  # after every lane's writes (``serve`` ends with them)
         """The result's leaves: the kernel tensors, or ``out``'s arrays with every block in place."""
         if self._out is None:
             return self.tensors
@@ -142,3 +175,13 @@ class KernelOutput:
             block = target[placement.index(run1, run2, self._row_offset)]
             sums.append(checksum(as_numpy(block) if isinstance(block, torch.Tensor) else np.asarray(block)))
         return sums
+
+
+def _on_device(target: Any) -> bool:
+    """Whether ``target`` (a result tensor or an ``out`` array) lives on a CUDA device."""
+    return isinstance(target, torch.Tensor) and target.device.type == "cuda"
+
+
+def _on(stream: Optional[torch.cuda.Stream]):
+    """``torch.cuda.stream(stream)``, or nothing for ``None``."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -78,12 +78,35 @@ def resolve(device_count: int, devices: Optional[tuple[torch.device, ...]], inpu
 
 
 
-def move(tree: Any, device: torch.device) -> Any:
+def move(tree: Any, device: torch.device, asynchronous: bool = False) -> Any:
     """``tree`` with every tensor leaf moved to ``device``; other leaves (``None`` too) as they are.
 
     The one tree-to-device move of the package, so that batching and Monte Carlo hand tensors to a
-    device the same way.
+    device the same way. ``asynchronous``: copies towards a CUDA device do not wait (the current
+    stream orders them before any use there); only for sources nobody writes to until the device
+    has been synchronised, since a pinned source is read after this returns. Copies to the CPU
+    always wait.
     """
+    asynchronous = asynchronous and device.type == "cuda"
     flat = Flat.of(tree)
-    leaves = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat.leaves]
+    leaves = [
+        leaf.to(device, non_blocking=asynchronous) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat.leaves
+    ]
     return flat.rebuild(leaves)
+
+
+def pinned(tree: Any) -> Any:
+    """``tree`` with its CPU tensors in pinned (page-locked) memory, from which copies to a CUDA
+    device run without the host waiting: a copy of each such tensor (one per tensor, however many
+    leaves hold it)."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def pin(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type != "cpu" or leaf.is_pinned():
+            return leaf
+        if id(leaf) not in copies:
+            copies[id(leaf)] = leaf.pin_memory()
+        return copies[id(leaf)]
+
+    flat = Flat.of(tree)
+    return flat.rebuild([pin(leaf) for leaf in flat.leaves])

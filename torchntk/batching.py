@@ -30,7 +30,7 @@ from ._batch_disk import ProgressRecord, assign_whole, fingerprint, match_out, o
 from ._batch_jobs import Job, run_blocks, run_spans
 from ._block_source import BlockRequest
 from ._blocks import Replan
-from ._devices import device_count_argument, devices_argument, move, resolve
+from ._devices import device_count_argument, devices_argument, move, pinned, resolve
 from ._fingerprint import structure_fingerprint
 from ._kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
 from ._tree import Flat, is_all_none
@@ -243,6 +243,8 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: 
         problem = fingerprint(settings.spec, (x1, x2, args, kwargs), settings.batch_size, shard)
         problem["out"] = [[list(leaf.shape), str(leaf.dtype)] for leaf in out_leaves(out)]
         record = ProgressRecord.open(progress_file, problem)
+    if any(device.type == "cuda" for device in devices):  # copies to the devices run asynchronously from pinned memory
+        x1, x2, args, kwargs = pinned((x1, x2, args, kwargs))
     functions = settings.functions(devices)
     store_device = devices[0] if settings.store_on_device else torch.device("cpu")
     pin = store_device.type == "cpu" and any(device.type == "cuda" for device in devices)
@@ -297,7 +299,7 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
 
     def open_source(function: Callable, device: torch.device, thorough: bool):
         request = BlockRequest(settings.batch_size or None, thorough)
-        moved = move((x1, x2, args, kwargs), device)
+        moved = move((x1, x2, args, kwargs), device, asynchronous=True)  # on the worker's own stream
         return spec_of(function).open_blocks(request, moved[0], moved[1], *moved[2], **moved[3])
 
     for thorough in (False, True):
@@ -322,11 +324,10 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
     n1, n2 = _batch_size_of(flat1, "x1"), _batch_size_of(flat2, "x2")
     if n1 == 0 or n2 == 0:
         return _Empty(n1)
-    moved_args: dict = {}
+    # Moved here, in the calling thread, on the streams every worker's stream starts after.
+    moved_args = {device: move(args, device, asynchronous=True) for device in set(job.devices)}
 
     def compute(function: Callable, device: torch.device, run1, run2) -> PyTree:
-        if device not in moved_args:
-            moved_args[device] = move(args, device)
         one = _slice(flat1, *run1, device)
         two = None if run2 is None else _slice(flat2, *run2, device)
         cut = {key: _cut(key, value, run1, run2 or run1, n1, n2, device) for key, value in kwargs.items()}
@@ -338,7 +339,7 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
 def _cut(key: str, value: Any, run1, run2, n1: int, n2: int, device: torch.device) -> Any:
     """A keyword argument for one block: tensor 2-tuples are cut like x1 and x2."""
     if key in _NOT_SPLIT or not (isinstance(value, tuple) and len(value) == 2):
-        return move(value, device)
+        return move(value, device, asynchronous=True)
     halves = []
     for half, (start, length), size, name in ((value[0], run1, n1, "x1"), (value[1], run2, n2, "x2")):
         flat = Flat.of(half)
