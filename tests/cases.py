@@ -73,9 +73,10 @@ def make_x1_x2(case: ModelCase, seed: int = DEFAULT_SEED) -> tuple[PyTree, PyTre
 
 
 def _build(module_fn: Callable[[], nn.Module], seed: int) -> nn.Module:
-    """Build under a forked global RNG so parameter init is seeded without side effects."""
+    """Build under a forked global RNG so parameter init is seeded without side effects: modules are
+    made on the CPU, and only the CPU generator (which the fork restores) is seeded, not CUDA's."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)
         module = module_fn()
     return module.to(torch.float64).to(DEVICE).eval()
 
