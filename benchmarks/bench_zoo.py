@@ -72,7 +72,7 @@ def timed(call, repeats: int) -> tuple[float, float]:
 
 def cold(call) -> float:
     """The time of ``call`` with the contraction planners' caches emptied, as in a new process."""
-    for cache in (_contract.pair_cost, _contract._expression, _contract._starts_within_a_side):
+    for cache in (_contract.pair_cost, _contract._expression, _contract._path):
         cache.cache_clear()
     return timed(call, 0)[0]
 

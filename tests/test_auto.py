@@ -8,12 +8,17 @@ kernel against the float64 brute force.
 
 from __future__ import annotations
 
+import collections
+import math
 from unittest import mock
 
+import opt_einsum
 import pytest
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import torchntk
 from tests import cases
@@ -21,6 +26,8 @@ from tests.cases import to_device
 from torchntk import Estimate, NtkImplementation
 from torchntk._implementations import auto as auto_module
 from torchntk._implementations import structured as structured_module
+from torchntk._implementations.structured import _contract as structured_contract
+from torchntk._implementations.structured import _cost as structured_cost_module
 from torchntk._implementations.structured import _joint as structured_joint
 from torchntk.testing import assert_kernels_close, reference_ntk
 
@@ -169,7 +176,7 @@ def test_parameters_the_check_demotes_are_priced_again_as_fallback():
     assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
 
 
-def _first_call(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor):
+def _first_call(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, trace_axes: tuple = ()):
     """The validated kernel call AUTO chooses for (caught on its way to ``choose``)."""
     calls = []
     original = auto_module.choose
@@ -179,7 +186,7 @@ def _first_call(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor):
         return original(call, plans)
 
     with mock.patch.object(auto_module, "choose", catching):
-        torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0).auto_choice(x1, x2)
+        torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=0).auto_choice(x1, x2)
     return calls[0]
 
 
@@ -298,3 +305,139 @@ def test_the_counter_counts_the_flops_torchs_flop_counter_counts():
         torch.func.functional_call(model, params, (x,))
     assert counter.flops == reference.get_total_flops() > 0
     assert counter.calls > 0 and counter.elements > counter.view_elements > 0
+
+
+class _Products(nn.Module):
+    """Every matrix product the counter prices from shapes (``addmm`` with its scalars, ``baddbmm``),
+    a recurrent layer (multi-output ops) and a view-heavy tail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 4))
+        self.bias = nn.Parameter(torch.randn(4))
+        self.rnn = nn.LSTM(4, 3, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.addmm(self.bias, x.reshape(-1, 5), self.weight, beta=0.5, alpha=2.0).reshape(x.shape[0], -1, 4)
+        mix = torch.ones(x.shape[0], 4, 2, dtype=h.dtype, device=h.device)
+        h = torch.baddbmm(h[..., :1, :2], h, mix, alpha=0.5)  # the input broadcast: shaped unlike the factors
+        h, _ = self.rnn(torch.cat([h, h], -1))
+        return h.transpose(1, 2).reshape(x.shape[0], -1)
+
+
+class _ReferenceCounter(TorchDispatchMode):
+    """What :class:`auto_module._Counter` counts, written the plain way: the registry's formula
+    looked up per call, every result flattened by pytree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = self.elements = self.view_elements = self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        self.calls += 1
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=result)
+        elements = sum(leaf.numel() for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor))
+        self.elements += elements
+        self.view_elements += elements if func.is_view else 0
+        return result
+
+
+@pytest.mark.parametrize("build, shape", [(_Mixed, (2, 2, 7)), (_Products, (2, 3, 5)), (_wide, (3, 16))])
+def test_the_counter_counts_what_a_plain_count_counts(build, shape):
+    model = build().double().to(cases.DEVICE)
+    x = to_device(torch.randn(*shape, dtype=torch.float64))
+    params = dict(model.named_parameters())
+    counts = []
+    for counter in (_ReferenceCounter(), auto_module._Counter(), auto_module._Counter()):  # the second: cached
+        with torch.no_grad(), counter:
+            torch.func.functional_call(model, params, (x,))
+        counts.append((counter.calls, counter.elements, counter.view_elements, counter.flops))
+    with torch.no_grad(), FlopCounterMode(display=False) as flop_counter:
+        model(x)
+    assert counts[0] == counts[1] == counts[2]
+    assert counts[1][3] == flop_counter.get_total_flops() > 0
+    assert counts[1][1] > counts[1][2] > 0
+
+
+class _Tied(nn.Module):
+    """One weight used whole twice (once transposed) and sliced once (pairs through ``J``), and an
+    RNN whose uses merge over time steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Linear(6, 4)
+        self.rnn = nn.RNN(4, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(torch.tanh(self.encode(x)))
+        return h @ self.encode.weight + h[..., :2] @ self.encode.weight[:2]
+
+
+def _contract_path_cost(equation: str, shapes: tuple) -> tuple[float, float]:
+    """``_contract.pair_cost`` the plain way: ``opt_einsum.contract_path``'s report, after summing
+    out the indices of one operand only."""
+    inputs, output = equation.split("->")
+    terms = inputs.split(",")
+    counts = collections.Counter(equation.replace(",", "").replace("->", ""))
+    reduced_terms, reduced_shapes, summed = [], [], 0.0
+    for term, shape in zip(terms, shapes):
+        keep = [i for i, letter in enumerate(term) if counts[letter] > 1]
+        summed += math.prod(shape) if len(keep) < len(term) else 0
+        reduced_terms.append("".join(term[i] for i in keep))
+        reduced_shapes.append(tuple(shape[i] for i in keep))
+    _, info = opt_einsum.contract_path(
+        ",".join(reduced_terms) + "->" + output, *reduced_shapes, shapes=True, optimize="optimal",
+        memory_limit=structured_contract._MAX_INTERMEDIATE,
+    )
+    return summed + float(info.opt_cost), float(info.largest_intermediate)
+
+
+@pytest.mark.parametrize("trace_axes", [(), (-1,)], ids=["full", "traced"])
+@pytest.mark.parametrize("build, features", [(_wide, (16,)), (_Tied, (5, 6)), (_Mixed, (2, 7))])
+def test_structured_pricing_on_shapes_prices_what_meta_tensors_and_contract_path_price(build, features, trace_axes):
+    """``structured_cost`` prices uses of :class:`_cost._Shape` with ``_contract.pair_cost``; on
+    meta tensors with ``opt_einsum.contract_path``'s report it gives the same numbers, and so does
+    every equation it prices."""
+    model = build().double().to(cases.DEVICE)
+    generator = torch.Generator().manual_seed(5)
+    x1, x2 = to_device(tuple(torch.randn(n, *features, dtype=torch.float64, generator=generator) for n in (4, 3)))
+    call = _first_call(model, x1, x2, trace_axes)
+    plan = structured_module.probe_plan(call, structured_module.StructuredOptions()).unchecked()
+    priced = []
+    original = structured_contract.pair_cost.__wrapped__
+
+    def recording(equation, shapes):
+        priced.append((equation, shapes))
+        return original(equation, shapes)
+
+    with mock.patch.object(structured_cost_module, "pair_cost", recording):
+        fast = structured_cost_module.structured_cost(call, plan)
+
+    def meta(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    with mock.patch.object(structured_cost_module, "_Shape", meta), \
+            mock.patch.object(structured_cost_module, "pair_cost", _contract_path_cost):
+        slow = structured_cost_module.structured_cost(call, plan)
+    assert fast == slow and fast.contraction_flops > 0 and fast.contractions > 0
+    assert len(priced) > 0
+    for equation, shapes in priced:
+        assert original(equation, shapes) == _contract_path_cost(equation, shapes)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -3])
+def test_stacking_shapes_gives_the_shape_stacking_tensors_gives(dim):
+    tensors = [torch.empty(2, 3, device="meta", dtype=torch.float64) for _ in range(4)]
+    shapes = [structured_cost_module._Shape((2, 3), torch.float64) for _ in range(4)]
+    stacked = torch.stack(shapes, dim=dim)
+    expected = torch.stack(tensors, dim=dim)
+    assert (stacked.shape, stacked.dtype, stacked.ndim, stacked.numel()) == (
+        expected.shape, expected.dtype, expected.ndim, expected.numel()
+    )
+    assert torch.stack(shapes, dim).shape == expected.shape
+    with pytest.raises(TypeError):
+        torch.cat(shapes)  # pricing needs stacking only: anything else fails loudly

@@ -490,3 +490,26 @@ def test_x1_and_x2_of_different_shapes_take_a_pass_each(monkeypatch):
     kernel = torchntk.empirical_ntk_fn(case.module, trace_axes=(), vmap_axes=0, implementation=3)(x1, x2)
     assert passes[-2:] == [N2, N1]
     assert_kernels_close(kernel, reference_ntk(case.module, x1, x2, trace_axes=()))
+
+
+_TENSOR = torch.ones(2)
+_NAMED = torch.return_types.max((torch.ones(1), torch.zeros(1, dtype=torch.long)))
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((_TENSOR, 1, [_TENSOR, _TENSOR], None), {"dim": 0}),
+        ((_TENSOR, "mean", torch.float32, torch.device("cpu")), {"out": None}),
+        ((_TENSOR, torch.Size([2, 1])), {}),  # a tuple subclass: pytree's way
+        (([_TENSOR, (_TENSOR, 2.0)],), {"nested": {"inner": _TENSOR}}),
+        ((_NAMED,), {}),
+        ((), {}),
+    ],
+    ids=["flat", "scalars", "size", "nested", "named-tuple", "empty"],
+)
+def test_the_recorders_argument_leaves_are_pytrees(args, kwargs):
+    from torchntk._implementations.structured._recorder import _argument_leaves
+
+    fast, reference = _argument_leaves(args, kwargs), pytree.tree_leaves((args, kwargs))
+    assert len(fast) == len(reference) and all(one is two for one, two in zip(fast, reference))

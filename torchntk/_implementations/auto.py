@@ -31,8 +31,9 @@ ops the FLOP formulas ignore) and the shapes, plus a FLOP equivalent per sequent
 NOTE: [What choosing may cost]
 Choosing must cost a small fraction of the kernel it picks, also for models whose kernel takes a
 few milliseconds, where every probe pass is a sizeable share of the kernel. Only the count is
-always made (about two plain forward passes of one example); everything else is made when it
-can change the pick and can pay for itself:
+always made (a plain forward pass of one example plus about 5 us of Python dispatch per ATen
+call, :class:`_Counter`); everything else is made when it can change the pick and can pay for
+itself:
 
 * implementation 2 is priced first with forward mode assumed, and probed (NOTE: [AUTO's
   feasibility filter]) only when it is the cheapest of 1 and 2: a candidate is never picked
@@ -46,6 +47,15 @@ can change the pick and can pay for itself:
   (NOTE: [Checking a plan against autograd], the dearest part of a plan: many forward passes on
   CNNs), reusing the probe; parameters the check demotes are priced again as fallback. The probe
   and the check are the plan the kernel computes with, so they are wasted only when 3 loses.
+  Pricing 3 from the probe (:func:`structured_cost`) works on shapes, not meta tensors, and plans
+  each pair contraction once with opt_einsum's optimiser but not its bookkeeping
+  (:func:`structured._contract.pair_cost`): the same numbers as before in 55-80% of the time
+  (0.3-1.5 ms on the small zoo models at N=16, planners' caches empty).
+
+What remains is mostly passes over the model: the count (1-2 ms on the recurrent and ViT models
+of the zoo at N=16) and, when 3 is priced, its probe (0.4-4 ms). The probe cannot also count:
+whether to probe is decided from the count (and the probe's own Python costs are in its
+recorder, ``structured/_recorder.py``).
 
 What was not probed or priced is reported in ``AutoChoice.unprobed``. With ``_PROBE_EVERYTHING``
 (the tests' switch) every candidate is probed and priced, as before the budget.
@@ -72,6 +82,7 @@ one piece of reasoning, calibrated together.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -302,9 +313,13 @@ class _Counter(TorchDispatchMode):
     without views made 2 look cheaper than it runs on GPT-2 and the small MLPs: left undone). The
     probe's cost (:meth:`_Prices.probe_cost`, fitted later) leaves views out.
 
-    One mode instead of ``FlopCounterMode`` and a second call counter: this costs about a plain
-    forward pass on top of the pass, half what the two did (whose module tracking hooked every
-    module call).
+    One mode instead of ``FlopCounterMode`` and a second call counter (whose module tracking hooked
+    every module call): the pass costs about 5 us more per ATen call than a plain one, most of it
+    the mode's Python dispatch. What each op overload needs is looked up once
+    (:func:`_op_counting`), and matrix products, the only counted ops of most small models, are
+    priced from their shapes directly: ``flop_counter``'s formulas map every argument through
+    pytree, twice for ``addmm``, 20-40 us a call, as much as the rest of the counting of a
+    recurrent layer.
     """
 
     def __init__(self) -> None:
@@ -318,17 +333,57 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         self.calls += 1
         result = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=result)
+        flops, is_view = _op_counting(func)
+        if flops is not None:
+            self.flops += flops(args, kwargs, result)
         if isinstance(result, torch.Tensor):
             elements = result.numel()
         else:
             elements = sum(leaf.numel() for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor))
         self.elements += elements
-        if func.is_view:
+        if is_view:
             self.view_elements += elements
         return result
+
+
+_OpFlops = Callable[[tuple, dict, Any], int]
+
+
+def _op_counting(func: Any) -> tuple[Optional[_OpFlops], bool]:
+    """How :class:`_Counter` counts ``func`` (an ATen op overload): its FLOPs as a function of its
+    arguments and result (None: not counted), and whether it is a view. Cached per overload."""
+    counting = _OP_COUNTING.get(func)
+    if counting is None:
+        packet = func._overloadpacket
+        flops = _MATRIX_PRODUCT_FLOPS.get(packet)
+        if flops is None:
+            formula = flop_registry.get(packet)
+            if formula is not None:
+                flops = functools.partial(_registered_flops, formula)
+        counting = _OP_COUNTING[func] = (flops, bool(func.is_view))
+    return counting
+
+
+def _registered_flops(formula: Callable, args: tuple, kwargs: dict, result: Any) -> int:
+    return formula(*args, **kwargs, out_val=result)
+
+
+def _product_flops(first: int, second: int) -> _OpFlops:
+    """FLOPs of a (batched) matrix product of ``args[first]`` and ``args[second]``: ``flop_counter``'s
+    count (two per multiply-add), from the shapes."""
+
+    def flops(args: tuple, kwargs: dict, result: Any) -> int:
+        return 2 * math.prod(args[first].shape) * args[second].shape[-1]
+
+    return flops
+
+
+_aten = torch.ops.aten
+_MATRIX_PRODUCT_FLOPS: dict[Any, _OpFlops] = {
+    _aten.mm: _product_flops(0, 1), _aten.addmm: _product_flops(1, 2),
+    _aten.bmm: _product_flops(0, 1), _aten.baddbmm: _product_flops(1, 2),
+}
+_OP_COUNTING: dict[Any, tuple[Optional[_OpFlops], bool]] = {}
 
 
 def _forward_count(side) -> tuple[float, int, float]:

@@ -204,14 +204,21 @@ def _cached(cache: dict, use: Use, make) -> torch.Tensor:
     return cache[id(use)][1]
 
 
-@functools.lru_cache(maxsize=1024)
 def _starts_within_a_side(equation: str, shapes: tuple, side1_operands: int) -> bool:
     """Whether opt_einsum's first step contracts two operands of the same side (``J`` first)."""
+    step = _path(equation, shapes)[0]
+    first, second = step[:2] if len(step) >= 2 else (step[0], step[0])
+    return (first < side1_operands) == (second < side1_operands)
+
+
+@functools.lru_cache(maxsize=1024)
+def _path(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """opt_einsum's optimal order for ``equation``: searched once for both the choice of order and
+    the expression that follows it."""
     path, _ = opt_einsum.contract_path(
         equation, *shapes, shapes=True, optimize="optimal", memory_limit=_MAX_INTERMEDIATE
     )
-    first, second = path[0][:2] if len(path[0]) >= 2 else (path[0][0], path[0][0])
-    return (first < side1_operands) == (second < side1_operands)
+    return tuple(tuple(step) for step in path)
 
 
 def pair_kind(role1: Role, role2: Role) -> str:
@@ -239,27 +246,42 @@ def pair_equation(
 
 @functools.lru_cache(maxsize=1024)
 def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
-    """opt_einsum's FLOP count and largest intermediate (elements) for the planned order.
+    """opt_einsum's FLOP count and largest intermediate (elements) for its optimal order.
 
     An index that appears in one operand only is summed out first (as ``torch.einsum`` does);
     opt_einsum would price it as part of the product (a bias pair sums ``G`` over positions on
     each side, which it prices as the outer product of both sides).
+
+    The numbers are ``opt_einsum.contract_path``'s (``opt_cost`` and ``largest_intermediate``, the
+    tests compare them), from its optimiser and its per-step counts, without the rest of what it
+    does (parsing, BLAS checks, each step's equation, its report: about half its time on the small
+    equations AUTO prices, where planning is much of what choosing costs).
     """
     inputs, output = equation.split("->")
     terms = inputs.split(",")
     counts = collections.Counter(equation.replace(",", "").replace("->", ""))
-    reduced_terms, reduced_shapes, summed = [], [], 0.0
+    reduced_terms, sizes, summed = [], {}, 0.0
     for term, shape in zip(terms, shapes):
-        keep = [i for i, letter in enumerate(term) if counts[letter] > 1]
-        if len(keep) < len(term):
+        kept = "".join(letter for letter in term if counts[letter] > 1)
+        if len(kept) < len(term):
             summed += math.prod(shape)
-        reduced_terms.append("".join(term[i] for i in keep))
-        reduced_shapes.append(tuple(shape[i] for i in keep))
-    _, info = opt_einsum.contract_path(
-        ",".join(reduced_terms) + "->" + output, *reduced_shapes, shapes=True, optimize="optimal",
-        memory_limit=_MAX_INTERMEDIATE,
-    )
-    return summed + float(info.opt_cost), float(info.largest_intermediate)
+        reduced_terms.append(kept)
+        for letter, size in zip(term, shape):
+            if counts[letter] > 1 and sizes.get(letter, 1) == 1:  # a size-1 axis broadcasts, as in opt_einsum
+                sizes[letter] = int(size)
+    remaining = [frozenset(term) for term in reduced_terms]
+    kept_output = frozenset(output)
+    if len(terms) > 2:
+        path = opt_einsum.paths.optimal(remaining, kept_output, sizes, _MAX_INTERMEDIATE)
+    else:
+        path = [tuple(range(len(terms)))]
+    flops, intermediates = 0, []
+    for step in path:
+        step = tuple(sorted(step, reverse=True))
+        result, remaining, removed, involved = opt_einsum.helpers.find_contraction(step, remaining, kept_output)
+        flops += opt_einsum.helpers.flop_count(involved, bool(removed), len(step), sizes)
+        intermediates.append(opt_einsum.helpers.compute_size_by_dict(result, sizes))
+    return summed + float(flops), float(max(intermediates, default=1))
 
 
 def _shared_symbols(param_labels: str) -> dict[str, str]:
@@ -345,4 +367,4 @@ def output_symbols(layout: KernelLayout) -> tuple[list[str], list[str], list[str
 
 @functools.lru_cache(maxsize=1024)
 def _expression(equation: str, shapes: tuple[tuple[int, ...], ...]):
-    return opt_einsum.contract_expression(equation, *shapes, optimize="optimal", memory_limit=_MAX_INTERMEDIATE)
+    return opt_einsum.contract_expression(equation, *shapes, optimize=[list(step) for step in _path(equation, shapes)])

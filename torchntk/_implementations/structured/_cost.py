@@ -1,16 +1,18 @@
 """Analytic cost of implementation 3 for given shapes, without computing anything (for AUTO).
 
 The probe passes give every use's per-example shapes; the pair contractions are priced by
-opt_einsum's planner on those shapes scaled to the batch, and the fallback parameters by the
-Jacobian-contraction formula. A pair of uses seeing a parameter in different coordinates (``W``
-and ``W.T``, a slice and the whole) is contracted through both uses' ``J`` (``_contract.py``)
-and priced that way. The backward sweeps are priced by the caller.
+opt_einsum's optimal order on those shapes scaled to the batch (:func:`~._contract.pair_cost`), and the
+fallback parameters by the Jacobian-contraction formula. Uses hold shapes, not tensors
+(:class:`_Shape`): pricing computes nothing. A pair of uses seeing a parameter in different
+coordinates (``W`` and ``W.T``, a slice and the whole) is contracted through both uses' ``J``
+(``_contract.py``) and priced that way. The backward sweeps are priced by the caller.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Optional
 
 import torch
 
@@ -47,7 +49,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     calls = probed if plan.ruled else []
     outputs = (call.outputs1, call.outputs2 if call.side2 is not None else call.outputs1)
     uses = [
-        [_meta_use(role, side, output_leaves) for c in calls for role in plan.roles(c)]
+        [_shaped_use(role, side, output_leaves) for c in calls for role in plan.roles(c)]
         for side, output_leaves in zip(sides, outputs)
     ]
     out_axes = call.side1.out_axes if call.side1.mapped else None
@@ -98,11 +100,45 @@ def _jacobian_cost(use: Use, leaf: int, layout, out_axis) -> float:
     return cost
 
 
-def _meta_use(role, side, output_leaves) -> Use:
+def _shaped_use(role, side, output_leaves) -> Use:
+    """The use of ``role`` on ``side`` with shapes for tensors (:class:`_Shape`)."""
     examples = (side.batch_size(),) if side.mapped else ()
-    operands = [(torch.empty(examples + tuple(t.shape), device="meta"), labels) for t, labels in role.operands]
-    gradients = tuple(torch.empty(tuple(o.shape) + tuple(role.y_shape), device="meta") for o in output_leaves)
+    operands = [(_Shape(examples + tuple(t.shape), t.dtype), labels) for t, labels in role.operands]
+    gradients = tuple(_Shape(tuple(o.shape) + tuple(role.y_shape), o.dtype) for o in output_leaves)
     return Use(dataclasses.replace(role, operands=operands), gradients)
+
+
+class _Shape:
+    """A tensor's shape and dtype without the tensor: what pricing gives a use for its operands and
+    ``G``. Merging alike uses (NOTE: [Merged uses]) stacks them; ``torch.stack`` of meta tensors
+    runs PyTorch's Python reference kernels (about 80 us a call, most of the cost of pricing a
+    recurrent layer), ``torch.stack`` of shapes (:meth:`__torch_function__`) a few microseconds.
+    """
+
+    __slots__ = ("shape", "dtype")
+    device = torch.device("meta")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func is not torch.stack:
+            return NotImplemented  # pricing needs no other op: a new use of shapes fails loudly
+        kwargs = kwargs or {}
+        shapes = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        first = shapes[0].shape
+        dim = dim if dim >= 0 else dim + len(first) + 1
+        return _Shape((*first[:dim], len(shapes), *first[dim:]), shapes[0].dtype)
 
 
 def _tensors(use: Use):
