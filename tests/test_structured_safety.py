@@ -414,3 +414,17 @@ def test_auto_prices_a_weight_seen_in_two_coordinate_systems(case_id, vmap_axes,
         estimates = auto.auto_choice(x1, x2).estimates
     structured = estimates[NtkImplementation.STRUCTURED_DERIVATIVES]
     assert math.isfinite(structured.flops) and structured.flops > 0
+
+
+def test_the_plan_check_judges_entries_against_the_parameters_largest_terms_too():
+    """Autograd's products round relative to their largest terms: a float32 error of 3e-7 of the
+    largest bound passes on an entry a thousand times smaller; an error of 1e-4 of it (a use the
+    recorder missed, or a wrong rule) does not, however small the entry."""
+    from torchntk._implementations.structured._verify import _compare
+
+    bound = torch.tensor([1.0, 1e-3, 1e-3])
+    expected = torch.tensor([1.0, 1e-3, -1e-3])
+    assert _compare(expected + torch.tensor([0.0, 3e-7, 0.0]), bound, expected) is None
+    assert _compare(expected + torch.tensor([0.0, 1e-4, 0.0]), bound, expected) is not None
+    assert _compare(expected * 1.01, bound, expected) is not None  # 1% off everywhere
+    assert _compare(expected.double() + 1e-10, bound.double(), expected.double()) is not None  # float64 is tight

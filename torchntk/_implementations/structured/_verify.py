@@ -10,10 +10,12 @@ must give exactly zero for parameters no op was seen consuming; a disagreement m
 missed a use (TorchScript, ``torch._C.DisableTorchFunction``, a C++ extension) or a rule was
 applied where it does not hold.
 
-An entry agrees when ``|structured - autograd| <= rtol * (bound + |autograd|)``, where ``bound``
-is the same contraction over absolute values: the size of the terms summed, which bounds the
-rounding error of both sides (they share the backward pass down to the ops' outputs). ``rtol``
-is tight in float64 and looser where float32 products may run in TF32 (CUDA).
+An entry agrees when ``|structured - autograd| <= rtol * (bound + |autograd| + _FLOOR * max bound)``,
+where ``bound`` is the same contraction over absolute values: the size of the terms summed, which
+bounds the rounding error of both sides (they share the backward pass down to the ops' outputs),
+and the largest bound of the parameter stands for the rounding of autograd's own products, which
+follows their largest terms (:data:`_FLOOR`). ``rtol`` is tight in float64 and looser where
+float32 products may run in TF32 (CUDA).
 
 When a plan is made this runs on the probe example(s) and demotes disagreeing parameters to the
 Jacobian fallback (:func:`disagreements`); ``verify=True`` runs it on all of x1 on every call and
@@ -41,6 +43,12 @@ _RTOL = {torch.float64: 1e-9, torch.float32: 1e-3, torch.float16: 5e-2, torch.bf
 _TF32_RTOL = 2e-2
 """TF32 products keep 10 mantissa bits: ``2^-11`` relative error per product, on either side."""
 
+_FLOOR = 1e-2
+"""An entry's error is also allowed ``rtol * _FLOOR`` of the parameter's largest bound: autograd's
+own products round relative to their largest terms. ResNet-18's float32 convolution weight
+gradients on the CPU (oneDNN, whose kernels vary from run to run) were off by up to 3e-3 of
+entries a thousand times smaller than the largest, which is 3.5e-7 of the largest bound, and that
+demoted a parameter in one run out of six."""
 _HIDDEN = "(TorchScript, torch._C.DisableTorchFunction, a C++ extension)"
 
 
@@ -151,7 +159,7 @@ def _compare(value: torch.Tensor, bound: torch.Tensor, expected: torch.Tensor) -
     dtype = torch.promote_types(value.dtype, expected.dtype)
     rtol = max(_tolerance(value.dtype, value.device), _tolerance(expected.dtype, expected.device))
     value, bound, expected = value.to(dtype), bound.to(dtype), expected.to(dtype)
-    excess = (value - expected).abs() - rtol * (bound + expected.abs())
+    excess = (value - expected).abs() - rtol * (bound + expected.abs() + _FLOOR * bound.max())
     if not excess.numel() or excess.max().item() <= 0:
         return None
     entry = int(excess.argmax())
