@@ -92,7 +92,8 @@ def test_without_matplotlib_the_figure_is_skipped(tmp_path, capsys, monkeypatch)
         (["--keyword-inputs", "input_ids,mask=twos"], "'mask=twos': a keyword input is random, or NAME=ones"),
         (["--keyword-inputs", "a,a=ones"], "names 'a' twice"),
         (["--model", "mlp", "--vmap-axes", "2"], "--vmap-axes 2: out of range for inputs of shape (16, 64)"),
-        (["bench", "--models", "resnet"], "--models 'resnet': expected a comma list of mlp, wide, cnn"),
+        (["bench", "--models", "resnet"],
+         "--models 'resnet': expected a comma list of mlp, wide, cnn, fcn, resnet18, resnet18-1000"),
         (["bench", "--implementations", "1,5"], "--implementations: expected a comma list of 1, 2, 3, got [5]"),
         (["bench", "--sizes", "0"], "argument --sizes: expected a positive integer, got '0'"),
     ],
@@ -129,6 +130,82 @@ def test_bench_writes_its_table_and_scaling_plot(tmp_path, capsys):
     table = (tmp_path / "bench.md").read_text()
     assert table.count("| mlp |") == 4  # 2 sizes x 2 implementations
     assert (tmp_path / "bench_mlp.png").stat().st_size > 10_000
+
+
+def _cells(table: str, model: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith(f"| {model} |")]
+
+
+@pytest.mark.parametrize("trace_axes", ["-1", "none"])
+def test_bench_times_the_pytorch_tutorial_in_the_same_run(tmp_path, capsys, trace_axes):
+    arguments = ["bench", "--models", "mlp", "--sizes", "1,2", "--implementations", "3", "--repeats", "1", "--no-nt",
+                 "--tutorial", f"--trace-axes={trace_axes}"]
+    assert _run(arguments + ["--output", str(tmp_path)]) == 0
+    table = (tmp_path / "bench.md").read_text()
+    assert "| tutorial [s] | tutorial / torchntk | tutorial rel diff |" in table
+    rows = _cells(table, "mlp")
+    assert len(rows) == 2
+    for row in rows:
+        ours, peer, ratio, difference = float(row[3]), float(row[4]), row[5], float(row[6])
+        # the cells round the seconds to 0.1 ms, the ratio is of the unrounded ones
+        assert ratio.endswith("x") and float(ratio[:-1]) == pytest.approx(peer / ours, rel=0.05)
+        assert difference < 1e-5  # the same kernel, float32
+
+
+def test_bench_says_what_did_not_fit_instead_of_failing(tmp_path, capsys, monkeypatch):
+    """A tutorial whose Jacobians exceed the free memory is not run; a torchntk run that runs out of
+    memory is reported as such (both cells of the table), and the other rows are timed."""
+    from torchntk.cli import bench
+
+    monkeypatch.setattr(bench, "_free_memory", lambda device: 1.0)
+    original = torchntk.empirical_ntk_fn
+
+    def failing_for_1(model, *args, implementation=0, **kwargs):
+        ntk_fn = original(model, *args, implementation=implementation, **kwargs)
+        if implementation != 1:
+            return ntk_fn
+
+        def out_of_memory(*call_args, **call_kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 47.00 GiB")
+
+        return out_of_memory
+
+    monkeypatch.setattr(torchntk, "empirical_ntk_fn", failing_for_1)
+    arguments = ["bench", "--models", "mlp", "--sizes", "1", "--implementations", "1,3", "--repeats", "1", "--no-nt",
+                 "--tutorial"]
+    assert _run(arguments + ["--output", str(tmp_path)]) == 0
+    rows = {row[2]: row for row in _cells((tmp_path / "bench.md").read_text(), "mlp")}
+    assert rows["1"][3] == "out of memory" and float(rows["3"][3]) > 0
+    assert rows["1"][4].startswith("needs ") and rows["1"][4].endswith(" GiB") and rows["1"][5] == "—"
+
+
+def test_the_bench_resnet18_is_torchvisions():
+    """The same layers, names and numbers as torchvision's resnet18: its state dict loads, and the
+    outputs agree."""
+    from tests.zoo import import_torchvision
+    from torchntk.cli._models import BENCH_MODELS
+
+    ours = BENCH_MODELS["resnet18-1000"].build()
+    theirs = import_torchvision().models.resnet18(num_classes=1000).eval()
+    theirs.load_state_dict(ours.state_dict())
+    assert sum(p.numel() for p in ours.parameters()) == 11_689_512
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
+    assert BENCH_MODELS["resnet18"].build()(x).shape == (2, 8)
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_the_tutorial_peer_computes_the_ntk(traced):
+    from torchntk.cli._tutorial import jacobian_bytes, tutorial_ntk_fn
+    from torchntk.testing import reference_ntk
+
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).double()
+    x1, x2 = torch.randn(4, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    expected = reference_ntk(model, x1, x2, trace_axes=(-1,) if traced else ())
+    torch.testing.assert_close(tutorial_ntk_fn(model, traced)(x1, x2), expected, rtol=1e-12, atol=1e-12)
+    assert jacobian_bytes(model, 4, 3) == (5 * 7 + 7 + 7 * 3 + 3) * 8 * 4 * 3
 
 
 def test_bench_asks_a_worker_process_for_neural_tangents(tmp_path, capsys):

@@ -26,12 +26,14 @@ class UsageError(Exception):
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """A model for the command line and the shape of one input example."""
+    """A model for the command line and the shape of one input example; ``jax_twin``: whether
+    :func:`jax_twin` can translate it (a ``Sequential`` of the built-in layer types)."""
 
     name: str
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
     description: str
+    jax_twin: bool = True
 
 
 def mlp(input_dim: int = 784, width: int = 512, depth: int = 2, outputs: int = 10) -> nn.Sequential:
@@ -56,6 +58,50 @@ def cnn(
         features = channels
     layers += [nn.Flatten(), nn.Linear(channels * image[1] * image[2], outputs)]
     return nn.Sequential(*layers)
+
+
+class _BasicBlock(nn.Module):
+    """ResNet's two 3x3 convolutions with batch norm and a shortcut (a strided 1x1 convolution
+    where the shape changes). Attribute names are torchvision's, so state dicts carry over."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = x if self.downsample is None else self.downsample(x)
+        y = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(y + shortcut)
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 as torchvision builds it (the same layers, names and parameter count: 11,689,512
+    with 1000 classes), so that the benchmarks need not import torchvision, whose wheel must match
+    the installed torch build."""
+
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        widths = [(64, 64, 1), (64, 128, 2), (128, 256, 2), (256, 512, 2)]
+        for index, (cin, cout, stride) in enumerate(widths, start=1):
+            setattr(self, f"layer{index}", nn.Sequential(_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -87,8 +133,18 @@ BENCH_MODELS = {
         "cnn", seeded(lambda: cnn(32, 3, (3, 16, 16), 10)), (3, 16, 16),
         "CNN 3x[Conv2d 3x3 32ch + ReLU] -> Linear(8192, 10)",
     ),
+    "fcn": ModelChoice("fcn", seeded(lambda: mlp(3072, 2048, 3, 8)), (3072,), "FCN 3072-2048x3-8 (ReLU)"),
+    "resnet18": ModelChoice(
+        "resnet18", seeded(lambda: ResNet18(8)), (3, 224, 224), "ResNet-18, 224x224, 8 logits", jax_twin=False
+    ),
+    "resnet18-1000": ModelChoice(
+        "resnet18-1000", seeded(lambda: ResNet18(1000)), (3, 224, 224), "ResNet-18, 224x224, 1000 logits",
+        jax_twin=False,
+    ),
 }
-"""The models of the benchmark tables in ``docs/benchmarks.md``."""
+"""The models of the benchmark tables in ``docs/benchmarks.md``. ``fcn`` and the ResNets are the
+settings of neural-tangents' published GPU timings (the "Fast Finite Width NTK" paper); the
+ResNets have no JAX twin here, so neural-tangents is not run on them."""
 
 JAX_LAYOUTS = ("in-out", "out-in")
 """How :func:`jax_twin` stores dense weights: ``(in, out)`` used as ``h @ W`` (what neural-tangents'

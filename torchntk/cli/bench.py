@@ -6,7 +6,10 @@ and ``neural_tangents`` can be imported, by neural-tangents (jitted) on the same
 the same weights (``_models.jax_twin``). Reported: the median of ``--repeats`` timed calls after a
 warm-up call (which includes XLA's compilation), the ratio, and the largest difference between
 the two kernels relative to the largest entry. neural-tangents runs after torchntk, in a process
-of its own (``_neural_tangents_worker.py`` says why). Output: a table on standard output, ``bench.md``
+of its own (``_neural_tangents_worker.py`` says why), on the models it has a JAX twin of (not the
+ResNets). ``--tutorial`` also times, in the same process and on the same device, the torch.func
+tutorial's Jacobian contraction (``_tutorial.py``), the code a PyTorch user would otherwise run;
+configurations that do not fit in memory are reported as such. Output: a table on standard output, ``bench.md``
 and one log-log plot of time against N per model (``bench_<model>.png``) in ``--output``.
 
 The detailed scripts in ``benchmarks/`` (peak memory per configuration in separate processes,
@@ -25,7 +28,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -37,6 +42,7 @@ from . import _arguments
 from ._figures import scaling_figure
 from ._models import BENCH_MODELS, JAX_LAYOUTS, UsageError, inputs
 from ._timing import timed_calls
+from ._tutorial import jacobian_bytes, tutorial_ntk_fn
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", type=_arguments.device, default=torch.device("cpu"),
                         help="torchntk's device (default cpu)")
     parser.add_argument("--no-nt", action="store_true", help="do not run neural-tangents even if it is installed")
+    parser.add_argument("--tutorial", action="store_true",
+                        help="also time the torch.func tutorial's Jacobian contraction (what a PyTorch user would "
+                             "write instead) in the same process, on the same device")
     parser.add_argument("--jax-layouts", default="in-out", metavar="LAYOUT,...",
                         help="dense weight layouts of neural-tangents' JAX twins: in-out (h @ W, W stored (in, out)), "
                              "out-in (h @ W.T, torch's layout), or both (default in-out); one worker process each")
@@ -84,36 +93,48 @@ def main(argv: list[str]) -> int:
                  desc="torchntk bench", leave=False)
     ours = {name: _torchntk_runs(name, arguments, steps) for name in models}
     steps.close()
+    peers = {name: _tutorial_runs(name, arguments) for name in models} if arguments.tutorial else {}
     nt_status, theirs = "not run (--no-nt)", {}
     if not arguments.no_nt:
+        nt_status = "not run (no JAX twin of these models)"
         for name in models:
+            if not BENCH_MODELS[name].jax_twin:
+                continue
             for layout in layouts:
                 nt_status, theirs[name, layout] = _neural_tangents_runs(name, arguments, layout)
     header = _header(argv, nt_status, arguments)
     rows, notes = [], []
     for name in models:
         times: dict[tuple[str, int], dict[int, float]] = {}
-        for (n, implementation), (kernel, seconds) in ours[name].items():
-            times.setdefault(("torchntk", implementation), {})[n] = seconds
-            row = [name, str(n), str(implementation), f"{seconds:.4f}"] + ["—", "—"] * len(layouts) + ["—"]
+        for (n, implementation), run in ours[name].items():
+            if run.seconds is not None:
+                times.setdefault(("torchntk", implementation), {})[n] = run.seconds
+            row = [name, str(n), str(implementation), run.cell()]
+            if arguments.tutorial:
+                peer = peers[name][n]
+                row += [peer.cell(), _ratio(peer.seconds, run.seconds), _difference(run.kernel, peer.kernel)]
+                if peer.seconds is not None:
+                    times.setdefault(("PyTorch tutorial", 1), {})[n] = peer.seconds  # its method is 1's
+            nt_cells = ["—", "—"] * len(layouts) + ["—"]
             for position, layout in enumerate(layouts):
                 if (n, implementation) not in theirs.get((name, layout), {}):
                     continue
                 reference, nt_seconds = theirs[name, layout][n, implementation]
                 label = "neural-tangents" if position == 0 else f"neural-tangents {layout}"
                 times.setdefault((label, implementation), {})[n] = nt_seconds
-                row[4 + 2 * position: 6 + 2 * position] = [f"{nt_seconds:.4f}", f"{nt_seconds / seconds:.2f}x"]
+                nt_cells[2 * position: 2 + 2 * position] = [f"{nt_seconds:.4f}", _ratio(nt_seconds, run.seconds)]
                 if position == 0:
-                    difference = np.abs(kernel - reference).max() / max(np.abs(reference).max(), 1e-30)
-                    row[-1] = f"{difference:.1e}"
-            rows.append(row)
+                    nt_cells[-1] = _difference(run.kernel, reference)
+            rows.append(row + nt_cells)
         figure = scaling_figure(times, arguments.output / f"bench_{name}.png", f"NTK time vs N: {name}")
-        notes.append(f"{name}: {BENCH_MODELS[name].description}; {figure}")
+        twin = "" if BENCH_MODELS[name].jax_twin else " (no JAX twin: neural-tangents not run)"
+        notes.append(f"{name}: {BENCH_MODELS[name].description}{twin}; {figure}")
     nt_columns = []
     for position, layout in enumerate(layouts):
         suffix = "" if len(layouts) == 1 else f" {layout}"
         nt_columns += [f"neural-tangents{suffix} [s]", f"NT{suffix} / torchntk"]
-    headers = ["model", "N", "impl", "torchntk [s]"] + nt_columns + ["max rel diff"]
+    tutorial_columns = ["tutorial [s]", "tutorial / torchntk", "tutorial rel diff"] if arguments.tutorial else []
+    headers = ["model", "N", "impl", "torchntk [s]"] + tutorial_columns + nt_columns + ["NT rel diff"]
     print("\n".join(header))
     print(_arguments.text_table(headers, rows))
     print("\n".join(notes))
@@ -124,23 +145,99 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _torchntk_runs(name: str, arguments, steps) -> dict[tuple[int, int], tuple[np.ndarray, float]]:
+@dataclass(frozen=True)
+class _Run:
+    """One timed configuration: its kernel and median seconds, or why it could not run."""
+
+    kernel: Optional[np.ndarray] = None
+    seconds: Optional[float] = None
+    failure: str = ""
+
+    def cell(self) -> str:
+        return f"{self.seconds:.4f}" if self.seconds is not None else self.failure
+
+    @staticmethod
+    def timed(call: Callable[[], torch.Tensor], repeats: int, device: torch.device) -> "_Run":
+        """``call`` timed, or the run that ran out of memory (which the table then shows)."""
+        try:
+            kernel, times = timed_calls(call, repeats, device)
+        except (torch.OutOfMemoryError, MemoryError) as error:
+            return _Run.out_of_memory(device, error)
+        except RuntimeError as error:
+            if "allocate" not in str(error) and "out of memory" not in str(error):
+                raise
+            return _Run.out_of_memory(device, error)
+        return _Run(kernel.detach().cpu().numpy(), statistics.median(times))
+
+    @staticmethod
+    def out_of_memory(device: torch.device, error: BaseException) -> "_Run":
+        del error  # its traceback holds the tensors of the failed call
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return _Run(failure="out of memory")
+
+
+def _torchntk_runs(name: str, arguments, steps) -> dict[tuple[int, int], _Run]:
     choice = BENCH_MODELS[name]
     model = choice.build().to(arguments.device)
     runs = {}
     for n in arguments.sizes:
-        x = inputs(choice.input_shape, 2 * n, torch.float32, torch.device("cpu")).to(arguments.device)
-        x1, x2 = x[:n], x[n:]
+        x1, x2 = _bench_inputs(choice, n, arguments.device)
         for implementation in arguments.implementations:
             steps.set_postfix_str(f"{name}, N={n}, implementation {implementation}")
             ntk_fn = torchntk.empirical_ntk_fn(
                 model, trace_axes=arguments.trace_axes, vmap_axes=0, implementation=implementation
             )
-            kernel, times = timed_calls(lambda: ntk_fn(x1, x2), arguments.repeats, arguments.device)
-            seconds = statistics.median(times)
-            runs[n, implementation] = (kernel.detach().cpu().numpy(), seconds)
+            runs[n, implementation] = _Run.timed(lambda: ntk_fn(x1, x2), arguments.repeats, arguments.device)
             steps.update(1)
     return runs
+
+
+def _tutorial_runs(name: str, arguments) -> dict[int, _Run]:
+    """The torch.func tutorial's Jacobian contraction (``_tutorial.py``) on the same model, inputs
+    and device; a size whose Jacobians would not fit in the device's free memory is not run."""
+    choice = BENCH_MODELS[name]
+    model = choice.build().to(arguments.device)
+    traced = tuple(arguments.trace_axes) == (-1,)
+    if not traced and tuple(arguments.trace_axes):
+        return {n: _Run(failure="traced -1 or full only") for n in arguments.sizes}
+    ntk = tutorial_ntk_fn(model, traced)
+    runs = {}
+    for n in arguments.sizes:
+        x1, x2 = _bench_inputs(choice, n, arguments.device)
+        outputs = model(x1[:1]).shape[-1]
+        needed = 2 * jacobian_bytes(model, n, outputs)
+        if needed > _free_memory(arguments.device):
+            runs[n] = _Run(failure=f"needs {needed / 2**30:.3g} GiB")
+            continue
+        with torch.no_grad():
+            runs[n] = _Run.timed(lambda: ntk(x1, x2), arguments.repeats, arguments.device)
+    return runs
+
+
+def _bench_inputs(choice, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x = inputs(choice.input_shape, 2 * n, torch.float32, torch.device("cpu")).to(device)
+    return x[:n], x[n:]
+
+
+def _free_memory(device: torch.device) -> float:
+    """Bytes a run may use: the CUDA device's free memory, or half the machine's."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    if hasattr(os, "sysconf"):
+        return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float("inf")
+
+
+def _ratio(other: Optional[float], ours: Optional[float]) -> str:
+    return "—" if other is None or ours is None else f"{other / ours:.2f}x"
+
+
+def _difference(kernel: Optional[np.ndarray], reference: Optional[np.ndarray]) -> str:
+    """The largest difference of two kernels relative to the reference's largest entry."""
+    if kernel is None or reference is None:
+        return "—"
+    return f"{np.abs(kernel - reference).max() / max(np.abs(reference).max(), 1e-30):.1e}"
 
 
 def _neural_tangents_runs(
@@ -181,6 +278,7 @@ def _header(argv: list[str], nt_status: str, arguments) -> list[str]:
         f"command : torchntk bench {' '.join(argv)}".rstrip(),
         f"date    : {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"machine : {_processor()}, {os.cpu_count()} logical cores, {memory:.1f} GiB RAM, {platform.platform()}",
+        *([f"GPU     : {torch.cuda.get_device_name(arguments.device)}"] if arguments.device.type == "cuda" else []),
         f"torch   : {torch.__version__} ({torch.get_num_threads()} threads), torchntk {torchntk.__version__}, "
         f"device {arguments.device}",
         f"NT      : {nt_status}",

@@ -1,0 +1,24 @@
+"""Benchmark scripts that only a GPU session runs in earnest still run: on the CPU, tiny sizes."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tests._processes import run_python
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("runs a benchmark script in a child process, on the CPU by its own --device")
+def test_the_cuda_benchmark_runs_on_the_cpu():
+    done = run_python(
+        str(ROOT / "benchmarks" / "bench_cuda.py"), "--device", "cpu", "--n", "24", "--warmup-n", "4",
+        "--batch-size", "8", "--profile-n", "1", "--profile-calls", "1", "--profile-rows", "5", timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "| 24 | (24, 24) cpu |" in out and "| True |" in out
+    assert "aten::" in out and "Self CPU" in out
