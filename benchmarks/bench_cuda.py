@@ -110,16 +110,17 @@ def profile(args: argparse.Namespace, device: torch.device) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--parts", default="large,profile")
-    parser.add_argument("--n", type=int, default=10_000)
-    parser.add_argument("--warmup-n", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--cache-bytes", type=int, default=torchntk.batching.DEFAULT_CACHE_BYTES)
-    parser.add_argument("--implementation", type=int, default=3)
-    parser.add_argument("--profile-n", type=int, default=8)
-    parser.add_argument("--profile-calls", type=int, default=5)
-    parser.add_argument("--profile-rows", type=int, default=25)
+    parser.add_argument("--device", default="cuda", help="where to compute (default cuda)")
+    parser.add_argument("--parts", default="large,profile", help="comma list of large, profile (default both)")
+    parser.add_argument("--n", type=int, default=10_000, help="examples of the large kernel (default 10000)")
+    parser.add_argument("--warmup-n", type=int, default=256, help="examples of its warm-up call (default 256)")
+    parser.add_argument("--batch-size", type=int, default=256, help="batch's batch_size (default 256)")
+    parser.add_argument("--cache-bytes", type=int, default=torchntk.batching.DEFAULT_CACHE_BYTES,
+                        help="batch's cache_bytes (default 1 GiB)")
+    parser.add_argument("--implementation", type=int, default=3, help="NTK implementation (default 3)")
+    parser.add_argument("--profile-n", type=int, default=8, help="N1 = N2 of the profiled kernel (default 8)")
+    parser.add_argument("--profile-calls", type=int, default=5, help="profiled calls (default 5)")
+    parser.add_argument("--profile-rows", type=int, default=25, help="operations listed (default 25)")
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
