@@ -130,15 +130,14 @@ def _progress(job: Job, tiling: Tiling, tasks: list[int], kept: bool) -> tuple[i
 
 
 class _SpanWorker:
-    """A device's :class:`BlockSource`, its cache of prepared spans (``room`` bytes left) and its lane.
+    """A device's :class:`BlockSource` and its cache of prepared spans (``room`` bytes left).
 
     The source is opened by ``open_source`` on first use, in the worker's own thread (opening
     runs the model's forward passes for the checks).
     """
 
-    def __init__(self, open_source: Callable[[], BlockSource], room: float, lane: Lane):
+    def __init__(self, open_source: Callable[[], BlockSource], room: float):
         self._open_source = open_source
-        self.lane = lane
         self._source: Optional[BlockSource] = None
         self.cache: dict[tuple[int, Run], Prepared] = {}
         self.room = room
@@ -204,10 +203,10 @@ def run_spans(
     tiling = tile(n1, n2, rows, min(by_memory, by_entries, share), length2, kind, mirrored)
     same_spans = mirrored or kind != "kept"
 
-    workers = [_SpanWorker(lambda: first, half, job.lanes[0])]
+    workers = [_SpanWorker(lambda: first, half)]
     workers += [
-        _SpanWorker(functools.partial(open_source, function, device), half, lane)
-        for function, device, lane in zip(job.functions[1:], job.devices[1:], job.lanes[1:])
+        _SpanWorker(functools.partial(open_source, function, device), half)
+        for function, device in zip(job.functions[1:], job.devices[1:])
     ]
     if tiling.rows and probe.run == tiling.rows[0]:
         workers[0].cache[(1, probe.run)] = probe
@@ -222,14 +221,14 @@ def run_spans(
             result = Flat.of(first.contract(probe, two))
         state["tree"], state["output"] = result, job.output(result, first.leaf_layouts(), n1, n2)
 
-    def write(worker: _SpanWorker, result: Flat, s: int, t: int, mirror: bool) -> None:
+    def write(source: BlockSource, lane: Lane, result: Flat, s: int, t: int, mirror: bool) -> None:
         with lock:
             if "output" not in state:
                 state["tree"] = result
-                state["output"] = job.output(result, worker.source.leaf_layouts(), n1, n2)
-        state["output"].write(result.leaves, tiling.rows[s], tiling.columns[t], mirror=mirror, lane=worker.lane)
+                state["output"] = job.output(result, source.leaf_layouts(), n1, n2)
+        state["output"].write(result.leaves, tiling.rows[s], tiling.columns[t], mirror=mirror, lane=lane)
 
-    def handle(worker: _SpanWorker, s: int, advance: Callable[[int], Any]) -> None:
+    def handle(worker: _SpanWorker, lane: Lane, s: int, advance: Callable[[int], Any]) -> None:
         source = worker.source
         span = tiling.rows[s]
         one = worker.prepared(1, span, keep=source.reuses_prepared())
@@ -239,7 +238,7 @@ def run_spans(
             two = one if same else worker.prepared(2, column, keep=True)
             with serialised(source.thread_safe):
                 result = Flat.of(source.contract(one, two))
-            write(worker, result, s, t, mirror)
+            write(source, lane, result, s, t, mirror)
             advance(tiling.entries(s, t, mirror, kind == "kept"))
 
     total, initial = _progress(job, tiling, owned, kind == "kept")
@@ -279,15 +278,15 @@ def run_blocks(
             del pending[index]
             break
 
-    def handle(worker: tuple, block: tuple[int, int, bool], advance: Callable[[int], Any]) -> None:
-        function, device, lane = worker
+    def handle(worker: tuple, lane: Lane, block: tuple[int, int, bool], advance: Callable[[int], Any]) -> None:
+        function, device = worker
         s, t, mirror = block
         row, column = tiling.rows[s], tiling.columns[t]
         result = Flat.of(compute(function, device, row, None if (mirrored and row == column) else column))
         output.write(result.leaves, row, column, mirror=mirror, lane=lane)
         advance(tiling.entries(s, t, mirror, kind == "kept"))
 
-    serve(list(zip(job.functions, job.devices, job.lanes)), pending, handle, lanes=job.lanes, progress=job.progress,
+    serve(list(zip(job.functions, job.devices)), pending, handle, lanes=job.lanes, progress=job.progress,
           total=total, initial=initial, description="kernel blocks")
     return first, output
 

@@ -121,8 +121,8 @@ class KernelOutput:
         ``lane``: the worker's lane, from whose stream ``leaves`` come; ``None``: the calling
         thread's current streams, written at once. Through a CUDA lane, blocks for host memory
         are written once their copy has arrived (NOTE: [Worker streams])."""
-        if lane is None or all(_on_device(target) for target in self.targets):
-            self._write_now(leaves, run1, run2, mirror, lane)
+        if lane is None:
+            self._write_now(leaves, run1, run2, mirror, None)
             return
         staged = [
             block if _on_device(target) else lane.to_host(block) for target, block in zip(self.targets, leaves)

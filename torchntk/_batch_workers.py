@@ -24,12 +24,13 @@ Task = TypeVar("Task")
 
 
 def serve(
-    workers: Sequence[Worker], tasks: Sequence[Task], handle: Callable[[Worker, Task, Callable[[int], Any]], None], *,
+    workers: Sequence[Worker], tasks: Sequence[Task],
+    handle: Callable[[Worker, Lane, Task, Callable[[int], Any]], None], *,
     lanes: Sequence[Lane], progress: bool, total: int, description: str, initial: int = 0,
 ) -> None:
-    """Runs ``handle(worker, task, advance)`` for every task, each worker inside its lane (``lanes``,
-    one per worker); ``advance(n)`` moves the progress bar by ``n`` kernel entries (of ``total``,
-    ``initial`` of them done before)."""
+    """Runs ``handle(worker, lane, task, advance)`` for every task, each worker inside its lane
+    (``lanes``, one per worker); ``advance(n)`` moves the progress bar by ``n`` kernel entries (of
+    ``total``, ``initial`` of them done before)."""
     pending: queue.SimpleQueue = queue.SimpleQueue()
     for task in tasks:
         pending.put(task)
@@ -51,7 +52,7 @@ def serve(
                         task = pending.get_nowait()
                     except queue.Empty:
                         return
-                    handle(worker, task, advance)
+                    handle(worker, lane, task, advance)
         except BaseException as error:  # re-raised in the caller
             failures.append(error)
             stop.set()

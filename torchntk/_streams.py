@@ -58,6 +58,7 @@ class Lane:
             self.stream = torch.cuda.Stream(device)
         self.result_stream = result_stream(result_device)
         self._pending: collections.deque = collections.deque()
+        self._copying = False  # copies queued since the last write was scheduled
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -84,11 +85,13 @@ class Lane:
             return block
         staged = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
         staged.copy_(block, non_blocking=True)
+        self._copying = True
         return staged
 
     def then(self, write: Callable[[], None]) -> None:
-        """Runs ``write`` once the lane's copies queued so far have arrived: now without a stream,
-        else later (the next call, or the end of :meth:`running`)."""
+        """Runs ``write`` once the lane's copies queued so far have arrived: now when none was queued
+        since the last call (no stream, or blocks that stay on the device), else later (the next
+        call, or the end of :meth:`running`)."""
         arrival = self._arrival()
         if arrival is None:
             write()
@@ -99,8 +102,9 @@ class Lane:
 
     def _arrival(self) -> Optional[torch.cuda.Event]:
         """What :meth:`then` waits on: an event after the lane's work so far (None: nothing to wait for)."""
-        if self.stream is None:
+        if self.stream is None or not self._copying:
             return None
+        self._copying = False
         arrived = torch.cuda.Event()
         arrived.record(self.stream)
         return arrived

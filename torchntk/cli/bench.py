@@ -91,9 +91,13 @@ def main(argv: list[str]) -> int:
     progress = {"auto": None, "on": False, "off": True}[arguments.progress]
     steps = tqdm(total=len(models) * len(arguments.sizes) * len(arguments.implementations), disable=progress,
                  desc="torchntk bench", leave=False)
-    ours = {name: _torchntk_runs(name, arguments, steps) for name in models}
+    ours, peers = {}, {}
+    for name in models:
+        model = BENCH_MODELS[name].build().to(arguments.device)
+        ours[name] = _torchntk_runs(name, model, arguments, steps)
+        if arguments.tutorial:
+            peers[name] = _tutorial_runs(name, model, arguments)
     steps.close()
-    peers = {name: _tutorial_runs(name, arguments) for name in models} if arguments.tutorial else {}
     nt_status, theirs = "not run (--no-nt)", {}
     if not arguments.no_nt:
         nt_status = "not run (no JAX twin of these models)"
@@ -161,25 +165,19 @@ class _Run:
         """``call`` timed, or the run that ran out of memory (which the table then shows)."""
         try:
             kernel, times = timed_calls(call, repeats, device)
-        except (torch.OutOfMemoryError, MemoryError) as error:
-            return _Run.out_of_memory(device, error)
+            return _Run(kernel.detach().cpu().numpy(), statistics.median(times))
+        except (torch.OutOfMemoryError, MemoryError):
+            pass
         except RuntimeError as error:
             if "allocate" not in str(error) and "out of memory" not in str(error):
                 raise
-            return _Run.out_of_memory(device, error)
-        return _Run(kernel.detach().cpu().numpy(), statistics.median(times))
-
-    @staticmethod
-    def out_of_memory(device: torch.device, error: BaseException) -> "_Run":
-        del error  # its traceback holds the tensors of the failed call
-        if device.type == "cuda":
+        if device.type == "cuda":  # out of the except clause, whose traceback held the failed call's tensors
             torch.cuda.empty_cache()
         return _Run(failure="out of memory")
 
 
-def _torchntk_runs(name: str, arguments, steps) -> dict[tuple[int, int], _Run]:
+def _torchntk_runs(name: str, model: torch.nn.Module, arguments, steps) -> dict[tuple[int, int], _Run]:
     choice = BENCH_MODELS[name]
-    model = choice.build().to(arguments.device)
     runs = {}
     for n in arguments.sizes:
         x1, x2 = _bench_inputs(choice, n, arguments.device)
@@ -193,11 +191,10 @@ def _torchntk_runs(name: str, arguments, steps) -> dict[tuple[int, int], _Run]:
     return runs
 
 
-def _tutorial_runs(name: str, arguments) -> dict[int, _Run]:
+def _tutorial_runs(name: str, model: torch.nn.Module, arguments) -> dict[int, _Run]:
     """The torch.func tutorial's Jacobian contraction (``_tutorial.py``) on the same model, inputs
     and device; a size whose Jacobians would not fit in the device's free memory is not run."""
     choice = BENCH_MODELS[name]
-    model = choice.build().to(arguments.device)
     traced = tuple(arguments.trace_axes) == (-1,)
     if not traced and tuple(arguments.trace_axes):
         return {n: _Run(failure="traced -1 or full only") for n in arguments.sizes}
