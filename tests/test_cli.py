@@ -96,6 +96,7 @@ def test_without_matplotlib_the_figure_is_skipped(tmp_path, capsys, monkeypatch)
          "--models 'resnet': expected a comma list of mlp, wide, cnn, fcn, resnet18, resnet18-1000"),
         (["bench", "--implementations", "1,5"], "--implementations: expected a comma list of 1, 2, 3, got [5]"),
         (["bench", "--sizes", "0"], "argument --sizes: expected a positive integer, got '0'"),
+        (["bench", "--compile", "nope"], "--compile 'nope': names no torch.compile backend: 'nope'; available: "),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_status_2(arguments, message, capsys, tmp_path):
@@ -130,6 +131,14 @@ def test_bench_writes_its_table_and_scaling_plot(tmp_path, capsys):
     table = (tmp_path / "bench.md").read_text()
     assert table.count("| mlp |") == 4  # 2 sizes x 2 implementations
     assert (tmp_path / "bench_mlp.png").stat().st_size > 10_000
+
+
+def test_bench_compiles_when_asked(tmp_path, capsys):
+    arguments = ["bench", "--models", "mlp", "--sizes", "2", "--implementations", "3", "--repeats", "1", "--no-nt",
+                 "--compile", "eager"]
+    assert _run(arguments + ["--output", str(tmp_path)]) == 0
+    assert "device cpu, compile=eager" in capsys.readouterr().out
+    assert (tmp_path / "bench.md").read_text().count("| mlp |") == 1
 
 
 def _cells(table: str, model: str) -> list[list[str]]:

@@ -9,6 +9,7 @@ dispatches to the implementation table (NOTE: [The implementation table]) and pu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from . import _checks
 from ._block_source import BlockRequest, BlockSource
 from ._bounded_cache import BoundedCache
 from ._call import KernelCall, prepare_call
+from ._captured import CapturedCalls, compile_argument
 from ._example_loop import ExampleLoops
 from ._fingerprint import structure_fingerprint
 from ._groups import ParameterGroups, groups_argument
@@ -65,22 +67,25 @@ class NtkSettings:
     example_loops: ExampleLoops = field(default_factory=ExampleLoops)
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
     groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
+    captured: Optional[CapturedCalls] = None  # NOTE: [Captured kernels]; None: every call eager
 
     @classmethod
     def validate(
         cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured,
-        output_fn, where, groups=None,
+        output_fn, where, groups=None, compile=False,
     ):
         _checks.callable_model_argument(f, where)
         chosen = _checks.implementation_argument(implementation, where)
         parsed_groups = groups_argument(groups, f, where)
         arguments = dict(
             trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
-            chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, output_fn=output_fn, **structured,
+            chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, output_fn=output_fn, compile=compile,
+            **structured,
         )
         if parsed_groups is not None:  # resolved (submodules as paths), so that a replica is grouped alike
             arguments["groups"] = parsed_groups
         options = structured_options(structured, chosen, where)
+        backend = compile_argument(compile, where)
         return cls(
             f,
             _checks.axes_argument(trace_axes, "trace_axes", where),
@@ -94,7 +99,22 @@ class NtkSettings:
             arguments,
             output_fn=output_fn_argument(output_fn, where),
             groups=parsed_groups,
+            captured=None if backend is None else CapturedCalls(backend, f, where),
         )
+
+    def called(self, compute: Callable[..., Any], *arguments: Any) -> Any:
+        """``compute(self, *arguments)``: a kernel call, replayed from its captured graph where
+        ``compile`` is set (NOTE: [Captured kernels]); ``arguments`` hold every tensor of the call."""
+        if self.captured is None:
+            return compute(self, *arguments)
+        return self.captured(
+            arguments, functools.partial(compute, self), functools.partial(compute, self._unchecked)
+        )
+
+    @functools.cached_property
+    def _unchecked(self) -> "NtkSettings":
+        """These settings without the per-call output check, sharing every cache (what is captured)."""
+        return dataclasses.replace(self, check_vmap_axes=False, captured=None)
 
     def prepare(
         self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True,

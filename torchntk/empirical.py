@@ -101,7 +101,7 @@ def _ntk_settings(builder: Callable[..., KernelFunction], arguments: dict[str, A
     return NtkSettings.validate(
         arguments["f"], arguments["trace_axes"], arguments["diagonal_axes"], arguments["vmap_axes"],
         arguments["implementation"], arguments["chunk_size"], arguments["check_vmap_axes"], structured,
-        arguments["output_fn"], builder.__name__, arguments["groups"],
+        arguments["output_fn"], builder.__name__, arguments["groups"], arguments["compile"],
     )
 
 
@@ -120,6 +120,7 @@ def empirical_ntk_fn(
     verify: bool = False,
     output_fn: Optional[Callable[..., PyTree]] = None,
     groups: Optional[Mapping[str, Any]] = None,
+    compile: Union[bool, str] = False,
 ) -> KernelFunction:
     """Returns a function computing the empirical neural tangent kernel of ``f``.
 
@@ -189,6 +190,18 @@ def empirical_ntk_fn(
             the grouped parameters (the whole NTK when every parameter is in a group). Implementations
             1 and 3 compute all groups in one pass; 2 repeats its forward-mode passes over x1 once
             per group. Default: ``None`` (one kernel).
+        compile: capture each call's computation into one graph of aten operations and replay it
+            (``docs/compile.md``): ``False`` (every call eager), ``True`` (``torch.compile``'s
+            inductor backend) or the name of a ``torch.compile`` backend (``"eager"`` replays the
+            graph without generating code). The first call for given argument shapes, dtypes,
+            non-tensor values and module structure, modes and ``requires_grad`` flags runs eagerly
+            with every check, then is traced, compiled (inductor: seconds) and compared with the
+            eager kernel; later such calls replay the graph, with the per-call output check of
+            ``check_vmap_axes`` left to that first call. Models whose operations depend on tensor
+            values (``.item()``, boolean masks) or draw random numbers are not captured (a
+            RuntimeWarning says why; their calls stay eager). A model whose forward pass depends on
+            Python state outside the module (a global variable) must not use it. ``batch`` computes
+            its blocks eagerly. Default: ``False``.
 
     Returns:
         ``ntk_fn(x1, x2=None, params=None, **kwargs)``, with a method
@@ -208,18 +221,18 @@ def empirical_ntk_fn(
         result is that dict).
 
     Raises:
-        TypeError: at build time, arguments of the wrong type (``groups`` that is not a mapping,
-            keys that are not strings, selections of another type); at call time, bad ``params``,
-            numpy inputs, non-tensor outputs, complex parameters or outputs, a ``groups`` predicate
-            returning something other than a bool.
-        ValueError: ``implementation`` outside 0..3; the implementation-3 options with
-            implementation 1 or 2; an unknown ``local_jacobian``; an empty ``groups``, an empty
-            list in it, a submodule not in ``f``; at call time, a group that selects no
-            differentiated parameter (or only ones earlier groups hold), axes out of range,
-            duplicated, or both traced and diagonal; traced/diagonal sizes or output ndims that
-            differ between x1 and x2; ``vmap_axes`` that do not fit the data or a model that
-            couples examples; nothing to differentiate; with ``verify=True``, structured
-            derivatives that disagree with autograd.
+        TypeError: at build time, arguments of the wrong type (``groups`` that is not a mapping, keys
+            that are not strings, selections of another type, ``compile`` neither a bool nor a string);
+            at call time, bad ``params``, numpy inputs, non-tensor outputs, complex parameters or
+            outputs, a ``groups`` predicate returning something other than a bool.
+        ValueError: ``implementation`` outside 0..3; the implementation-3 options with implementation 1
+            or 2; ``compile`` naming no ``torch.compile`` backend; an unknown ``local_jacobian``; an
+            empty ``groups``, an empty list in it, a submodule not in ``f``; at call time, a group that
+            selects no differentiated parameter (or only ones earlier groups hold), axes out of range,
+            duplicated, or both traced and diagonal; traced/diagonal sizes or output ndims that differ
+            between x1 and x2; ``vmap_axes`` that do not fit the data or a model that couples examples;
+            nothing to differentiate; with ``verify=True``, structured derivatives that disagree with
+            autograd.
         RuntimeError: implementation 3 on a model whose operations change between evaluations.
 
     Example:
@@ -249,12 +262,19 @@ def empirical_ntk_fn(
         (['first layer', 'last weight', 'rest'], torch.Size([6, 5]))
         >>> torch.allclose(sum(split.values()), torchntk.empirical_ntk_fn(model)(x1, x2), atol=1e-5)
         True
+        >>> replayed = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, compile="eager")
+        >>> first, again = replayed(x1, x2), replayed(x1, x2)  # captured on the first call, replayed after
+        >>> torch.allclose(again, torchntk.empirical_ntk_fn(model)(x1, x2), atol=1e-5)
+        True
     """
     settings = _ntk_settings(empirical_ntk_fn, locals())
 
-    def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
+    def ntk(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], params: Any, kwargs: dict) -> PyTree:
         key = input_shape_key(x1, x2, params, kwargs)
         return settings.ntk(settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key), key)
+
+    def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
+        return settings.called(ntk, x1, x2, params, kwargs)
 
     def open_blocks(
         request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any
@@ -347,12 +367,13 @@ def empirical_kernel_fn(
     verify: bool = False,
     output_fn: Optional[Callable[..., PyTree]] = None,
     groups: Optional[Mapping[str, Any]] = None,
+    compile: Union[bool, str] = False,
 ) -> KernelFunction:
     """Returns a function computing the empirical NNGP and/or NTK of ``f`` in one call.
 
     Arguments are those of :func:`empirical_ntk_fn`; ``vmap_axes``, ``implementation``,
     ``chunk_size``, ``check_vmap_axes`` and ``groups`` only affect the NTK. The model's forward pass
-    is shared between the two kernels.
+    is shared between the two kernels. With ``compile``, each ``get`` has graphs of its own.
 
     Returns:
         ``kernel_fn(x1, x2=None, get=None, params=None, **kwargs)``. ``get`` chooses the kernels:
@@ -383,10 +404,7 @@ def empirical_kernel_fn(
     """
     settings = _ntk_settings(empirical_kernel_fn, locals())
 
-    def kernel_fn(
-        x1: PyTree, x2: Optional[PyTree] = None, get: Union[None, str, Sequence[str]] = None,
-        params: Any = None, **kwargs: Any,
-    ) -> Any:
+    def requested(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], get: Any, params: Any, kwargs: dict) -> Any:
         names, bare = canonical_get(get, "kernel_fn")
         key = input_shape_key(x1, x2, params, kwargs)
         call = settings.prepare(x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names, shape_key=key)
@@ -396,6 +414,12 @@ def empirical_kernel_fn(
         if "ntk" in names:
             kernels["ntk"] = settings.ntk(call, key)
         return combine(kernels, names, bare)
+
+    def kernel_fn(
+        x1: PyTree, x2: Optional[PyTree] = None, get: Union[None, str, Sequence[str]] = None,
+        params: Any = None, **kwargs: Any,
+    ) -> Any:
+        return settings.called(requested, x1, x2, get, params, kwargs)
 
     def open_blocks(
         request: BlockRequest, /, x1: Any, x2: Any = None, get: Any = None, params: Any = None, **kwargs: Any

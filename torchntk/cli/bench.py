@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 import torchntk
 
+from .._captured import compile_argument
 from . import _arguments
 from ._figures import scaling_figure
 from ._models import BENCH_MODELS, JAX_LAYOUTS, UsageError, inputs
@@ -61,6 +62,10 @@ def parser() -> argparse.ArgumentParser:
                         help="timed calls after the warm-up call; the median is reported (default 3)")
     parser.add_argument("--device", type=_arguments.device, default=torch.device("cpu"),
                         help="torchntk's device (default cpu)")
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="build torchntk's kernel functions with compile=BACKEND, a torch.compile backend "
+                             "(inductor is compile=True; docs/compile.md); the capture and compilation happen "
+                             "in the untimed warm-up call (default: eager)")
     parser.add_argument("--no-nt", action="store_true", help="do not run neural-tangents even if it is installed")
     parser.add_argument("--tutorial", action="store_true",
                         help="also time the torch.func tutorial's Jacobian contraction (what a PyTorch user would "
@@ -87,6 +92,11 @@ def main(argv: list[str]) -> int:
     bad = [i for i in arguments.implementations if i not in (1, 2, 3)]
     if bad or not arguments.implementations:
         raise UsageError(f"--implementations: expected a comma list of 1, 2, 3, got {bad or 'nothing'}")
+    if arguments.compile is not None:
+        try:
+            compile_argument(arguments.compile, "torchntk bench")
+        except ValueError as error:
+            raise UsageError(f"--compile {arguments.compile!r}: {str(error).split('`compile` ', 1)[-1]}") from None
     arguments.output.mkdir(parents=True, exist_ok=True)
     progress = {"auto": None, "on": False, "off": True}[arguments.progress]
     steps = tqdm(total=len(models) * len(arguments.sizes) * len(arguments.implementations), disable=progress,
@@ -184,7 +194,8 @@ def _torchntk_runs(name: str, model: torch.nn.Module, arguments, steps) -> dict[
         for implementation in arguments.implementations:
             steps.set_postfix_str(f"{name}, N={n}, implementation {implementation}")
             ntk_fn = torchntk.empirical_ntk_fn(
-                model, trace_axes=arguments.trace_axes, vmap_axes=0, implementation=implementation
+                model, trace_axes=arguments.trace_axes, vmap_axes=0, implementation=implementation,
+                compile=arguments.compile or False,
             )
             runs[n, implementation] = _Run.timed(lambda: ntk_fn(x1, x2), arguments.repeats, arguments.device)
             steps.update(1)
@@ -277,7 +288,7 @@ def _header(argv: list[str], nt_status: str, arguments) -> list[str]:
         f"machine : {_processor()}, {os.cpu_count()} logical cores, {memory:.1f} GiB RAM, {platform.platform()}",
         *([f"GPU     : {torch.cuda.get_device_name(arguments.device)}"] if arguments.device.type == "cuda" else []),
         f"torch   : {torch.__version__} ({torch.get_num_threads()} threads), torchntk {torchntk.__version__}, "
-        f"device {arguments.device}",
+        f"device {arguments.device}, compile={arguments.compile or False}",
         f"NT      : {nt_status}",
         f"timing  : 1 warm-up call, then the median of {arguments.repeats}; trace_axes={arguments.trace_axes}, "
         f"vmap_axes=0, float32; neural-tangents' dense weights {arguments.jax_layouts}",

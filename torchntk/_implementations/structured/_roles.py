@@ -26,6 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..._captured import structural
+
 OutputSpec = tuple[tuple[int, ...], torch.dtype]
 """The shape and dtype of a rule call's output, per example (where a perturbation is added)."""
 
@@ -60,7 +62,10 @@ class ParamRef:
     @functools.cached_property
     def injective(self) -> bool:
         """Whether no parameter entry is seen twice (a broadcast view sees some entries twice)."""
-        return self.index is None or torch.unique(self.index).numel() == self.index.numel()
+        if self.index is None:
+            return True
+        with structural():
+            return torch.unique(self.index).numel() == self.index.numel()
 
     def overlaps(self, other: "ParamRef") -> bool:
         """Whether both see at least one common entry of the same parameter."""
@@ -68,7 +73,8 @@ class ParamRef:
             return False
         if self.index is None or other.index is None:
             return True
-        return bool(torch.isin(self.index, other.index).any())
+        with structural():
+            return bool(torch.isin(self.index, other.index).any())
 
     def same_coordinates(self, other: "ParamRef") -> bool:
         """Whether both see the same entries of the same parameter in the same order."""
@@ -76,9 +82,10 @@ class ParamRef:
             return False
         if self.index is None or other.index is None:
             return self.index is None and other.index is None
-        return self.index is other.index or (
-            self.index.shape == other.index.shape and torch.equal(self.index, other.index)
-        )
+        if self.index is other.index:
+            return True
+        with structural():
+            return self.index.shape == other.index.shape and torch.equal(self.index, other.index)
 
     def scatter(self, values: torch.Tensor, size: int) -> torch.Tensor:
         """Moves values over the seen entries into the parameter's own flat coordinates.
