@@ -189,6 +189,32 @@ def test_value_dependent_models_stay_eager(model, vmap_axes, reason, eager_compu
     assert len(eager_computations) == 3
 
 
+class _Gathering(nn.Module):
+    """Indexes a parameter with input tokens: the view implementation 3 follows depends on the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 3, dtype=torch.float64))
+        self.linear = nn.Linear(3, 2).double()
+
+    def forward(self, ids):
+        return self.linear(torch.tanh(self.table[ids]).sum(-2))
+
+
+@pytest.mark.parametrize("implementation", [1, 3])
+def test_indexing_a_parameter_with_input_tokens_stays_eager(implementation):
+    torch.manual_seed(0)
+    module = _Gathering()
+    ids1, ids2 = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.tensor([[0, 0], [1, 1], [0, 1]])
+    ntk_fn = torchntk.empirical_ntk_fn(module, trace_axes=(), vmap_axes=0, implementation=implementation,
+                                       compile="eager")
+    with pytest.warns(RuntimeWarning, match="aten.index.Tensor and its output shape depends on tensor values"):
+        ntk_fn(ids1, ids2)
+    with no_warnings():
+        for one, two in ((ids2, ids1), (ids1, ids1.flip(0)), (ids2, ids2.clone())):
+            assert_kernels_close(ntk_fn(one, two), reference_ntk(module, one, two, trace_axes=()))
+
+
 class _Moded(nn.Module):
     """Its computation depends on Python state of the module: train/eval mode and an attribute."""
 
@@ -317,6 +343,11 @@ def test_bad_compile_argument(value, error, match):
         torchntk.empirical_ntk_fn(nn.Linear(2, 2), compile=value)
     with pytest.raises(error, match=match):
         torchntk.empirical_kernel_fn(nn.Linear(2, 2), compile=value)
+
+
+def test_verify_and_compile_exclude_each_other():
+    with pytest.raises(ValueError, match=r"`verify=True` checks every call against autograd, which a replayed graph"):
+        torchntk.empirical_ntk_fn(nn.Linear(2, 2), implementation=3, verify=True, compile="eager")
 
 
 def test_a_failing_backend_leaves_the_graph_uncompiled(monkeypatch):

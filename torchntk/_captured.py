@@ -73,7 +73,12 @@ _CAPTURING = threading.local()
 def structural() -> Iterator[None]:
     """Marks torchntk's own reads of tensors that hold only positions derived from shapes (the
     parameter indices of ``_roles.ParamRef``): a graph may fix what they decide, so while capturing
-    they run outside the tracer, on the real tensors."""
+    they run outside the tracer, on the real tensors.
+
+    Those indices come from view operations applied to parameter positions (``_views.py``); the one
+    view that could make them depend on data, indexing with a tensor (``W[ids]``), runs
+    ``aten.index``, which :class:`_ValueDependence` refuses before any index is read.
+    """
     if not getattr(_CAPTURING, "active", False):
         yield
         return

@@ -86,6 +86,11 @@ class NtkSettings:
             arguments["groups"] = parsed_groups
         options = structured_options(structured, chosen, where)
         backend = compile_argument(compile, where)
+        if backend is not None and options.verify:
+            raise ValueError(
+                f"{where}: `verify=True` checks every call against autograd, which a replayed graph "
+                f"would skip; use one of `verify` and `compile`."
+            )
         return cls(
             f,
             _checks.axes_argument(trace_axes, "trace_axes", where),

@@ -226,13 +226,13 @@ def empirical_ntk_fn(
             at call time, bad ``params``, numpy inputs, non-tensor outputs, complex parameters or
             outputs, a ``groups`` predicate returning something other than a bool.
         ValueError: ``implementation`` outside 0..3; the implementation-3 options with implementation 1
-            or 2; ``compile`` naming no ``torch.compile`` backend; an unknown ``local_jacobian``; an
-            empty ``groups``, an empty list in it, a submodule not in ``f``; at call time, a group that
-            selects no differentiated parameter (or only ones earlier groups hold), axes out of range,
-            duplicated, or both traced and diagonal; traced/diagonal sizes or output ndims that differ
-            between x1 and x2; ``vmap_axes`` that do not fit the data or a model that couples examples;
-            nothing to differentiate; with ``verify=True``, structured derivatives that disagree with
-            autograd.
+            or 2; ``compile`` naming no ``torch.compile`` backend, or with ``verify=True``; an unknown
+            ``local_jacobian``; an empty ``groups``, an empty list in it, a submodule not in ``f``; at
+            call time, a group that selects no differentiated parameter (or only ones earlier groups
+            hold), axes out of range, duplicated, or both traced and diagonal; traced/diagonal sizes or
+            output ndims that differ between x1 and x2; ``vmap_axes`` that do not fit the data or a
+            model that couples examples; nothing to differentiate; with ``verify=True``, structured
+            derivatives that disagree with autograd.
         RuntimeError: implementation 3 on a model whose operations change between evaluations.
 
     Example:
