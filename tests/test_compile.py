@@ -291,6 +291,28 @@ def test_captures_stop_when_the_key_keeps_changing(monkeypatch, eager_computatio
     assert len(eager_computations) == calls + 1  # a new key computed eagerly, without capture; then a replay
 
 
+def test_autocast_and_precision_mode_are_part_of_the_key(eager_computations):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 3)
+    ntk_fn = torchntk.empirical_ntk_fn(module, vmap_axes=0, implementation=1, compile="eager", check_vmap_axes=False)
+    eager = torchntk.empirical_ntk_fn(module, vmap_axes=0, implementation=1, check_vmap_axes=False)
+    with no_warnings():  # bfloat16 rounding would fail the vmap_axes check's float32 tolerance
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ntk_fn(x)
+            under_autocast = ntk_fn(x)
+            expected_under_autocast = eager(x)
+        ntk_fn(x)
+        before = len(eager_computations)
+        plain = ntk_fn(x)
+        assert len(eager_computations) == before  # replayed from its own graph, without the casts
+        with torchntk.precision("tf32"):
+            ntk_fn(x)
+    assert len(eager_computations) == before + 2  # the tf32 mode is a key of its own: captured anew
+    assert torch.equal(under_autocast, expected_under_autocast)
+    assert torch.equal(plain, eager(x)) and not torch.equal(plain, under_autocast)
+
+
 def test_buffers_updated_in_place_are_read_by_the_replay():
     case = CASES["batchnorm_eval"]()
     x1, x2 = make_x1_x2(case)

@@ -6,9 +6,10 @@ An eager kernel call pays Python and the dispatcher for every operation of every
 784-512-512-10 MLP, where its matrix products take 0.7 ms. With ``compile`` set, a kernel function
 removes that cost from repeated calls:
 
-1. The first call for a :func:`guard_key` (argument shapes, dtypes, devices and non-tensor
-   values, the module's structure fingerprint, train/eval modes and ``requires_grad`` flags) runs
-   eagerly with every check, as without ``compile``.
+1. The first call for a :func:`guard_key` (argument shapes, strides, dtypes, devices, non-tensor
+   values and aliasing; autocast, the default dtype and the precision mode; the module's structure
+   fingerprint, train/eval modes and ``requires_grad`` flags) runs eagerly with every check, as
+   without ``compile``.
 2. The same computation without the per-call checks is traced on real tensors into one graph of
    aten operations (``make_fx``). Its inputs are the module's parameters and buffers and the call's
    tensors, so later values (an optimiser step, new inputs) flow through the graph; nothing of
@@ -43,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ._bounded_cache import BoundedCache
 from ._checks import show
 from ._fingerprint import structure_fingerprint
+from ._precision import requested_mode
 
 _REMEMBERED = 8
 """Captured graphs a kernel function keeps (the least recently used is dropped), as
@@ -155,11 +157,28 @@ def _key(model: Any, flat: _Arguments) -> tuple:
     )
     first_seen: dict[int, int] = {}
     aliases = tuple(first_seen.setdefault(id(tensor), position) for position, tensor in enumerate(flat.inputs))
+    call = (str(flat.spec), described, aliases, _global_settings())
     if not isinstance(model, torch.nn.Module):
-        return (str(flat.spec), described, aliases, id(model))
+        return (*call, id(model))
     modes = tuple(module.training for module in model.modules())
     flags = tuple(param.requires_grad for param in model.parameters())
-    return (str(flat.spec), described, aliases, structure_fingerprint(model), modes, flags)
+    return (*call, structure_fingerprint(model), modes, flags)
+
+
+def _global_settings() -> tuple:
+    """PyTorch's settings that a trace fixes: autocast (its casts are recorded), the default dtype
+    (factory functions) and torchntk's precision mode (inductor may choose kernels by it)."""
+    return (_autocast("cpu"), _autocast("cuda"), torch.get_default_dtype(), requested_mode())
+
+
+def _autocast(device_type: str) -> tuple:
+    try:
+        enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # PyTorch before 2.4: per-device functions
+        cpu = device_type == "cpu"
+        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+    return (enabled, dtype if enabled else None)
 
 
 def module_state(model: Any) -> list[torch.Tensor]:
