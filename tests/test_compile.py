@@ -390,6 +390,34 @@ def test_a_failing_backend_leaves_the_graph_uncompiled(monkeypatch):
         assert_kernels_close(ntk_fn(x1, x2), reference_ntk(case.module, x1, x2))
 
 
+def test_a_replay_that_fails_is_dropped_and_computed_eagerly(monkeypatch, eager_computations):
+    case = CASES["mlp"]()
+    x1, x2 = make_x1_x2(case)
+    ntk_fn = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=3, compile="eager")
+    with no_warnings():
+        ntk_fn(x1, x2)
+
+    def failing(*args):
+        raise RuntimeError("recompilation failed")
+
+    for captured in list(_captured_graphs(ntk_fn)):
+        monkeypatch.setattr(captured, "run", failing)
+    with pytest.warns(RuntimeWarning, match="replaying the captured graph failed .*recompilation failed"):
+        kernel = ntk_fn(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(case.module, x1, x2))
+    calls = len(eager_computations)
+    with no_warnings():
+        ntk_fn(x1, x2)  # eager from now on, without a new capture
+    assert len(eager_computations) == calls + 1
+
+
+def _captured_graphs(ntk_fn):
+    """The captured graphs of a kernel function (for tests that break them)."""
+    settings = next(cell.cell_contents for cell in ntk_fn._function.__closure__
+                    if isinstance(cell.cell_contents, NtkSettings))
+    return list(settings.captured._graphs._entries.values())
+
+
 def test_a_graph_that_disagrees_is_dropped(monkeypatch, eager_computations):
     from torchntk import _captured
 

@@ -19,7 +19,8 @@ removes that cost from repeated calls:
 3. The graph is compiled with ``torch.compile(backend=...)``, run on the same arguments and
    compared with the eager result; it is kept only if they agree.
 4. Later calls with the same key run the compiled graph. A result that is not finite is computed
-   again eagerly, so NaN/Inf outputs still raise the eager path's clear error.
+   again eagerly, so NaN/Inf outputs still raise the eager path's clear error; a replay that
+   raises drops its graph (warned) and the call is computed eagerly.
 
 What a replay does not do: the per-call output check of NOTE: [Checking vmap_axes] (made on the
 capture call, once per key, like the derivative check), and the re-planning of implementation 3
@@ -247,8 +248,13 @@ class CapturedCalls:
                     )
                 self._capture(key, flat, unchecked, result)
             return result
-        with torch.no_grad():
-            *outputs, finite = captured.run(*flat.inputs)
+        try:
+            with torch.no_grad():
+                *outputs, finite = captured.run(*flat.inputs)
+        except Exception as error:  # a recompilation the backend could not make: eager, as without compile
+            self._graphs.pop(key, None)
+            self._refuse(key, f"replaying the captured graph failed ({type(error).__name__}: {error})")
+            return eager(*arguments)
         if not bool(finite):
             return eager(*arguments)  # raises the eager check's error, or returns the same non-finite kernel
         return pytree.tree_unflatten(outputs, captured.output_spec)
