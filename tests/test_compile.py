@@ -133,35 +133,32 @@ def test_groups_are_replayed():
     assert_kernels_close(split["first"] + split["rest"], reference_ntk(case.module, x1, x2))
 
 
-class _Branching(nn.Module):
-    """Takes a branch on a tensor value: a graph would fix the branch of its first call."""
+class _OneLinear(nn.Module):
+    """A linear layer whose output ``then`` transforms: the subclasses' value-dependent operations."""
 
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(3, 2).double()
 
     def forward(self, x):
-        y = self.linear(x)
+        return self.then(self.linear(x))
+
+
+class _Branching(_OneLinear):
+    """Takes a branch on a tensor value: a graph would fix the branch of its first call."""
+
+    def then(self, y):
         return y * 2.0 if y.sum() > 0 else y
 
 
-class _Selecting(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(3, 2).double()
-
-    def forward(self, x):
-        y = self.linear(x)
+class _Selecting(_OneLinear):
+    def then(self, y):
         return y + y[y > 0].sum()
 
 
-class _Noisy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(3, 2).double()
-
-    def forward(self, x):
-        return self.linear(x) + 1e-3 * torch.randn_like(x[..., :2])
+class _Noisy(_OneLinear):
+    def then(self, y):
+        return y + 1e-3 * torch.randn_like(y)
 
 
 @pytest.mark.parametrize(

@@ -118,38 +118,38 @@ def compile_argument(value: Any, where: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class _Arguments:
-    """A call's arguments flattened once: its tensors are the graph's inputs after the module's."""
+    """A call's arguments flattened once, and the graph's inputs: the module's parameters, its
+    buffers, then the call's tensors."""
 
     leaves: list
     spec: pytree.TreeSpec
-    state: list[torch.Tensor]  # the module's parameters and buffers (module_state)
+    parameters: list[torch.Tensor]
+    inputs: list[torch.Tensor]
+    state_size: int  # parameters and buffers, at the front of ``inputs``
 
     @classmethod
     def of(cls, model: Any, arguments: Any) -> "_Arguments":
         leaves, spec = pytree.tree_flatten(arguments)
-        return cls(leaves, spec, module_state(model))
-
-    @property
-    def inputs(self) -> list[torch.Tensor]:
-        return [*self.state, *(leaf for leaf in self.leaves if isinstance(leaf, torch.Tensor))]
+        parameters, buffers = [], []
+        if isinstance(model, torch.nn.Module):
+            parameters = list(model.parameters())
+            buffers = [buffer for buffer in model.buffers() if buffer is not None]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        return cls(leaves, spec, parameters, [*parameters, *buffers, *tensors], len(parameters) + len(buffers))
 
     def rebuilt(self, inputs: tuple) -> Any:
         """The arguments with the tensors replaced by ``inputs`` (as :attr:`inputs` orders them)."""
-        replacements = iter(inputs[len(self.state):])
+        replacements = iter(inputs[self.state_size:])
         leaves = [next(replacements) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves]
         return pytree.tree_unflatten(leaves, self.spec)
 
 
-def guard_key(model: Any, arguments: Any) -> tuple:
+def guard_key(model: Any, flat: _Arguments) -> tuple:
     """What a captured graph depends on besides tensor values: see NOTE: [Captured kernels].
 
     Which tensors are the same object is part of it: a graph traced with ``x2 is x1`` reads one
     input for both, so it must not serve calls with two different tensors.
     """
-    return _key(model, _Arguments.of(model, arguments))
-
-
-def _key(model: Any, flat: _Arguments) -> tuple:
     described = tuple(
         (tuple(leaf.shape), leaf.stride() if leaf.layout == torch.strided else leaf.layout, leaf.dtype, leaf.device,
          leaf.requires_grad)
@@ -162,7 +162,7 @@ def _key(model: Any, flat: _Arguments) -> tuple:
     if not isinstance(model, torch.nn.Module):
         return (*call, id(model))
     modes = tuple(module.training for module in model.modules())
-    flags = tuple(param.requires_grad for param in model.parameters())
+    flags = tuple(param.requires_grad for param in flat.parameters)
     return (*call, structure_fingerprint(model), modes, flags)
 
 
@@ -180,13 +180,6 @@ def _autocast(device_type: str) -> tuple:
         enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
         dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
     return (enabled, dtype if enabled else None)
-
-
-def module_state(model: Any) -> list[torch.Tensor]:
-    """The tensors a captured graph reads from the module: its parameters and buffers."""
-    if not isinstance(model, torch.nn.Module):
-        return []
-    return [*model.parameters(), *(buffer for buffer in model.buffers() if buffer is not None)]
 
 
 class _ValueDependence(TorchDispatchMode):
@@ -233,7 +226,7 @@ class CapturedCalls:
         """``eager(*arguments)``, or its captured graph's replay; ``unchecked(*arguments)`` is the
         same computation without per-call checks (what is captured)."""
         flat = _Arguments.of(self.model, arguments)
-        key = _key(self.model, flat)
+        key = guard_key(self.model, flat)
         captured = self._graphs.get(key)
         if captured is None:
             result = eager(*arguments)
