@@ -374,7 +374,7 @@ def test_traced_or_diagonal_batch_axis_needs_equal_sizes():
 def test_a_rank_that_owns_no_span_contributes_zeros(implementation):
     """Rank 3 of 4 with two spans only: its share of the all-reduce is zeros of the kernel's shape
     (implementation 2 prepares x1 and x2 differently, so the x2 side is prepared on its own)."""
-    from torchntk._batch_jobs import Job, run_spans
+    from torchntk.batching._jobs import Job, run_spans
     from torchntk._block_source import BlockRequest
     from torchntk._kernel_function import spec_of
 

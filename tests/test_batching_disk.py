@@ -199,7 +199,7 @@ _CHILD = textwrap.dedent(
     """
     import os, signal, sys
     import torch, torchntk
-    import torchntk._batch_disk as disk
+    import torchntk.batching._disk as disk
     from tests.test_batching_disk import _batched, _open, _problem
 
     torch.set_num_threads(1)
@@ -249,8 +249,8 @@ def test_a_run_killed_midway_resumes_to_the_uninterrupted_kernel(tmp_path, monke
 
     x1, x2, shape = _problem(mode)
     completed = []
-    original = torchntk._batch_disk.ProgressRecord.completed
-    monkeypatch.setattr(torchntk._batch_disk.ProgressRecord, "completed",
+    original = torchntk.batching._disk.ProgressRecord.completed
+    monkeypatch.setattr(torchntk.batching._disk.ProgressRecord, "completed",
                         lambda self, *args: completed.append(1) or original(self, *args))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the child: the same BLAS blocking, so the same bits
@@ -341,7 +341,7 @@ def test_progress_counts_kernel_entries(capsys):
 def test_blocks_reach_the_host_synchronously_and_accelerators_asynchronously():
     """A non-blocking copy to the CPU returns before its data arrives, and blocks are placed by CPU
     copies right after: such copies must block (accelerator to accelerator, the stream orders them)."""
-    from torchntk._batch_output import moved
+    from torchntk.batching._output import moved
 
     class Block:
         def __init__(self, device):

@@ -289,7 +289,7 @@ def test_all_reduce_sum_and_strategies_match_one_process(tmp_path, world_size):
 
 
 # How the monitored barrier reports a rank that died: it timed out waiting for it, or (NOTE:
-# [Timeouts] in torchntk/distributed.py) gloo saw the connection close first, depending on whether
+# [Timeouts] in torchntk/distributed/__init__.py) gloo saw the connection close first, depending on whether
 # the death is noticed before this rank waits for it.
 _DIED = r"Ranks {} failed to pass monitoredBarrier|Connection closed by peer"
 

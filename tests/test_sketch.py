@@ -24,7 +24,7 @@ from torch import nn
 
 import torchntk
 from tests.cases import DEVICE, to_device
-from torchntk import _sketch_projections as streams
+from torchntk.sketch import _projections as streams
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 PROJECTIONS = ("gaussian", "sparse", "kronecker")

@@ -1,4 +1,4 @@
-"""``batch``'s workers on their own streams (NOTE: [Worker streams] in ``torchntk/_streams.py``).
+"""``batch``'s workers on their own streams (NOTE: [Worker streams] in ``torchntk/batching/_streams.py``).
 
 Blocks bound for host memory are copied asynchronously on CUDA and written into place later. On
 any device these tests replace the lanes with ones whose staged copies hold NaN until their
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import torchntk
-import torchntk._batch_jobs
+import torchntk.batching._jobs
 from tests.cases import to_device
-from torchntk._streams import Lane
+from torchntk.batching._streams import Lane
 from torchntk.testing import assert_kernels_close, reference_ntk
 
 
@@ -73,7 +73,7 @@ class _LateCopyLane(Lane):
 @pytest.fixture
 def late_lanes(monkeypatch):
     _LateCopyLane.made = []
-    monkeypatch.setattr(torchntk._batch_jobs, "Lane", _LateCopyLane)
+    monkeypatch.setattr(torchntk.batching._jobs, "Lane", _LateCopyLane)
     return _LateCopyLane.made
 
 
@@ -128,7 +128,7 @@ class _FailingArray(np.ndarray):
 @pytest.mark.parametrize("late", [False, True], ids=["lane", "late-copy-lane"])
 def test_a_write_that_fails_later_stops_the_batch_with_its_error(device, monkeypatch, late):
     if late:
-        monkeypatch.setattr(torchntk._batch_jobs, "Lane", _LateCopyLane)
+        monkeypatch.setattr(torchntk.batching._jobs, "Lane", _LateCopyLane)
     _FailingArray.writes = 0
     x1, x2 = _inputs(8, 8)
     ntk_fn = torchntk.empirical_ntk_fn(_model(device), vmap_axes=0)
@@ -196,7 +196,7 @@ def test_peak_gpu_memory_follows_cache_bytes_not_the_kernel(device, implementati
         peaks[n] = _peak_bytes(device, lambda: batched(x1))
     kernel_bytes = 4096 * 4096 * 4  # 64 MiB
     # A pair of spans holds at most SPAN_ENTRIES entries; preparing a span costs a few times its data.
-    bound = 4 * cache_bytes + 4 * torchntk._batch_jobs.SPAN_ENTRIES * 4 + 4096 * 3 * 4
+    bound = 4 * cache_bytes + 4 * torchntk.batching._jobs.SPAN_ENTRIES * 4 + 4096 * 3 * 4
     assert peaks[4096] <= bound, (peaks, bound)
     assert peaks[4096] <= peaks[1024] + 2**20, peaks  # no growth with the kernel's N^2 entries
     x1 = torch.randn(4096, 3, device=device)

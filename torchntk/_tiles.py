@@ -19,7 +19,7 @@ The words, everywhere in the library: a *run* is consecutive examples of one sid
 what a pair of runs gives; ``chunk_size`` and ``batch_size`` are the run lengths users choose.
 ``batch`` prepares a *span* at a time: a run of whole ``batch_size`` runs whose derivatives are
 prepared once and contracted with every other span (NOTE: [Spans and blocks] in
-``_batch_jobs.py``), so a pair of spans writes many blocks.
+``batching/_jobs.py``), so a pair of spans writes many blocks.
 """
 
 from __future__ import annotations

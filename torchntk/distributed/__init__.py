@@ -4,7 +4,7 @@ The batcher and the Monte Carlo estimator run unchanged in every process of a
 ``torchrun`` job. This module gives them the few collective pieces they need, and nothing
 else: it does not import them, and they use whatever process group the caller started
 (with :func:`setup` or ``dist.init_process_group``). The checkpoint protocol described below
-runs in the private ``torchntk/_checkpoint_protocol.py``; this module, longer than most because
+runs in the private ``torchntk/distributed/_checkpoint_protocol.py``; this module, longer than most because
 it carries the reference documentation of the API page (these notes and every function's
 docstring), keeps only the public functions.
 
@@ -111,7 +111,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from ._batch_tiling import shard_rows as _shard_rows
+from .._batch_tiling import shard_rows as _shard_rows
 from ._checkpoint_protocol import DistributedError as DistributedError
 from ._checkpoint_protocol import RankFailedError as RankFailedError
 from ._checkpoint_protocol import (

@@ -28,13 +28,13 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch.func import vmap
 
-from . import _checks
-from ._layout import canonical_axes
-from ._model import functional_model
-from ._outputs import output_fn_argument
-from ._tree import describe
-from ._vmap_axes import split_kwargs
-from .empirical import empirical_ntk_vp_fn
+from .. import _checks
+from .._layout import canonical_axes
+from .._model import functional_model
+from .._outputs import output_fn_argument
+from .._tree import describe
+from .._vmap_axes import split_kwargs
+from ..empirical import empirical_ntk_vp_fn
 
 # NOTE: [Cotangents per pass]
 # On the benchmark MLP (784-512-512-10, 1000 examples, 2-core CPU), pushing 20 cotangents through

@@ -19,8 +19,8 @@ Use these functions in tests and debugging only: they cost one backward pass per
 as it was.
 
 The oracle is this module's functions and three private modules that import nothing from the
-rest of torchntk: ``_reference_model.py`` (the float64 view of ``f`` and its Jacobians),
-``_reference_layout.py`` (the einsum of the layout rule) and ``_kernel_comparison.py`` (the report
+rest of torchntk: ``testing/_reference_model.py`` (the float64 view of ``f`` and its Jacobians),
+``testing/_reference_layout.py`` (the einsum of the layout rule) and ``testing/_comparison.py`` (the report
 of :func:`assert_kernels_close`). They can be reviewed together, independently of the library code
 they check.
 
@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ._kernel_comparison import leaf_report, structure
+from ._comparison import leaf_report, structure
 from ._module_snapshot import ModuleSnapshot
 from ._reference_layout import Axes, contract
 from ._reference_model import Float64Model, PyTree, check_same_structure, flatten_like, is_all_none

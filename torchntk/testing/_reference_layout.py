@@ -2,7 +2,7 @@
 
 Part of the oracle: it shares no code with the library's layout code (``torchntk/_layout.py``), so
 that a mistake there cannot hide in both. The layout rule it implements is the one in the
-docstring of ``torchntk/testing.py``.
+docstring of ``torchntk/testing/__init__.py``.
 """
 
 from __future__ import annotations

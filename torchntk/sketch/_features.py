@@ -43,10 +43,10 @@ from typing import Optional
 import torch
 from torch.func import jacrev
 
-from . import _sketch_projections as projections
-from ._call import KernelCall
-from ._per_example import Side, runs
-from ._sketch_capture import CaptureMismatch, TapCall, Taps, verify
+from . import _projections as projections
+from .._call import KernelCall
+from .._per_example import Side, runs
+from ._capture import CaptureMismatch, TapCall, Taps, verify
 
 RUN_BYTES = 256 << 20
 """Default memory budget for the derivatives of one run of examples (per-example gradients and

@@ -9,14 +9,14 @@ Without the kernel, from NTK-vector products (:func:`torchntk.empirical_ntk_vp_f
 
 From a built kernel (``(N, N)``, or ``(N, N, O, O, ...)`` read as an ``(N O, N O)`` matrix):
 :func:`condition_number`, :func:`effective_rank`, :func:`kernel_target_alignment` and
-:func:`relative_change` (e.g. between two checkpoints), defined in ``_spectra_metrics.py``. The
-algorithms live in ``_spectra_lanczos.py``, ``_spectra_hutchinson.py`` and
-``_spectra_operator.py``; this module is their public front (argument checks and docstrings).
+:func:`relative_change` (e.g. between two checkpoints), defined in ``spectra/_metrics.py``. The
+algorithms live in ``spectra/_lanczos.py``, ``spectra/_hutchinson.py`` and
+``spectra/_operator.py``; this module is their public front (argument checks and docstrings).
 
 NOTE: [Which kernel the spectra are of]
 The eigenpairs and traces are those of the kernel ``empirical_ntk_fn(f, trace_axes=...)(x)`` with
 the same ``trace_axes``, read as a matrix over the kept output coordinates (NOTE: [The NTK as an
-operator] in ``_spectra_operator.py``). The default ``trace_axes=(-1,)`` is the library's default:
+operator] in ``spectra/_operator.py``). The default ``trace_axes=(-1,)`` is the library's default:
 for an ``(N, O)`` output, the ``(N, N)`` kernel averaged over the logits, eigenvectors of shape
 ``(N,)``. ``trace_axes=()`` is the full ``(N O, N O)`` kernel, eigenvectors of shape ``(N, O)``:
 the operator of the linearised training dynamics under MSE. A traced product costs ``O``
@@ -44,12 +44,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ._checks import non_negative_int_argument, real_number_argument, show, user_stacklevel
-from ._spectra_hutchinson import TraceEstimate, hutchinson
-from ._spectra_lanczos import block_lanczos
-from ._spectra_metrics import condition_number, effective_rank, kernel_target_alignment, relative_change
-from ._spectra_operator import ntk_operator
-from ._types import Axes, Model, PyTree
+from .._checks import non_negative_int_argument, real_number_argument, show, user_stacklevel
+from ._hutchinson import TraceEstimate, hutchinson
+from ._lanczos import block_lanczos
+from ._metrics import condition_number, effective_rank, kernel_target_alignment, relative_change
+from ._operator import ntk_operator
+from .._types import Axes, Model, PyTree
 
 __all__ = [
     "Eigenpairs",

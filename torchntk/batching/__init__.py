@@ -4,15 +4,15 @@ NOTE: [Batching]
 ``batch(kernel_fn, batch_size, ...)`` computes ``kernel_fn(x1, x2, ...)`` in blocks of at most
 ``batch_size`` examples of x1 and x2 (the last block may be shorter: sizes need not divide ``N1``
 or ``N2``), writing each block into one preallocated output per kernel leaf (see
-``_batch_output.py``). Kernel functions built with ``vmap_axes`` are computed from prepared
+``batching/_output.py``). Kernel functions built with ``vmap_axes`` are computed from prepared
 spans of examples, which prepares each example's derivatives about once instead of once per
-block; others are called once per block (NOTE: [Spans and blocks] in ``_batch_jobs.py``).
+block; others are called once per block (NOTE: [Spans and blocks] in ``batching/_jobs.py``).
 Work goes to one worker per device. Workers on the module's own device share the kernel function
 (each evaluation runs on a private shell of the module, NOTE: [Threads]); a worker on another
 device gets a replica of the module there, made once per batched function, refreshed from the
 module at every call, and rebuilt whenever anything but tensor values changed. The values do not depend
 on which device computes which block. The output may be the caller's arrays, with a progress record
-to resume from (NOTE: [Kernels on disk] in ``_batch_disk.py``), and under ``torch.distributed``
+to resume from (NOTE: [Kernels on disk] in ``batching/_disk.py``), and under ``torch.distributed``
 each rank may keep only its rows (NOTE: [Row shards] in ``_batch_tiling.py``).
 """
 
@@ -25,17 +25,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _checks
-from ._batch_disk import ProgressRecord, assign_whole, fingerprint, match_out, out_leaves
-from ._batch_jobs import Job, run_blocks, run_spans
-from ._block_source import BlockRequest
-from ._blocks import Replan
+from .. import _checks
+from ._disk import ProgressRecord, assign_whole, fingerprint, match_out, out_leaves
+from ._jobs import Job, run_blocks, run_spans
+from .._block_source import BlockRequest
+from .._blocks import Replan
 from ._devices import device_count_argument, devices_argument, move, pinned, resolve
-from ._fingerprint import structure_fingerprint
-from ._kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
-from ._tree import Flat, is_all_none
-from ._types import PyTree
-from .distributed import DEFAULT_TIMEOUT, KernelShard, all_reduce_sum, checkpoint, failure_guard, world
+from .._fingerprint import structure_fingerprint
+from .._kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
+from .._tree import Flat, is_all_none
+from .._types import PyTree
+from ..distributed import DEFAULT_TIMEOUT, KernelShard, all_reduce_sum, checkpoint, failure_guard, world
 
 _NOT_SPLIT = ("params", "get")
 DEFAULT_CACHE_BYTES = 2**30
@@ -102,7 +102,7 @@ def batch(
         ``out`` (arrays to write the kernel into, returned filled: a NumPy array or memmap, a
         tensor, a zarr array, one per result leaf in a pytree like the result) and
         ``progress_file`` (a path: record finished blocks there and resume from it; needs
-        ``out``), see NOTE: [Kernels on disk] in ``_batch_disk.py``. Tensor 2-tuples in keyword
+        ``out``), see NOTE: [Kernels on disk] in ``batching/_disk.py``. Tensor 2-tuples in keyword
         arguments are cut with x1 and x2 like the inputs; other arguments (``get``, ``params``,
         single tensors) go to every block, copied to each device once per call.
 

@@ -3,7 +3,7 @@
 Each result leaf has a :class:`~torchntk._layout.KernelLayout` and a batch axis (``out_axes``);
 a block of examples ``run1 x run2`` lands where NOTE: [Tiles] (``_tiles.py``) says; a traced
 block is a mean over its examples, added with weight ``len(run1) / N``. A worker's blocks come
-through its lane (NOTE: [Worker streams] in ``_streams.py``): into a result on a CUDA device on
+through its lane (NOTE: [Worker streams] in ``batching/_streams.py``): into a result on a CUDA device on
 the result stream, into host memory after an asynchronous copy.
 """
 
@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ._batch_disk import ProgressRecord, as_numpy, assign_whole, check_out_leaf, checksum, flush
-from ._layout import KernelLayout
+from ._disk import ProgressRecord, as_numpy, assign_whole, check_out_leaf, checksum, flush
+from .._layout import KernelLayout
 from ._streams import Lane
-from ._tiles import Placement
+from .._tiles import Placement
 
 
 def batch_axis_kinds(leaf_layouts: Sequence[tuple[KernelLayout, int]], trace_axes, diagonal_axes) -> str:
@@ -47,7 +47,7 @@ def moved(block: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class KernelOutput:
     """Where the blocks go: one preallocated tensor per result leaf on ``device``, or the caller's
-    arrays (``out``, NOTE: [Kernels on disk] in ``_batch_disk.py``); ``write`` puts blocks in place.
+    arrays (``out``, NOTE: [Kernels on disk] in ``batching/_disk.py``); ``write`` puts blocks in place.
 
     Args:
         first_block, leaf_layouts: a block of the result (for shapes and dtypes) and every leaf's
@@ -57,7 +57,7 @@ class KernelOutput:
         stream: on a CUDA ``device``, the result stream (NOTE: [Worker streams]), which the
             tensors are allocated on: the calling thread's current stream of ``device``.
         rows: the x1 examples kept, ``(start, stop)`` (NOTE: [Row shards]); ``None``: all.
-        out: ``(path, array)`` per leaf from :func:`~torchntk._batch_disk.match_out`, or ``None``.
+        out: ``(path, array)`` per leaf from :func:`~torchntk.batching._disk.match_out`, or ``None``.
             Arrays have the whole kernel's shape even when only ``rows`` are written.
         record: the progress record to tell of every block written (``out`` only).
 

@@ -5,7 +5,7 @@ doubles the OpenMP thread pools, which made small blocks ~40% slower on a 2-core
 Progress is counted in kernel entries (pairs of examples), so the bar's rate is entries per
 second whatever the block sizes. The first exception of any worker stops the others (after
 their current task) and is re-raised in the caller. Each worker runs inside its lane (its CUDA
-stream, NOTE: [Worker streams] in ``_streams.py``), which finishes the worker's pending writes
+stream, NOTE: [Worker streams] in ``batching/_streams.py``), which finishes the worker's pending writes
 before the worker stops.
 """
 

@@ -17,7 +17,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from . import _checks
+from .. import _checks
 
 Timeout = Union[float, int, timedelta]
 """A timeout in seconds, or a ``timedelta``."""

@@ -1,6 +1,6 @@
 """The float64 view of a model that the reference kernels of :mod:`torchntk.testing` differentiate.
 
-Part of the oracle: like ``torchntk/testing.py`` it shares no code with the library, so that the
+Part of the oracle: like ``torchntk/testing/__init__.py`` it shares no code with the library, so that the
 library's kernels are checked against something computed independently. A model ``f`` becomes a
 float64 function of one flat parameter vector ``theta``, whose dense Jacobians
 :func:`torch.autograd.functional.jacobian` builds.

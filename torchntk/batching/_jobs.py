@@ -30,17 +30,17 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._batch_disk import ProgressRecord, match_out
-from ._batch_output import KernelOutput, batch_axis_kinds
-from ._batch_tiling import Tiling, shard_rows, tile
-from ._batch_workers import serve
-from ._block_source import BlockSource, Prepared
-from ._kernel_function import KernelFnSpec
-from ._layout import make_layout
+from ._disk import ProgressRecord, match_out
+from ._output import KernelOutput, batch_axis_kinds
+from .._batch_tiling import Tiling, shard_rows, tile
+from ._workers import serve
+from .._block_source import BlockSource, Prepared
+from .._kernel_function import KernelFnSpec
+from .._layout import make_layout
 from ._streams import Lane
-from ._threads import serialised
-from ._tree import Flat
-from .distributed import owned_blocks
+from .._threads import serialised
+from .._tree import Flat
+from ..distributed import owned_blocks
 
 Run = tuple[int, int]
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ._fingerprint import structure_fingerprint
+from .._fingerprint import structure_fingerprint
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ stores ``k`` numbers per example (and per kept output coordinate) and approximat
 entry by one ``k``-dimensional inner product, with a relative error of about ``sqrt(2 / k)`` that
 does not depend on the number of parameters. The features are reproducible: they depend only on
 the seed, the model and the example, not on the batch size, the chunking or the device (NOTE:
-[Sketch streams] in ``_sketch_projections.py``). The estimator is described in NOTE: [Sketched
-features] (``_sketch_features.py``); ``docs/sketching.md`` measures its error against ``k``.
+[Sketch streams] in ``sketch/_projections.py``). The estimator is described in NOTE: [Sketched
+features] (``sketch/_features.py``); ``docs/sketching.md`` measures its error against ``k``.
 
 Example:
     >>> import torch, torchntk
@@ -29,16 +29,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _checks
-from ._call import prepare_call
-from ._checks import show
-from ._layout import make_layout
-from ._outputs import output_fn_argument
-from ._precision import kernel_precision
-from ._sketch_features import SketchOptions, sketch
-from ._tree import is_all_none
-from ._types import Axes, Model, PyTree, VMapAxes
-from ._vmap_axes import parse_vmap_axes, split_kwargs
+from .. import _checks
+from .._call import prepare_call
+from .._checks import show
+from .._layout import make_layout
+from .._outputs import output_fn_argument
+from .._precision import kernel_precision
+from ._features import SketchOptions, sketch
+from .._tree import is_all_none
+from .._types import Axes, Model, PyTree, VMapAxes
+from .._vmap_axes import parse_vmap_axes, split_kwargs
 
 PROJECTIONS = ("gaussian", "sparse", "kronecker")
 """The projections ``sketched_ntk_features_fn`` accepts (see its ``projection`` argument)."""

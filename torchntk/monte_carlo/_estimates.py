@@ -2,7 +2,7 @@
 
 :func:`sampled_kernel_fn` is the private builder behind :func:`torchntk.monte_carlo_kernel_fn`:
 given the checked arguments and the batched empirical kernel function, it returns the Monte Carlo
-kernel function, which draws each sample (``torchntk/_monte_carlo_draws.py``) and adds its kernel
+kernel function, which draws each sample (``torchntk/monte_carlo/_draws.py``) and adds its kernel
 to a running sum (:func:`estimates`).
 
 NOTE: [Monte Carlo sharding hooks]
@@ -13,7 +13,7 @@ and the reduction is the identity:
 
 * ``owned(s) -> bool``: whether this process computes global sample ``s``. The samples are
   walked in order ``0 .. max(n_samples) - 1`` and the owned ones are added to a local running
-  sum (float64, NOTE: [Monte Carlo accumulation] in ``torchntk/monte_carlo.py``).
+  sum (float64, NOTE: [Monte Carlo accumulation] in ``torchntk/monte_carlo/__init__.py``).
 * ``reduce(local_sum) -> total_sum``: applied at every emitted checkpoint ``n`` (once in plain
   mode) to the local sum over the owned samples ``s < n``, before dividing by ``n``. It gets a
   ``list`` of tensors (the flattened kernel leaves, float64 or complex128, a fresh copy that it
@@ -23,7 +23,7 @@ and the reduction is the identity:
 
 Without hooks, under ``torch.distributed`` with ``distributed="auto"`` or ``"samples"``, the
 builder uses ``torchntk.distributed.owned_samples`` and ``all_reduce_sum`` as these hooks (NOTE:
-[Sharing] in ``torchntk/monte_carlo.py``). Passing hooks lets tests play several ranks with
+[Sharing] in ``torchntk/monte_carlo/__init__.py``). Passing hooks lets tests play several ranks with
 threads, and lets another scheduler share the samples its own way.
 """
 
@@ -34,12 +34,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch.utils import _pytree as pytree
 
-from ._checks import show
-from ._monte_carlo_draws import Sampler
-from ._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type, results_type
-from ._tree import Flat
-from ._types import Model, PyTree
-from .distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, owned_samples, world
+from .._checks import show
+from ._draws import Sampler
+from .._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type, results_type
+from .._tree import Flat
+from .._types import Model, PyTree
+from ..distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, owned_samples, world
 
 Leaves = list[torch.Tensor]
 """The flattened kernel leaves of one sample, or of a running sum."""

@@ -1,6 +1,6 @@
 """Drawing the parameters of Monte Carlo sample ``s``, for :mod:`torchntk.monte_carlo`.
 
-Everything here follows NOTE: [Monte Carlo sample seeds] in ``torchntk/monte_carlo.py``: sample
+Everything here follows NOTE: [Monte Carlo sample seeds] in ``torchntk/monte_carlo/__init__.py``: sample
 ``s`` depends only on ``(seed, s)``, is drawn on CPU in the parameters' dtype, and the caller's
 global random state is left as it was.
 """
@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import show
-from ._devices import move
-from ._model import float_parameter, training_mode_layers
-from ._tree import Flat
-from ._types import Model
+from .._checks import show
+from ..batching._devices import move
+from .._model import float_parameter, training_mode_layers
+from .._tree import Flat
+from .._types import Model
 
 _GLOBAL_RNG_LOCK = threading.Lock()
 """Held while the global CPU generator is reseeded to draw a sample (one lock per process)."""

@@ -62,17 +62,17 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from . import _checks
-from ._checks import show
-from ._groups import groups_argument
-from ._monte_carlo_draws import sample_seed as sample_seed
-from ._monte_carlo_estimates import MonteCarloKernel as MonteCarloKernel
-from ._monte_carlo_estimates import monte_carlo_kernel_type as monte_carlo_kernel_type
-from ._monte_carlo_estimates import sampled_kernel_fn
-from ._types import Axes, Model, NtkImplementation, VMapAxes
-from .batching import batch
-from .distributed import DEFAULT_TIMEOUT
-from .empirical import DEFAULT_NTK_IMPLEMENTATION, empirical_kernel_fn
+from .. import _checks
+from .._checks import show
+from .._groups import groups_argument
+from ._draws import sample_seed as sample_seed
+from ._estimates import MonteCarloKernel as MonteCarloKernel
+from ._estimates import monte_carlo_kernel_type as monte_carlo_kernel_type
+from ._estimates import sampled_kernel_fn
+from .._types import Axes, Model, NtkImplementation, VMapAxes
+from ..batching import batch
+from ..distributed import DEFAULT_TIMEOUT
+from ..empirical import DEFAULT_NTK_IMPLEMENTATION, empirical_kernel_fn
 
 
 def monte_carlo_kernel_fn(
@@ -99,7 +99,7 @@ def monte_carlo_kernel_fn(
     The estimate with ``n`` samples is the average of the empirical kernels
     (:func:`~torchntk.empirical_kernel_fn`) of ``n`` networks with freshly drawn parameters.
     Sample ``s`` depends only on ``(seed, s)`` (NOTE: [Monte Carlo sample seeds] in
-    ``torchntk/monte_carlo.py``), so every call, every ``batch_size`` and every device set gives
+    ``torchntk/monte_carlo/__init__.py``), so every call, every ``batch_size`` and every device set gives
     the same networks, and estimates agree up to floating-point rounding.
 
     Only the differentiated parameters (``requires_grad=True``) are redrawn; frozen parameters
