@@ -3,7 +3,7 @@
 
 Implementation 1 (Jacobian contraction) sums, for float32 Jacobians, each long contraction in
 blocks whose partial products are added in float64, and the per-parameter terms in float64
-(NOTE: [Accurate contraction] in ``torchntk/_layout.py``). This script measures what that costs
+(NOTE: [Accurate contraction] in ``torchntk/_layout/kernel_layout.py``). This script measures what that costs
 and buys, per model and kernel, against a float64 reference:
 
 * ``1 blocked``: implementation 1 as it is;
@@ -152,16 +152,16 @@ def describe(name: str) -> str:
 
 def _accumulation(on: bool) -> None:
     """``on=False``: implementation 1 as it was, one float32 product per parameter, float32 sums."""
-    import torchntk._blocks
-    import torchntk._layout
+    import torchntk._call.blocks
+    import torchntk._layout.kernel_layout
 
-    if not hasattr(torchntk._layout, "_bench_original"):
-        torchntk._layout._bench_original = (torchntk._layout.accumulation_dtype, torchntk._layout._CONTRACTION_BLOCK)
-    dtype, block = torchntk._layout._bench_original
+    if not hasattr(torchntk._layout.kernel_layout, "_bench_original"):
+        torchntk._layout.kernel_layout._bench_original = (torchntk._layout.kernel_layout.accumulation_dtype, torchntk._layout.kernel_layout._CONTRACTION_BLOCK)
+    dtype, block = torchntk._layout.kernel_layout._bench_original
     if not on:
         dtype, block = (lambda dtype, device: dtype), sys.maxsize
-    torchntk._layout.accumulation_dtype = torchntk._blocks.accumulation_dtype = dtype
-    torchntk._layout._CONTRACTION_BLOCK = block
+    torchntk._layout.kernel_layout.accumulation_dtype = torchntk._call.blocks.accumulation_dtype = dtype
+    torchntk._layout.kernel_layout._CONTRACTION_BLOCK = block
 
 
 def _interleaved(fn, repeats: int) -> dict:

@@ -22,11 +22,11 @@ import time
 import torch
 
 from torchntk import empirical_ntk_fn
-from torchntk._call import prepare_call
+from torchntk._call.kernel_call import prepare_call
+from torchntk._call.vmap_axes import parse_vmap_axes
 from torchntk._implementations.structured import StructuredOptions, plan_for
 from torchntk._implementations.structured._verify import disagreements
-from torchntk._model import functional_model
-from torchntk._vmap_axes import parse_vmap_axes
+from torchntk._model.functional import functional_model
 from torchntk.cli._models import cnn, mlp, seeded
 
 MODELS = {

@@ -31,9 +31,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from _common import (HERE, REPO_ROOT, add_common_arguments, fmt_diff, import_neural_tangents,
-                     launch_worker, limit_threads, parse_list, peak_rss_mb,
-                     prepare_data, rel_diff, render, run_header, time_calls, worker_entry)
+from _common import (
+    HERE,
+    REPO_ROOT,
+    add_common_arguments,
+    fmt_diff,
+    import_neural_tangents,
+    launch_worker,
+    limit_threads,
+    parse_list,
+    peak_rss_mb,
+    prepare_data,
+    rel_diff,
+    render,
+    run_header,
+    time_calls,
+    worker_entry,
+)
 
 KERNELS = {"full": (), "traced": (-1,)}
 LIB_LABELS = {"torchntk": "torchntk", "nt": "neural-tangents",

@@ -42,10 +42,27 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from _common import (HERE, REPO_ROOT, add_common_arguments, current_rss_mb, fmt_diff, hwm_rss_mb,
-                     import_neural_tangents, launch_worker, limit_threads,
-                     parse_list, peak_rss_mb, prepare_data, rel_diff, render,
-                     reset_peak_rss, run_header, time_calls, worker_entry, write_markdown)
+from _common import (
+    HERE,
+    REPO_ROOT,
+    add_common_arguments,
+    current_rss_mb,
+    fmt_diff,
+    hwm_rss_mb,
+    import_neural_tangents,
+    launch_worker,
+    limit_threads,
+    parse_list,
+    peak_rss_mb,
+    prepare_data,
+    rel_diff,
+    render,
+    reset_peak_rss,
+    run_header,
+    time_calls,
+    worker_entry,
+    write_markdown,
+)
 
 MODELS = ("mlp", "cnn", "resnet", "transformer", "wide")
 DEFAULT_MODELS = ("mlp", "cnn", "resnet", "transformer")
@@ -146,6 +163,7 @@ def run_worker(spec: dict, res: dict) -> dict:
 
     if lib == "torchntk":
         import torch
+
         import torchntk
         if spec["threads"]:
             torch.set_num_threads(spec["threads"])

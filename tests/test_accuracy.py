@@ -4,7 +4,7 @@ NOTE: [Float32 tolerances of the accuracy tests]
 Errors are ``max|K - K_ref| / max|K_ref|``. Rounding the float64 kernel to float32 alone costs up
 to 6e-8; implementation 2 (NTK-vector products) reaches 1.4e-7 on the wide convolution below and
 the blocked float64 summation of implementation 1 (NOTE: [Accurate contraction] in
-``_layout.py``) 5e-8 to 9e-8, while one float32 matrix product over the whole inner dimension
+``_layout/kernel_layout.py``) 5e-8 to 9e-8, while one float32 matrix product over the whole inner dimension
 was off by 2.3e-6 (full kernel) and 2.5e-3 (traced kernel: 10 logits times 2.4M weights summed
 at once). ``_TOLERANCE`` sits between: a few times the accurate errors, a few times below the
 inaccurate ones.
@@ -22,7 +22,7 @@ from torch import nn
 
 import torchntk
 from tests.cases import DEVICE, to_device
-from torchntk._layout import make_layout
+from torchntk._layout.kernel_layout import make_layout
 from torchntk.testing import assert_kernels_close, reference_nngp, reference_ntk
 
 _TOLERANCE = 5e-7

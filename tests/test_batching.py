@@ -99,13 +99,13 @@ def test_spans_prepare_each_example_once_and_reuse_cached_x2_spans(monkeypatch):
     x1, x2 = _inputs(13, 8)
     ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0, implementation=3)
     prepared = []
-    original = torchntk._block_source.BlockSource.prepare
+    original = torchntk._kernel.block_source.BlockSource.prepare
 
     def counting(self, side, run):
         prepared.append((side, run))
         return original(self, side, run)
 
-    monkeypatch.setattr(torchntk._block_source.BlockSource, "prepare", counting)
+    monkeypatch.setattr(torchntk._kernel.block_source.BlockSource, "prepare", counting)
     counts = {}
     for cache in (2**30, 6_000, 0):
         prepared.clear()
@@ -374,9 +374,9 @@ def test_traced_or_diagonal_batch_axis_needs_equal_sizes():
 def test_a_rank_that_owns_no_span_contributes_zeros(implementation):
     """Rank 3 of 4 with two spans only: its share of the all-reduce is zeros of the kernel's shape
     (implementation 2 prepares x1 and x2 differently, so the x2 side is prepared on its own)."""
+    from torchntk._kernel.block_source import BlockRequest
+    from torchntk._kernel.kernel_function import spec_of
     from torchntk.batching._jobs import Job, run_spans
-    from torchntk._block_source import BlockRequest
-    from torchntk._kernel_function import spec_of
 
     x1 = _inputs(3, 1)[0]
     ntk_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=0, implementation=implementation)

@@ -155,8 +155,8 @@ def test_progress_file_records_blocks_and_a_finished_run_is_not_redone(tmp_path,
     assert_kernels_close(torch.from_numpy(np.array(out)), reference_ntk(_model(), x1, trace_axes=()).cpu(),
                          rtol=1e-10, atol=1e-12)
     contracted = []
-    original = torchntk._block_source.BlockSource.contract
-    monkeypatch.setattr(torchntk._block_source.BlockSource, "contract",
+    original = torchntk._kernel.block_source.BlockSource.contract
+    monkeypatch.setattr(torchntk._kernel.block_source.BlockSource, "contract",
                         lambda self, a, b: contracted.append(1) or original(self, a, b))
     batched(x1, out=_open(tmp_path / "k.npy", (N1, N1, 4, 4), fresh=False), progress_file=record)
     assert len(contracted) == 1  # the probe that checks `out`; every block is recorded

@@ -1,6 +1,6 @@
 """A kernel call copies no parameter memory, yet never changes the module.
 
-NOTE: [Modules are never mutated] (``_model.py``): the private copies of a kernel call are
+NOTE: [Modules are never mutated] (``_model/functional.py``): the private copies of a kernel call are
 copy-on-write, so a call that only reads the parameters copies none of them, a forward pass that
 writes into one copies that one first, and nothing of the call outlives it. Every kernel here is
 checked against the float64 brute force of ``torchntk.testing``. Models and inputs live on the run
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import torchntk
-from torchntk._call import prepare_call
-from torchntk._vmap_axes import parse_vmap_axes
+from torchntk._call.kernel_call import prepare_call
+from torchntk._call.vmap_axes import parse_vmap_axes
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 

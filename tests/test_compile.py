@@ -17,7 +17,7 @@ from torch import nn
 
 import torchntk
 from tests.cases import CASES, make_x1_x2
-from torchntk._ntk_settings import NtkSettings
+from torchntk._kernel.settings import NtkSettings
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 
@@ -266,7 +266,7 @@ def test_a_graph_traced_with_x2_is_x1_does_not_serve_two_tensors():
 
 
 def test_captures_stop_when_the_key_keeps_changing(monkeypatch, eager_computations):
-    from torchntk import _captured
+    from torchntk._kernel import captured as _captured
 
     monkeypatch.setattr(_captured, "_CAPTURES", 2)
     torch.manual_seed(0)
@@ -370,7 +370,7 @@ def test_verify_and_compile_exclude_each_other():
 
 
 def test_a_failing_backend_leaves_the_graph_uncompiled(monkeypatch):
-    from torchntk import _captured
+    from torchntk._kernel import captured as _captured
 
     def failing(graph):
         def run(*args):
@@ -416,7 +416,7 @@ def _captured_graphs(ntk_fn):
 
 
 def test_a_graph_that_disagrees_is_dropped(monkeypatch, eager_computations):
-    from torchntk import _captured
+    from torchntk._kernel import captured as _captured
 
     monkeypatch.setattr(
         _captured.CapturedCalls, "_compiled", lambda self, graph: lambda *args: [out * 1.01 for out in graph(*args)]

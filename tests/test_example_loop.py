@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torchntk
-from torchntk._per_example import map_examples
+from torchntk._call.per_example import map_examples
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 pytestmark = pytest.mark.cpu_only(

@@ -154,7 +154,7 @@ _NO_FORWARD_MODE = {
 
 _UNFUSED = {
     # name: (build, example shape): modules whose fused kernels lack forward-mode derivatives, which
-    # the forward-mode passes replace (NOTE: [Unfused kernels] in torchntk/_unfused.py)
+    # the forward-mode passes replace (NOTE: [Unfused kernels] in torchntk/_model/unfused.py)
     "weight_norm": (_weight_normed, (4,)),
     "attention_eval": (_built(_Attention), (3, 4)),
     "lstm": (_built(_Recurrent), (3, 3)),

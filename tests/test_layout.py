@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.cases import to_device
-from torchntk._layout import make_layout
+from torchntk._layout.kernel_layout import make_layout
 from torchntk.testing import assert_kernels_close
 
 

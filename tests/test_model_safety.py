@@ -1,6 +1,6 @@
 """The user's module is never changed, and kernel functions are safe to call from several threads.
 
-NOTE: [Modules are never mutated] (``_model.py``) and NOTE: [Threads] (``_threads.py``) state the
+NOTE: [Modules are never mutated] (``_model/functional.py``) and NOTE: [Threads] (``_utils/threads.py``) state the
 promises; every test here checks the kernels against the float64 brute force of
 ``torchntk.testing`` and the module against a :class:`~torchntk.testing.ModuleSnapshot`. Models and
 inputs live on the run device (``pytest --device``): built and drawn on the CPU, then moved, so

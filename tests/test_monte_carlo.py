@@ -19,13 +19,13 @@ from torch import nn
 import torchntk
 from tests.cases import DEVICE, to_device
 from tests.ntk_param import NtkDense, arccos_kernels, closed_form, one_hidden_relu
-from torchntk.monte_carlo._estimates import sampled_kernel_fn
 from torchntk.monte_carlo import (
     MonteCarloKernel,
     monte_carlo_kernel_fn,
     monte_carlo_kernel_type,
     sample_seed,
 )
+from torchntk.monte_carlo._estimates import sampled_kernel_fn
 
 D = 5
 

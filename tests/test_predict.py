@@ -268,7 +268,7 @@ def test_gp_inference_against_dense_solves():
     nngp_dd, nngp_td, nngp_tt = _joint(n, n_test, seed=7)
     ntk_dd, ntk_td, ntk_tt = _joint(n, n_test, seed=8)
     y = _randn(n, 2, dtype=F64)
-    Kernel = torchntk._outputs.empirical_kernel_type(("nngp", "ntk"))
+    Kernel = torchntk._call.outputs.empirical_kernel_type(("nngp", "ntk"))
     k_dd, k_td, k_tt = Kernel(nngp_dd, ntk_dd), Kernel(nngp_td, ntk_td), Kernel(nngp_tt, ntk_tt)
     result = predict.gp_inference(k_dd, y)(("nngp", "ntk", "ntkgp"), k_td, k_tt)
     solve = torch.linalg.solve
@@ -311,7 +311,7 @@ def test_gp_inference_errors_and_jitter():
         mean = predict.gp_inference(singular, y + 1)("nngp", _ones(1, 3, dtype=F64))
     assert torch.isfinite(mean).all() and any("added" in str(w.message) for w in caught)
     with pytest.raises(ValueError, match="hold a 'nngp' kernel"):
-        Kernel = torchntk._outputs.empirical_kernel_type(("ntk",))
+        Kernel = torchntk._call.outputs.empirical_kernel_type(("ntk",))
         predict.gp_inference(Kernel(_eye(3, dtype=F64)), y)("nngp", _ones(1, 3, dtype=F64))
     with pytest.raises(ValueError, match="needs both the NNGP and the NTK"):
         predict.gp_inference(_eye(3, dtype=F64), y)("ntk", _ones(1, 3, dtype=F64), _ones(1, 1, dtype=F64))
@@ -336,7 +336,7 @@ class _FixedKernels:
         blocks = {name: self.kernels[name][x1][:, x2] for name in names}
         if isinstance(get, str):
             return blocks[get]
-        return torchntk._outputs.empirical_kernel_type(names)(**blocks)
+        return torchntk._call.outputs.empirical_kernel_type(names)(**blocks)
 
 
 def test_ensemble_against_dense_formulas():

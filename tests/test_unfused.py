@@ -1,6 +1,6 @@
-"""The decompositions of fused kernels (``torchntk/_unfused.py``) and their use by the kernels.
+"""The decompositions of fused kernels (``torchntk/_model/unfused.py``) and their use by the kernels.
 
-NOTE: [Unfused kernels] in ``torchntk/_unfused.py``. The decompositions are checked against the
+NOTE: [Unfused kernels] in ``torchntk/_model/unfused.py``. The decompositions are checked against the
 fused kernels they replace (outputs, final states and gradients, float64, every call option), the
 forward-mode context on the modules whose kernels lack forward-mode derivatives, and the kernel
 functions on recurrent models against the float64 oracle :func:`torchntk.testing.reference_ntk`.
@@ -31,11 +31,12 @@ from torch.utils import _pytree as pytree
 
 import torchntk
 from tests.cases import to_device
-from torchntk import NtkImplementation, _unfused
+from torchntk import NtkImplementation
 from torchntk._implementations import auto as auto_module
 from torchntk._implementations import ntk_vector_products as nvp
-from torchntk._model import functional_model
-from torchntk._unfused import Unfused, forward_mode_kernels, fused_layers
+from torchntk._model.functional import functional_model
+from torchntk._model import unfused as _unfused
+from torchntk._model.unfused import Unfused, forward_mode_kernels, fused_layers
 from torchntk.testing import assert_kernels_close, reference_ntk
 
 F64 = torch.float64

@@ -315,7 +315,7 @@ def test_batched_kernels_run_the_derivative_check_too(device):
 
 
 def test_running_out_of_memory_is_not_blamed_on_vmap():
-    from torchntk._per_example import vmap_errors
+    from torchntk._call.per_example import vmap_errors
 
     error = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 77309411328 bytes.")
     with pytest.raises(RuntimeError, match="can't allocate memory") as raised:

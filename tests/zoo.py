@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from torchntk._outputs import output_fn_argument
+from torchntk._call.outputs import output_fn_argument
 
 
 def skip_torchvision_op_registrations() -> None:

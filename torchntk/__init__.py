@@ -1,12 +1,12 @@
 """torchntk: empirical neural tangent and NNGP kernels of PyTorch models."""
 
 from . import predict as predict
-from ._example_loop import ExampleLoopWarning as ExampleLoopWarning
-from ._implementations._choice import AutoChoice as AutoChoice
-from ._implementations._choice import Estimate as Estimate
-from ._kernel_function import KernelFunction as KernelFunction
-from ._precision import precision as precision
-from ._types import NtkImplementation as NtkImplementation
+from ._call.example_loop import ExampleLoopWarning as ExampleLoopWarning
+from ._implementations.choice import AutoChoice as AutoChoice
+from ._implementations.choice import Estimate as Estimate
+from ._kernel.kernel_function import KernelFunction as KernelFunction
+from ._utils.precision import precision as precision
+from ._utils.types import NtkImplementation as NtkImplementation
 from .batching import batch as batch
 from .empirical import empirical_kernel_fn as empirical_kernel_fn
 from .empirical import empirical_nngp_fn as empirical_nngp_fn

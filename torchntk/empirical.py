@@ -8,9 +8,9 @@ x1 work. Keyword arguments given as a 2-tuple are split: the first element goes 
 second with x2.
 
 The module holds the four public builders and little else (the shared machinery is in
-``_ntk_settings.py``); it is over 400 lines because of their docstrings.
+``_kernel/settings.py``); it is over 400 lines because of their docstrings.
 
-Kernel shapes follow NOTE: [Kernel layout] in ``torchntk/_layout.py`` and the "Kernel layout"
+Kernel shapes follow NOTE: [Kernel layout] in ``torchntk/_layout/kernel_layout.py`` and the "Kernel layout"
 page of the documentation: output axes in order, kept axes doubled (x1 then x2), diagonal axes
 once, traced axes averaged away. Pytree outputs give one kernel per output leaf.
 
@@ -33,19 +33,19 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch.func import jvp, vjp
 
-from . import _checks
-from ._block_source import BlockRequest, BlockSource
-from ._call import prepare_call
+from ._call.kernel_call import prepare_call
+from ._call.outputs import canonical_get, combine, output_fn_argument
+from ._call.vmap_axes import parse_vmap_axes, split_kwargs
 from ._implementations.nngp import nngp
-from ._kernel_function import KernelFnSpec, KernelFunction
-from ._model import functional_model, warn_training_mode
-from ._ntk_settings import FORWARD_RUN, NtkSettings, input_shape_key
-from ._outputs import canonical_get, combine, output_fn_argument
-from ._threads import FORWARD_MODE_LOCK
-from ._tree import Flat, describe, is_all_none
-from ._types import Axes, Model, NtkImplementation, PyTree, VMapAxes
-from ._unfused import forward_mode_kernels
-from ._vmap_axes import parse_vmap_axes, split_kwargs
+from ._kernel.block_source import BlockRequest, BlockSource
+from ._kernel.kernel_function import KernelFnSpec, KernelFunction
+from ._kernel.settings import FORWARD_RUN, NtkSettings, input_shape_key
+from ._model.functional import functional_model, warn_training_mode
+from ._model.unfused import forward_mode_kernels
+from ._utils import checks as _checks
+from ._utils.threads import FORWARD_MODE_LOCK
+from ._utils.tree import Flat, describe, is_all_none
+from ._utils.types import Axes, Model, NtkImplementation, PyTree, VMapAxes
 
 DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
 """Jacobian contraction: exact, general, and the fastest of 1 and 2 for traced kernels."""
@@ -126,7 +126,7 @@ def empirical_ntk_fn(
 
     ``NTK(x1, x2) = sum_p J_p(x1) J_p(x2)^T`` over the differentiated parameters ``p``, where
     ``J_p(x)`` is the Jacobian of ``f``'s output on ``x`` with respect to ``p``, laid out as
-    described in NOTE: [Kernel layout] (``torchntk/_layout.py``).
+    described in NOTE: [Kernel layout] (``torchntk/_layout/kernel_layout.py``).
 
     Args:
         f: an ``nn.Module`` (differentiated: its parameters with ``requires_grad=True``, each tied
@@ -140,7 +140,7 @@ def empirical_ntk_fn(
             lets Jacobians be formed per example (``O(N)`` instead of ``O(N^2)`` work). ``None``
             (no such promise), an int (same axis for inputs and outputs, e.g. ``0``), a pytree of
             axes, or ``(in_axes, out_axes, kwargs_axes)``. See NOTE: [vmap_axes contract] in
-            ``torchntk/_vmap_axes.py``. Default: ``None``.
+            ``torchntk/_call/vmap_axes.py``. Default: ``None``.
         implementation: an :class:`NtkImplementation` or its int value: ``1`` (Jacobian
             contraction), ``2`` (NTK-vector products), ``3`` (structured derivatives) or ``0``
             (AUTO: the cheapest of the three for the input shapes, see ``ntk_fn.auto_choice``).

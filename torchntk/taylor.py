@@ -10,12 +10,12 @@ from typing import Any, Callable
 import torch
 from torch.func import jvp
 
-from . import _checks
-from ._model import FunctionalModel, functional_model
-from ._threads import FORWARD_MODE_LOCK
-from ._tree import Flat
-from ._types import Model, PyTree
-from ._unfused import forward_mode_kernels
+from ._model.functional import FunctionalModel, functional_model
+from ._model.unfused import forward_mode_kernels
+from ._utils import checks as _checks
+from ._utils.threads import FORWARD_MODE_LOCK
+from ._utils.tree import Flat
+from ._utils.types import Model, PyTree
 
 
 def _expansion_model(f: Model, params: Any, where: str) -> FunctionalModel:

@@ -2,17 +2,17 @@
 
 NOTE: [The implementation table]
 Every implementation answers three questions about a validated
-:class:`~torchntk._call.KernelCall` (``key`` is the call's shape key, under which an
+:class:`~torchntk._call.kernel_call.KernelCall` (``key`` is the call's shape key, under which an
 implementation may cache what it learnt about those shapes):
 
 * ``kernels(call, key)``: one unnormalised kernel per output leaf (see :meth:`KernelCall.normalise`);
 * ``blocks(call, key, thorough, block)``: the same computation as a
-  :class:`~torchntk._blocks.BlockPlan`, for ``chunk_size`` and ``batch`` (``thorough`` asks
+  :class:`~torchntk._call.blocks.BlockPlan`, for ``chunk_size`` and ``batch`` (``thorough`` asks
   structured derivatives for a plan probed on every example; ``block`` is the block size, which
   AUTO chooses for);
 * ``choice(call, key)``: the :class:`~torchntk.AutoChoice` reported by ``ntk_fn.auto_choice``.
 
-With parameter groups (``call.groups``, NOTE: [Parameter groups] in ``_groups.py``) every kernel or
+With parameter groups (``call.groups``, NOTE: [Parameter groups] in ``_call/groups.py``) every kernel or
 block of an output leaf is a tuple of one per group; AUTO passes the call on unchanged.
 
 Jacobian contraction (1) and NTK-vector products (2) keep no state; structured derivatives (3)
@@ -27,11 +27,11 @@ from typing import Any, Callable, Hashable, Optional, Protocol
 
 import torch
 
-from .._blocks import BlockPlan
-from .._call import KernelCall
-from .._types import NtkImplementation
-from ._choice import AutoChoice
+from .._call.blocks import BlockPlan
+from .._call.kernel_call import KernelCall
+from .._utils.types import NtkImplementation
 from .auto import AutoSelector
+from .choice import AutoChoice
 from .jacobian_contraction import jacobian_contraction_blocks, jacobian_contraction_ntk
 from .ntk_vector_products import ntk_vector_products_blocks, ntk_vector_products_ntk
 from .structured import StructuredDerivatives, StructuredOptions

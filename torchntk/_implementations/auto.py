@@ -93,11 +93,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .._bounded_cache import BoundedCache
-from .._call import KernelCall
-from .._types import NtkImplementation
-from .._unfused import forward_mode_kernels
-from ._choice import AutoChoice, Estimate
+from .._call.kernel_call import KernelCall
+from .._model.unfused import forward_mode_kernels
+from .._utils.bounded_cache import BoundedCache
+from .._utils.types import NtkImplementation
+from .choice import AutoChoice, Estimate
 from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
 from .structured._cost import structured_cost
 from .structured._joint import gradients_per_example, joinable

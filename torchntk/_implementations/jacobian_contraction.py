@@ -6,7 +6,7 @@ parameter tensor is contracted on its own, so the concatenated Jacobian of all p
 exists. The contraction only forms what the layout keeps: traced axes are summed inside the
 matrix product and diagonal axes are batch axes of it (see NOTE: [Kernel layout]).
 
-With parameter groups (NOTE: [Parameter groups] in ``_groups.py``) each parameter's term is added to
+With parameter groups (NOTE: [Parameter groups] in ``_call/groups.py``) each parameter's term is added to
 its group's sum instead of the one sum: the same work, one kernel per group.
 
 Cost: ``O (N1 + N2)`` backward passes of one example, plus ``N1 N2 O1 O2 P / |T|`` multiply-adds,
@@ -14,7 +14,7 @@ where ``|T|`` is the number of traced output coordinates.
 
 Accuracy: the per-parameter terms and, for float32 Jacobians, the blocks of each long
 contraction are summed in float64, and the kernel is rounded to its dtype once (NOTE: [Accurate
-contraction] in ``_layout.py``): float32 kernels of models with tens of millions of parameters
+contraction] in ``_layout/kernel_layout.py``): float32 kernels of models with tens of millions of parameters
 stay as accurate as those of implementations 2 and 3.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .._blocks import BlockPlan, assemble
-from .._call import KernelCall
-from .._per_example import Side
+from .._call.blocks import BlockPlan, assemble
+from .._call.kernel_call import KernelCall
+from .._call.per_example import Side
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 

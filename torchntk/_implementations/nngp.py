@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._call import KernelCall
+from .._call.kernel_call import KernelCall
 
 
 def nngp(call: KernelCall) -> list[torch.Tensor]:

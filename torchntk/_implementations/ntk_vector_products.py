@@ -17,7 +17,7 @@ bounded further by ``chunk_size``.
 NOTE: [NTK-vector products without forward mode]
 Some operations have no forward-mode derivative in PyTorch: ``grid_sampler_2d``, ``_embedding_bag``,
 custom ``torch.autograd.Function`` classes without ``jvp``, and the fused kernels the forward-mode
-passes do not replace (NOTE: [Unfused kernels] in ``_unfused.py``: those of recurrent layers and
+passes do not replace (NOTE: [Unfused kernels] in ``_model/unfused.py``: those of recurrent layers and
 weight norm are replaced in the modules ``fused_layers`` finds, not inside a function
 ``f(params, x)``; those of attention always). For them the column ``J1 t`` comes from two
 reverse passes instead: ``u -> J1^T u`` is linear, so its VJP with cotangent ``t`` is ``J1 t``
@@ -45,12 +45,12 @@ import torch
 from torch.func import jacrev, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .._blocks import BlockPlan, assemble
-from .._call import KernelCall
-from .._per_example import Side
-from .._threads import FORWARD_MODE_LOCK
-from .._torch_errors import missing_forward_mode
-from .._unfused import forward_mode_kernels
+from .._call.blocks import BlockPlan, assemble
+from .._call.kernel_call import KernelCall
+from .._call.per_example import Side
+from .._model.torch_errors import missing_forward_mode
+from .._model.unfused import forward_mode_kernels
+from .._utils.threads import FORWARD_MODE_LOCK
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -125,7 +125,7 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
 
 
 # NOTE: [NTK-vector products of parameter groups]
-# With parameter groups (NOTE: [Parameter groups] in _groups.py) x2's parameter-space vectors are
+# With parameter groups (NOTE: [Parameter groups] in _call/groups.py) x2's parameter-space vectors are
 # formed once, for every grouped parameter, and each group's columns come from the vectors' entries
 # of its parameters, pushed through a forward-mode pass over x1 that differentiates that group's
 # parameters only. The x1 work is thus repeated per group: G groups cost about G times the

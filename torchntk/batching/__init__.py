@@ -13,7 +13,7 @@ device gets a replica of the module there, made once per batched function, refre
 module at every call, and rebuilt whenever anything but tensor values changed. The values do not depend
 on which device computes which block. The output may be the caller's arrays, with a progress record
 to resume from (NOTE: [Kernels on disk] in ``batching/_disk.py``), and under ``torch.distributed``
-each rank may keep only its rows (NOTE: [Row shards] in ``_batch_tiling.py``).
+each rank may keep only its rows (NOTE: [Row shards] in ``_layout/runs.py``).
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import _checks
+from .._call.blocks import Replan
+from .._kernel.block_source import BlockRequest
+from .._kernel.kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
+from .._model.fingerprint import structure_fingerprint
+from .._utils import checks as _checks
+from .._utils.tree import Flat, is_all_none
+from .._utils.types import PyTree
+from ..distributed import DEFAULT_TIMEOUT, KernelShard, all_reduce_sum, checkpoint, failure_guard, world
+from ._devices import device_count_argument, devices_argument, move, pinned, resolve
 from ._disk import ProgressRecord, assign_whole, fingerprint, match_out, out_leaves
 from ._jobs import Job, run_blocks, run_spans
-from .._block_source import BlockRequest
-from .._blocks import Replan
-from ._devices import device_count_argument, devices_argument, move, pinned, resolve
-from .._fingerprint import structure_fingerprint
-from .._kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
-from .._tree import Flat, is_all_none
-from .._types import PyTree
-from ..distributed import DEFAULT_TIMEOUT, KernelShard, all_reduce_sum, checkpoint, failure_guard, world
 
 _NOT_SPLIT = ("params", "get")
 DEFAULT_CACHE_BYTES = 2**30
@@ -187,7 +187,7 @@ class _Settings:
         """One kernel function per device: the original on the model's own device (every worker
         there shares it: calls never share module state, NOTE: [Threads]); elsewhere a replica
         per device, refreshed from the module at every call and rebuilt whenever anything but
-        tensor values changed (``_fingerprint.py``)."""
+        tensor values changed (``_model/fingerprint.py``)."""
         home = _model_device(self.spec)
         elsewhere = {device for device in devices if home is not None and home != device}
         fingerprint = structure_fingerprint(self.spec.f) if elsewhere else None

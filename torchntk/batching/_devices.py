@@ -12,8 +12,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .._checks import show
-from .._tree import Flat
+from .._utils.checks import show
+from .._utils.tree import Flat
 
 
 def device_count_argument(value: Any, where: str) -> int:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from .._tree import Flat, key_entry
+from .._utils.tree import Flat, key_entry
 
 RECORD_SECONDS = 10.0
 """At most this long between rewrites of the progress record (blocks done since are redone after

@@ -16,7 +16,7 @@ Without ``vmap_axes`` a kernel function cannot be split, so :func:`run_blocks` c
 block of at most ``batch_size`` examples of x1 and x2 (inputs cut along axis 0).
 
 With x2 None only pairs on and above the diagonal are computed and mirrored; with the batch axis
-traced or diagonal only pairs of a span (or block) with itself exist (``_batch_tiling.tile``).
+traced or diagonal only pairs of a span (or block) with itself exist (``_layout/runs.tile``).
 Pairs already in a progress record are skipped (NOTE: [Kernels on disk]).
 """
 
@@ -30,17 +30,17 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .._kernel.block_source import BlockSource, Prepared
+from .._kernel.kernel_function import KernelFnSpec
+from .._layout.kernel_layout import make_layout
+from .._layout.runs import Tiling, shard_rows, tile
+from .._utils.threads import serialised
+from .._utils.tree import Flat
+from ..distributed import owned_blocks
 from ._disk import ProgressRecord, match_out
 from ._output import KernelOutput, batch_axis_kinds
-from .._batch_tiling import Tiling, shard_rows, tile
-from ._workers import serve
-from .._block_source import BlockSource, Prepared
-from .._kernel_function import KernelFnSpec
-from .._layout import make_layout
 from ._streams import Lane
-from .._threads import serialised
-from .._tree import Flat
-from ..distributed import owned_blocks
+from ._workers import serve
 
 Run = tuple[int, int]
 
@@ -49,7 +49,7 @@ Run = tuple[int, int]
 class Job:
     """What both ways share: the kernel function per device, the tiling and where results go.
 
-    ``shard``: keep only this rank's rows (NOTE: [Row shards] in ``_batch_tiling.py``); ``out`` and
+    ``shard``: keep only this rank's rows (NOTE: [Row shards] in ``_layout/runs.py``); ``out`` and
     ``record``: the caller's arrays and the progress record (NOTE: [Kernels on disk]). ``lanes``:
     each worker's stream (NOTE: [Worker streams]), made with the job, in the calling thread.
     """

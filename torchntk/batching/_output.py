@@ -1,7 +1,7 @@
 """The result of a batched kernel call, preallocated or given (``out``), written block by block.
 
-Each result leaf has a :class:`~torchntk._layout.KernelLayout` and a batch axis (``out_axes``);
-a block of examples ``run1 x run2`` lands where NOTE: [Tiles] (``_tiles.py``) says; a traced
+Each result leaf has a :class:`~torchntk._layout.kernel_layout.KernelLayout` and a batch axis (``out_axes``);
+a block of examples ``run1 x run2`` lands where NOTE: [Tiles] (``_layout/tiles.py``) says; a traced
 block is a mean over its examples, added with weight ``len(run1) / N``. A worker's blocks come
 through its lane (NOTE: [Worker streams] in ``batching/_streams.py``): into a result on a CUDA device on
 the result stream, into host memory after an asynchronous copy.
@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from .._layout.kernel_layout import KernelLayout
+from .._layout.tiles import Placement
 from ._disk import ProgressRecord, as_numpy, assign_whole, check_out_leaf, checksum, flush
-from .._layout import KernelLayout
 from ._streams import Lane
-from .._tiles import Placement
 
 
 def batch_axis_kinds(leaf_layouts: Sequence[tuple[KernelLayout, int]], trace_axes, diagonal_axes) -> str:

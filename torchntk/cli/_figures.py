@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._layout import paired_matrix
+from .._layout.kernel_layout import paired_matrix
 
 _SKIPPED = "figure skipped: matplotlib is not installed (pip install 'torchntk[plot]')"
 

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 import torchntk
 
-from .._layout import make_layout
+from .._layout.kernel_layout import make_layout
 from ._figures import KernelDescription
 from ._inputs import Inputs, InputSpec, KeywordInputs
 from ._models import ModelChoice, UsageError

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 import torchntk
 
-from .._captured import compile_argument
+from .._kernel.captured import compile_argument
 from . import _arguments
 from ._figures import scaling_figure
 from ._models import BENCH_MODELS, JAX_LAYOUTS, UsageError, inputs

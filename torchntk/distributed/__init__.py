@@ -111,7 +111,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .._batch_tiling import shard_rows as _shard_rows
+from .._layout.runs import shard_rows as _shard_rows
 from ._checkpoint_protocol import DistributedError as DistributedError
 from ._checkpoint_protocol import RankFailedError as RankFailedError
 from ._checkpoint_protocol import (

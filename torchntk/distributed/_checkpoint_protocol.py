@@ -17,7 +17,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from .. import _checks
+from .._utils import checks as _checks
 
 Timeout = Union[float, int, timedelta]
 """A timeout in seconds, or a ``timedelta``."""
@@ -76,7 +76,7 @@ def world() -> tuple[int, int]:
 
 
 def checked_timeout(timeout: Timeout, where: str) -> float:
-    """``timeout`` in seconds: :func:`torchntk._checks.timeout_argument`, the package's one check."""
+    """``timeout`` in seconds: :func:`torchntk._utils.checks.timeout_argument`, the package's one check."""
     return _checks.timeout_argument(timeout, where)
 
 

@@ -62,17 +62,17 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .. import _checks
-from .._checks import show
-from .._groups import groups_argument
+from .._call.groups import groups_argument
+from .._utils import checks as _checks
+from .._utils.checks import show
+from .._utils.types import Axes, Model, NtkImplementation, VMapAxes
+from ..batching import batch
+from ..distributed import DEFAULT_TIMEOUT
+from ..empirical import DEFAULT_NTK_IMPLEMENTATION, empirical_kernel_fn
 from ._draws import sample_seed as sample_seed
 from ._estimates import MonteCarloKernel as MonteCarloKernel
 from ._estimates import monte_carlo_kernel_type as monte_carlo_kernel_type
 from ._estimates import sampled_kernel_fn
-from .._types import Axes, Model, NtkImplementation, VMapAxes
-from ..batching import batch
-from ..distributed import DEFAULT_TIMEOUT
-from ..empirical import DEFAULT_NTK_IMPLEMENTATION, empirical_kernel_fn
 
 
 def monte_carlo_kernel_fn(

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import show
+from .._model.functional import float_parameter, training_mode_layers
+from .._utils.checks import show
+from .._utils.tree import Flat
+from .._utils.types import Model
 from ..batching._devices import move
-from .._model import float_parameter, training_mode_layers
-from .._tree import Flat
-from .._types import Model
 
 _GLOBAL_RNG_LOCK = threading.Lock()
 """Held while the global CPU generator is reseeded to draw a sample (one lock per process)."""

@@ -34,12 +34,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch.utils import _pytree as pytree
 
-from .._checks import show
-from ._draws import Sampler
-from .._outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type, results_type
-from .._tree import Flat
-from .._types import Model, PyTree
+from .._call.outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type, results_type
+from .._utils.checks import show
+from .._utils.tree import Flat
+from .._utils.types import Model, PyTree
 from ..distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, owned_samples, world
+from ._draws import Sampler
 
 Leaves = list[torch.Tensor]
 """The flattened kernel leaves of one sample, or of a running sum."""

@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .._checks import real_number_argument, show
-from .._outputs import empirical_kernel_type
+from .._call.outputs import empirical_kernel_type
+from .._utils.checks import real_number_argument, show
 from ._gp import Gaussian, canonical_names, gaussians_type, gp_inference
 from ._layout import TargetLayout, as_tensor
 from ._linalg import Eigenbasis, expm1_decay, expm1_decay_over_value, regularised

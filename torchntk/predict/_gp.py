@@ -7,8 +7,8 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import torch
 
-from .._checks import real_number_argument, show
-from .._outputs import results_type
+from .._call.outputs import results_type
+from .._utils.checks import real_number_argument, show
 from ._layout import TargetLayout
 from ._linalg import Cholesky, regularised
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .._checks import axes_argument, finite_tensor_argument, show
-from .._layout import canonical_axes, paired_matrix
+from .._layout.kernel_layout import canonical_axes, paired_matrix
+from .._utils.checks import axes_argument, finite_tensor_argument, show
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .._checks import finite_tensor_argument, real_number_argument, show
-from .._layout import paired_matrix
+from .._layout.kernel_layout import paired_matrix
+from .._utils.checks import finite_tensor_argument, real_number_argument, show
 from ._layout import TargetLayout, as_tensor, broadcast
 from ._linalg import Cholesky, Eigenbasis, expm1_decay, expm1_decay_over_value, regularised
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch.func import grad
 
-from .._checks import real_number_argument, show
+from .._utils.checks import real_number_argument, show
 from ._layout import TargetLayout, as_tensor, broadcast
 
 

@@ -29,16 +29,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import _checks
-from .._call import prepare_call
-from .._checks import show
-from .._layout import make_layout
-from .._outputs import output_fn_argument
-from .._precision import kernel_precision
+from .._call.kernel_call import prepare_call
+from .._call.outputs import output_fn_argument
+from .._call.vmap_axes import parse_vmap_axes, split_kwargs
+from .._layout.kernel_layout import make_layout
+from .._utils import checks as _checks
+from .._utils.checks import show
+from .._utils.precision import kernel_precision
+from .._utils.tree import is_all_none
+from .._utils.types import Axes, Model, PyTree, VMapAxes
 from ._features import SketchOptions, sketch
-from .._tree import is_all_none
-from .._types import Axes, Model, PyTree, VMapAxes
-from .._vmap_axes import parse_vmap_axes, split_kwargs
 
 PROJECTIONS = ("gaussian", "sparse", "kronecker")
 """The projections ``sketched_ntk_features_fn`` accepts (see its ``projection`` argument)."""

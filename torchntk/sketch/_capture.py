@@ -34,7 +34,7 @@ from torch.func import vjp
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .._per_example import Side
+from .._call.per_example import Side
 
 
 @dataclass(frozen=True)

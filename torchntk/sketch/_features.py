@@ -43,9 +43,9 @@ from typing import Optional
 import torch
 from torch.func import jacrev
 
+from .._call.kernel_call import KernelCall
+from .._call.per_example import Side, runs
 from . import _projections as projections
-from .._call import KernelCall
-from .._per_example import Side, runs
 from ._capture import CaptureMismatch, TapCall, Taps, verify
 
 RUN_BYTES = 256 << 20

@@ -44,12 +44,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .._checks import non_negative_int_argument, real_number_argument, show, user_stacklevel
+from .._utils.checks import non_negative_int_argument, real_number_argument, show, user_stacklevel
+from .._utils.types import Axes, Model, PyTree
 from ._hutchinson import TraceEstimate, hutchinson
 from ._lanczos import block_lanczos
 from ._metrics import condition_number, effective_rank, kernel_target_alignment, relative_change
 from ._operator import ntk_operator
-from .._types import Axes, Model, PyTree
 
 __all__ = [
     "Eigenpairs",

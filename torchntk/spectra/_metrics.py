@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .._checks import finite_tensor_argument, show
-from .._layout import paired_matrix
+from .._layout.kernel_layout import paired_matrix
+from .._utils.checks import finite_tensor_argument, show
 
 _EFFECTIVE_RANK_KINDS = ("participation", "entropy")
 

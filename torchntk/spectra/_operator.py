@@ -4,7 +4,7 @@ NOTE: [The NTK as an operator]
 For a model whose output ``f(x)`` is one tensor of shape ``S`` and traced axes ``T`` (the
 ``trace_axes`` of :func:`torchntk.empirical_ntk_fn`), the kernel ``empirical_ntk_fn(f,
 trace_axes=T)(x)`` read as a matrix (rows and columns: the coordinates of the kept axes of ``S``,
-in order, row-major; see ``paired_matrix`` in ``_layout.py``) is the operator here. Its vectors
+in order, row-major; see ``paired_matrix`` in ``_layout/kernel_layout.py``) is the operator here. Its vectors
 have the kept axes' shape: ``(N,)`` for an ``(N, O)`` output with ``T = (-1,)``, ``(N, O)`` with
 ``T = ()``.
 
@@ -28,12 +28,12 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch.func import vmap
 
-from .. import _checks
-from .._layout import canonical_axes
-from .._model import functional_model
-from .._outputs import output_fn_argument
-from .._tree import describe
-from .._vmap_axes import split_kwargs
+from .._call.outputs import output_fn_argument
+from .._call.vmap_axes import split_kwargs
+from .._layout.kernel_layout import canonical_axes
+from .._model.functional import functional_model
+from .._utils import checks as _checks
+from .._utils.tree import describe
 from ..empirical import empirical_ntk_vp_fn
 
 # NOTE: [Cotangents per pass]

@@ -1,7 +1,7 @@
 """A snapshot of everything about a module, to prove that a computation left it as it was.
 
 Exported as :class:`torchntk.testing.ModuleSnapshot`; see NOTE: [Modules are never mutated] in
-``_model.py`` for the promise it checks.
+``_model/functional.py`` for the promise it checks.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .._fingerprint import structure_fingerprint
+from .._model.fingerprint import structure_fingerprint
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The layout contraction of the reference kernels of :mod:`torchntk.testing`: one einsum per leaf.
 
-Part of the oracle: it shares no code with the library's layout code (``torchntk/_layout.py``), so
+Part of the oracle: it shares no code with the library's layout code (``torchntk/_layout/kernel_layout.py``), so
 that a mistake there cannot hide in both. The layout rule it implements is the one in the
 docstring of ``torchntk/testing/__init__.py``.
 """

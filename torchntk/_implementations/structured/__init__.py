@@ -24,12 +24,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..._blocks import BlockPlan, Replan, assemble
-from ..._bounded_cache import BoundedCache
-from ..._call import KernelCall
-from ..._per_example import Side
-from ..._types import NtkImplementation
-from .._choice import AutoChoice
+from ..._call.blocks import BlockPlan, Replan, assemble
+from ..._call.kernel_call import KernelCall
+from ..._call.per_example import Side
+from ..._utils.bounded_cache import BoundedCache
+from ..._utils.types import NtkImplementation
+from ..choice import AutoChoice
 from ._contract import contract_sides
 from ._joint import gradients_per_example, joined
 from ._plan import Plan, make_plan
@@ -302,7 +302,7 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
     return BlockPlan(prepare1, prepare2, contract, reuse_prepared=True, run_length=call.chunk_size)
 
 
-# -- NOTE: [Parameter groups] (``torchntk/_groups.py``) ---------------------------------------------
+# -- NOTE: [Parameter groups] (``torchntk/_call/groups.py``) ---------------------------------------------
 
 
 def _within_groups(plan: Plan, groups: tuple[tuple[int, ...], ...]) -> Plan:

@@ -29,8 +29,8 @@ import opt_einsum
 import torch
 from opt_einsum.parser import convert_to_valid_einsum_chars
 
-from ..._layout import KernelLayout
-from ..._tiles import Placement
+from ..._layout.kernel_layout import KernelLayout
+from ..._layout.tiles import Placement
 from ._merge import merged_factors
 from ._roles import Role
 from ._side import SideFactors, Use

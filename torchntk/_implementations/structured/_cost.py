@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..._call import KernelCall
+from ..._call.kernel_call import KernelCall
 from ._contract import jacobian_equation, merge_pays, output_symbols, pair_cost, pair_equation, pair_kind
 from ._merge import merged_uses
 from ._plan import Plan

@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from ..._call import KernelCall
-from ..._per_example import Side
-from ..._tree import Flat
+from ..._call.kernel_call import KernelCall
+from ..._call.per_example import Side
+from ..._utils.tree import Flat
 from ._plan import Plan
 
 MAX_JOINED_GRADIENTS = 2**22

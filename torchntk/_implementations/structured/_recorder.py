@@ -13,7 +13,7 @@ identity: the tensors passed to ``functional_call`` are the ones the ops receive
 * a Python composite (``F.multi_head_attention_forward`` and the like) receiving a parameter: its
   body is run with the mode still active, so the ops inside are seen one by one;
 * a fused recurrent kernel (``torch._VF.lstm`` of ``nn.LSTM``, ``gru``, ``rnn_tanh``, ``rnn_relu``)
-  receiving a parameter: likewise, its decomposition (NOTE: [Unfused kernels] in ``_unfused.py``)
+  receiving a parameter: likewise, its decomposition (NOTE: [Unfused kernels] in ``_model/unfused.py``)
   runs with the mode active, so each product with a weight is one ``F.linear`` rule call (the
   hidden-to-hidden weight one per time step). Calls it leaves to the kernel (packed sequences,
   dropout between layers in training mode) fall under the last case;
@@ -49,7 +49,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..._unfused import RECURRENT
+from ..._model.unfused import RECURRENT
 from ._roles import OutputSpec, ParamRef, RuleCall
 from ._views import (
     CAST_OPS,

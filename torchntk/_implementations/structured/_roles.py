@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..._captured import structural
+from ..._utils.capturing import structural
 
 OutputSpec = tuple[tuple[int, ...], torch.dtype]
 """The shape and dtype of a rule call's output, per example (where a perturbation is added)."""
@@ -182,7 +182,7 @@ class RuleCall:
         plan and AUTO only need the operands' shapes. The output and ``build`` (whose closure holds
         the call's inputs and parameters) are dropped too: a cached plan keeps these calls, and
         must not keep the kernel call's copy-on-write parameters alive (NOTE: [Modules are never
-        mutated] in ``_model.py``).
+        mutated] in ``_model/functional.py``).
         """
         separate, joint = self.roles()
         built = ([role.on_meta() for role in separate], None if joint is None else joint.on_meta())

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.func import jacfwd, jacrev, vjp, vmap
 
-from ..._per_example import Side
+from ..._call.per_example import Side
 from ._plan import Plan
 from ._recorder import Recorder, ShapeMismatch
 from ._roles import OutputSpec, Role, RuleCall, letters

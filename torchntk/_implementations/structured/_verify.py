@@ -33,8 +33,8 @@ import opt_einsum
 import torch
 from torch.func import vjp
 
-from ..._call import KernelCall
-from ..._per_example import Side
+from ..._call.kernel_call import KernelCall
+from ..._call.per_example import Side
 from ._plan import Plan
 from ._roles import Role
 from ._side import Use, side_factors

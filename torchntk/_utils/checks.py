@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from ._types import NtkImplementation
+from .types import NtkImplementation
 
 
 def show(value: Any) -> str:

@@ -3,7 +3,7 @@
 NOTE: [Threads]
 Kernel functions, ``batch`` and Monte Carlo may be called from several threads at once. Module
 state is never shared between calls (each evaluation runs on a private shell of the module, see
-NOTE: [Modules are never mutated] in ``_model.py``), so reverse-mode work runs in parallel. Forward
+NOTE: [Modules are never mutated] in ``_model/functional.py``), so reverse-mode work runs in parallel. Forward
 mode is different: PyTorch keeps the nesting level of dual tensors in process-wide state, and two
 threads running ``torch.func.jvp`` at once corrupt each other's tangents (measured: wrong kernels
 from implementation 2 in two threads on two different models). Every forward-mode computation of

@@ -19,8 +19,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ._checks import show
-from ._tree import Flat
+from .._utils.checks import show
+from .._utils.tree import Flat
 
 
 @dataclass(frozen=True)

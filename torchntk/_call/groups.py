@@ -38,9 +38,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._checks import show
-from ._model import FunctionalModel, predicate_verdict
-from ._tree import Flat, key_entry
+from .._model.functional import FunctionalModel, predicate_verdict
+from .._utils.checks import show
+from .._utils.tree import Flat, key_entry
 
 
 class GroupKernels(dict):

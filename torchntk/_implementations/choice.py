@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .._types import NtkImplementation
+from .._utils.types import NtkImplementation
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from ._checks import show
+from .checks import show
 
 MODES = ("float32", "tf32", "bfloat16")
 
@@ -50,7 +50,7 @@ def precision(mode: str) -> Iterator[None]:
     Args:
         mode: ``"float32"`` (IEEE float32 products and convolutions, the default outside any
             block), ``"tf32"`` or ``"bfloat16"`` (faster on GPUs, about 3 and 2 significant digits;
-            see NOTE: [Kernel precision] in ``torchntk/_precision.py``).
+            see NOTE: [Kernel precision] in ``torchntk/_utils/precision.py``).
 
     Raises:
         ValueError: an unknown ``mode``; ``"bfloat16"`` under PyTorch's newer precision API

@@ -17,25 +17,25 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _checks
-from ._block_source import BlockRequest, BlockSource
-from ._bounded_cache import BoundedCache
-from ._call import KernelCall, prepare_call
-from ._captured import CapturedCalls, compile_argument
-from ._example_loop import ExampleLoops
-from ._fingerprint import structure_fingerprint
-from ._groups import ParameterGroups, groups_argument
-from ._implementations import implementation_table
-from ._implementations._choice import AutoChoice
-from ._implementations.structured import StructuredOptions
-from ._kernel_function import KernelFnSpec, KernelFunction
-from ._outputs import output_fn_argument
-from ._per_example import VmapLimitation
-from ._threads import serialised
-from ._torch_errors import explained
-from ._tree import Flat, is_all_none
-from ._types import Model, NtkImplementation, PyTree
-from ._vmap_axes import ParsedVmapAxes, parse_vmap_axes
+from .._call.example_loop import ExampleLoops
+from .._call.groups import ParameterGroups, groups_argument
+from .._call.kernel_call import KernelCall, prepare_call
+from .._call.outputs import output_fn_argument
+from .._call.per_example import VmapLimitation
+from .._call.vmap_axes import ParsedVmapAxes, parse_vmap_axes
+from .._implementations import implementation_table
+from .._implementations.choice import AutoChoice
+from .._implementations.structured import StructuredOptions
+from .._model.fingerprint import structure_fingerprint
+from .._model.torch_errors import explained
+from .._utils import checks as _checks
+from .._utils.bounded_cache import BoundedCache
+from .._utils.threads import serialised
+from .._utils.tree import Flat, is_all_none
+from .._utils.types import Model, NtkImplementation, PyTree
+from .block_source import BlockRequest, BlockSource
+from .captured import CapturedCalls, compile_argument
+from .kernel_function import KernelFnSpec, KernelFunction
 
 KernelFn = Callable[..., PyTree]
 

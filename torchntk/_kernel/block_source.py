@@ -4,7 +4,7 @@ NOTE: [Prepared spans]
 Calling a kernel function once per block repeats, for every block, the per-example work of both
 of its runs (Jacobians, structured factors: ``N1/b + N2/b`` times too often) and a fixed cost of
 a few milliseconds (checks, plan, ``vmap`` set-up). With ``vmap_axes`` a kernel function can do
-better: its implementation's :class:`~torchntk._blocks.BlockPlan` prepares a run of examples
+better: its implementation's :class:`~torchntk._call.blocks.BlockPlan` prepares a run of examples
 once and contracts any two prepared runs. A :class:`BlockSource` wraps one validated call of the
 kernel function on all of x1 and x2 and exposes exactly that: ``prepare`` a span of one side,
 ``contract`` two prepared spans into the kernel function's result for those examples
@@ -21,12 +21,12 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from ._blocks import BlockPlan
-from ._call import KernelCall
-from ._implementations.nngp import nngp
-from ._layout import KernelLayout
-from ._outputs import combine
-from ._per_example import Side
+from .._call.blocks import BlockPlan
+from .._call.kernel_call import KernelCall
+from .._call.outputs import combine
+from .._call.per_example import Side
+from .._implementations.nngp import nngp
+from .._layout.kernel_layout import KernelLayout
 
 
 @dataclass
@@ -108,7 +108,7 @@ class BlockRequest:
     Attributes:
         block_size: examples per block (``None``: one block). The model's whole-batch forward
             passes run on runs this long, and AUTO chooses for blocks of this size.
-        thorough: make any plan from every example (after a :class:`~torchntk._blocks.Replan`).
+        thorough: make any plan from every example (after a :class:`~torchntk._call.blocks.Replan`).
     """
 
     block_size: Optional[int]

@@ -5,12 +5,12 @@ A kernel call works on private copies, so that whatever the model does in its fo
 ``nn.Embedding(max_norm=...)`` renormalising its weight in place, a BatchNorm in training mode
 updating its running statistics, a hook writing an attribute), the user's module, its parameters,
 its buffers and the tensors passed in ``params`` are left exactly as they were, also when several
-threads compute kernels of one module at once (NOTE: [Threads] in ``_threads.py``):
+threads compute kernels of one module at once (NOTE: [Threads] in ``_utils/threads.py``):
 
 * every parameter tensor (differentiated or constant) is cloned once per kernel call, and every
   buffer once per evaluation (so each evaluation starts from the module's running statistics);
 * ``torch.func.functional_call`` swaps these clones into a private shell of the module
-  (``_shell.py``), one per thread, never into the module itself.
+  (``_model/shell.py``), one per thread, never into the module itself.
 
 A kernel call (``prepare_call``, ``lazy=True``) makes these clones copy-on-write
 (``torch._lazy_clone``): the clone shares the module's memory until either side is written, and
@@ -37,10 +37,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._checks import show, user_stacklevel
-from ._shell import private_shell
-from ._tree import Flat
-from ._unfused import fused_layers
+from .._utils.checks import show, user_stacklevel
+from .._utils.tree import Flat
+from .shell import private_shell
+from .unfused import fused_layers
 
 Call = Callable[[tuple, tuple, Mapping[str, Any]], Any]
 
@@ -57,7 +57,7 @@ class FunctionalModel:
             batch statistics); empty for functional models.
         random: module paths drawing random numbers in the forward pass (active dropout).
         fused: module paths calling fused kernels that forward mode and vmap need replaced
-            (``_unfused.fused_layers``: recurrent layers, weight norm); empty for functional models.
+            (``_model/unfused.fused_layers``: recurrent layers, weight norm); empty for functional models.
     """
 
     call: Call
@@ -130,7 +130,7 @@ def functional_model(
     f: Any, params: Any, where: str, output_fn: Optional["OutputFn"] = None, lazy: bool = False
 ) -> FunctionalModel:
     """Builds the :class:`FunctionalModel` of an ``nn.Module`` or of ``f(params, x, **kwargs)``;
-    ``output_fn`` comes from :func:`~torchntk._outputs.output_fn_argument`. ``lazy``: a module's
+    ``output_fn`` comes from :func:`~torchntk._call.outputs.output_fn_argument`. ``lazy``: a module's
     private copies are copy-on-write (NOTE: [Modules are never mutated]); only for a model that
     dies with the kernel call.
 

@@ -32,20 +32,19 @@ with that key stay eager; a backend that fails to compile leaves the graph uncom
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._bounded_cache import BoundedCache
-from ._checks import show
-from ._fingerprint import structure_fingerprint
-from ._precision import requested_mode
+from .._model.fingerprint import structure_fingerprint
+from .._utils.bounded_cache import BoundedCache
+from .._utils.capturing import capturing
+from .._utils.checks import show
+from .._utils.precision import requested_mode
 
 _REMEMBERED = 8
 """Captured graphs a kernel function keeps (the least recently used is dropped), as
@@ -67,26 +66,6 @@ _AGREEMENT_EPSILONS = 1000
 machine epsilons of the kernel's dtype (at most 1e-2), relative to its largest entry: float32 1.2e-4,
 far above what a compiler's reassociation changes (1e-6) and far below a graph that computes
 something else."""
-
-
-_CAPTURING = threading.local()
-
-
-@contextlib.contextmanager
-def structural() -> Iterator[None]:
-    """Marks torchntk's own reads of tensors that hold only positions derived from shapes (the
-    parameter indices of ``_roles.ParamRef``): a graph may fix what they decide, so while capturing
-    they run outside the tracer, on the real tensors.
-
-    Those indices come from view operations applied to parameter positions (``_views.py``); the one
-    view that could make them depend on data, indexing with a tensor (``W[ids]``), runs
-    ``aten.index``, which :class:`_ValueDependence` refuses before any index is read.
-    """
-    if not getattr(_CAPTURING, "active", False):
-        yield
-        return
-    with _disable_current_modes():
-        yield
 
 
 class CaptureRefused(Exception):
@@ -258,12 +237,8 @@ class CapturedCalls:
         expected_leaves, output_spec = pytree.tree_flatten(expected)
 
         def traced(*inputs: torch.Tensor) -> list:
-            _CAPTURING.active = True
-            try:
-                with _ValueDependence():
-                    outputs = pytree.tree_leaves(unchecked(*flat.rebuilt(inputs)))
-            finally:
-                _CAPTURING.active = False
+            with capturing(), _ValueDependence():
+                outputs = pytree.tree_leaves(unchecked(*flat.rebuilt(inputs)))
             finite = torch.stack([torch.isfinite(output).all() for output in outputs]).all()
             return [*outputs, finite]
 

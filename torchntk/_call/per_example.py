@@ -13,7 +13,7 @@ batching rule, or data-dependent control flow such as Hugging Face's padding-mas
 then map its examples with a Python loop instead (``Side.loop``): the same function of one example,
 called once per example, its results stacked as vmap would stack them. The kernel is the same; the
 price is one model call per example in every pass instead of one batched call. Kernel functions
-switch to the loop by themselves, with a warning (``_example_loop.py``).
+switch to the loop by themselves, with a warning (``_call/example_loop.py``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 from torch.func import jacrev, vjp, vmap
 from torch.utils import _pytree as pytree
 
-from ._model import FunctionalModel
-from ._tree import Flat
-from ._unfused import Unfused
+from .._model.functional import FunctionalModel
+from .._model.unfused import Unfused
+from .._utils.tree import Flat
 
 
 class OutputAxisError(ValueError):
@@ -351,7 +351,7 @@ class VmapRuntimeError(RuntimeError, VmapLimitation):
 
     def __init__(self, where: str, original: RuntimeError):
         self.original = original
-        # PyTorch's whole text comes last, for whoever recognises its wording (``_torch_errors``).
+        # PyTorch's whole text comes last, for whoever recognises its wording (``_model/torch_errors.py``).
         super().__init__(
             f"{where}: evaluating or differentiating the model per example under torch.func.vmap "
             f"(`vmap_axes`) failed. If the model runs on whole batches, this is a limitation or a bug "

@@ -5,11 +5,11 @@ With ``vmap_axes`` and a ``chunk_size``, x1 and x2 are cut into runs of at most 
 examples (the last one may be shorter). Each implementation supplies how to prepare one run of
 a side (e.g. its Jacobians) and how to turn a pair of prepared runs into kernel blocks; this
 module loops over the pairs and writes each block into one preallocated kernel per output leaf,
-where NOTE: [Tiles] (``_tiles.py``) puts it. A diagonal or traced batch axis only has pairs
+where NOTE: [Tiles] (``_layout/tiles.py``) puts it. A diagonal or traced batch axis only has pairs
 ``i == j``; traced blocks are summed in float64 for float32 kernels. When x2 is None the kernel is
 symmetric, so only pairs ``i <= j`` are computed and mirrored. Without ``vmap_axes`` there is a
 single block covering everything. With parameter groups every leaf's block is a tuple of one block
-per group (NOTE: [Parameter groups] in ``_groups.py``), placed alike.
+per group (NOTE: [Parameter groups] in ``_call/groups.py``), placed alike.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._call import KernelCall, runs
-from ._layout import accumulation_dtype
-from ._tiles import Placement
+from .._layout.kernel_layout import accumulation_dtype
+from .._layout.tiles import Placement
+from .kernel_call import KernelCall, runs
 
 Prepare = Callable[[Any], Any]
 Contract = Callable[[Any, Any, Sequence[bool]], list[Optional[torch.Tensor]]]
@@ -82,7 +82,7 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
     mirrored = call.reuses_x1 and split1  # pairs (i, j) and (j, i) are transposes of each other
 
     # A traced batch axis sums one block per run; float64 keeps that sum exact enough however
-    # many runs there are (NOTE: [Accurate contraction] in _layout.py).
+    # many runs there are (NOTE: [Accurate contraction] in _layout/kernel_layout.py).
     kernels = [
         _per_group(call, lambda: torch.zeros(
             shape,

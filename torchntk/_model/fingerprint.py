@@ -1,7 +1,7 @@
 """What a module is, apart from the values of its parameters and buffers.
 
 A replica of a module on another device (``batch``, Monte Carlo) is refreshed by copying tensor
-values, ``requires_grad`` flags and train/eval modes (``_kernel_function.sync_replica``); it is only
+values, ``requires_grad`` flags and train/eval modes (``_kernel/kernel_function.sync_replica``); it is only
 valid while everything else about the module is unchanged: the module tree, the classes, plain
 attributes (``m.scale = 3.0``), hooks, parametrizations, parameter and buffer names, shapes and
 dtypes. :func:`structure_fingerprint` describes all of that as a comparable value, so a replica is

@@ -7,9 +7,9 @@ import functools
 import inspect
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from ._checks import show
-from ._groups import is_group_kernels
-from ._tree import Flat
+from .._utils.checks import show
+from .._utils.tree import Flat
+from .groups import is_group_kernels
 
 KERNEL_NAMES = ("nngp", "ntk")
 

@@ -1,7 +1,7 @@
 """Validation and preparation shared by every kernel function call.
 
 The front end (``empirical.py``) turns a user call into a :class:`KernelCall`: the model in
-functional form, both sides, one :class:`~torchntk._layout.KernelLayout` per output leaf and the
+functional form, both sides, one :class:`~torchntk._layout.kernel_layout.KernelLayout` per output leaf and the
 result dtypes. Implementations only compute; they never validate.
 """
 
@@ -12,20 +12,20 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ._checks import input_argument, show
-from ._groups import GroupKernels, ParameterGroups
-from ._layout import KernelLayout, check_shapes, make_layout
-from ._model import (
+from .._layout.kernel_layout import KernelLayout, check_shapes, make_layout
+from .._model.functional import (
     FunctionalModel,
     OutputFn,
     functional_model,
     reject_vmap_with_coupling,
     warn_training_mode,
 )
-from ._per_example import Side, runs
-from ._tree import Flat, describe, is_all_none
-from ._vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
-from ._vmap_check import PROBE_EXAMPLES, VmapAxesCheck
+from .._utils.checks import input_argument, show
+from .._utils.tree import Flat, describe, is_all_none
+from .groups import GroupKernels, ParameterGroups
+from .per_example import Side, runs
+from .vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
+from .vmap_check import PROBE_EXAMPLES, VmapAxesCheck
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class KernelCall:
         vmap_check: the output check the implementation must still run on its per-example
             outputs against :meth:`expected_outputs` (``VmapAxesCheck.per_example_outputs``),
             or None.
-        groups: with parameter groups (NOTE: [Parameter groups] in ``_groups.py``), the indices of
+        groups: with parameter groups (NOTE: [Parameter groups] in ``_call/groups.py``), the indices of
             each group's parameters in ``model.params`` (a partition of them); implementations then
             return a tuple of one block per group for every output leaf. None without groups.
         group_names: the groups' names, in the order of ``groups``.
@@ -156,7 +156,7 @@ def prepare_call(
     """Validates a kernel call and evaluates the model once on each side.
 
     ``x1`` and ``x2`` are pytrees of tensors; numpy arrays are rejected, not converted (see
-    :func:`~torchntk._checks.input_argument`). ``defer_vmap_check`` leaves the per-example
+    :func:`~torchntk._utils.checks.input_argument`). ``defer_vmap_check`` leaves the per-example
     output check of NOTE: [Checking vmap_axes] to an implementation that evaluates the model per
     example anyway (``KernelCall.vmap_check``); the derivative check on the probe always
     runs here. ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the model
@@ -167,7 +167,7 @@ def prepare_call(
     ``check_derivatives=False`` skips the derivative check (the caller ran it on an earlier call
     with the same shapes and module structure). ``example_loop``: map the examples with a loop
     instead of vmap (NOTE: [Example loops]). ``output_fn``: what the kernel is taken of, from
-    :func:`~torchntk._outputs.output_fn_argument` (NOTE: [Selected outputs]). ``groups``: split the
+    :func:`~torchntk._call.outputs.output_fn_argument` (NOTE: [Selected outputs]). ``groups``: split the
     NTK by parameter groups (NOTE: [Parameter groups]); only the grouped parameters are differentiated.
 
     Raises:

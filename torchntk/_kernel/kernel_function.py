@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._precision import kernel_precision
-from ._types import Model
+from .._utils.precision import kernel_precision
+from .._utils.types import Model
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,9 @@ class KernelFnSpec:
         thread_safe: whether blocks may run in several threads at once. Forward-mode AD keeps its
             nesting level in a process-wide variable (``torch.autograd.forward_ad``), so kernel
             functions that may use it (NTK-vector products, AUTO, op-local forward Jacobians) run
-            one block at a time (NOTE: [Threads] in ``_threads.py``).
+            one block at a time (NOTE: [Threads] in ``_utils/threads.py``).
         open_blocks: ``open_blocks(request, x1, x2, *args, **kwargs)`` with the kernel function's
-            arguments returns a :class:`~torchntk._block_source.BlockSource` for the call, or None
+            arguments returns a :class:`~torchntk._kernel.block_source.BlockSource` for the call, or None
             where the call cannot be split into prepared spans (no ``vmap_axes``); ``None`` for
             kernel functions that never can. See NOTE: [Prepared spans].
     """

@@ -12,7 +12,7 @@ the shell), sharing the tensors, the submodule classes and every other attribute
 Submodules shared in the original (tied modules) are shared in the shell.
 
 TorchScript modules cannot be shelled (nor evaluated by ``functional_call`` at all);
-``_model.py`` refuses them before a shell is asked for.
+``_model/functional.py`` refuses them before a shell is asked for.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ NOTE: [Switching to example loops]
 ``vmap_axes`` makes torchntk evaluate the model per example under ``torch.func.vmap``. Some
 models cannot run there although their examples are independent: ``nn.LSTM``'s fused kernel has
 no batching rule, Hugging Face's padding-mask code branches on tensor values. Such failures raise
-a :class:`~torchntk._per_example.VmapLimitation` (from the vmap region itself, or from
+a :class:`~torchntk._call.per_example.VmapLimitation` (from the vmap region itself, or from
 ``VmapAxesCheck`` once it has seen the same examples agree with the batch without vmap). A kernel
 function then computes the call again with its examples mapped by a Python loop (NOTE: [Example
 loops]) and remembers, per input shapes, that vmap failed, so later calls start with the loop.
@@ -19,9 +19,9 @@ import threading
 import warnings
 from typing import Hashable
 
-from ._bounded_cache import BoundedCache
-from ._checks import user_stacklevel
-from ._per_example import VmapLimitation, first_line
+from .._utils.bounded_cache import BoundedCache
+from .._utils.checks import user_stacklevel
+from .per_example import VmapLimitation, first_line
 
 _REMEMBERED_SHAPES = 64
 

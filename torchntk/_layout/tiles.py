@@ -2,8 +2,8 @@
 
 NOTE: [Tiles]
 Kernels are computed in blocks. The examples of x1 and of x2 are cut into *runs*
-(``(start, length)``, see ``_per_example.runs``); a pair of runs gives one *block* per output leaf.
-A block lands where the :class:`~torchntk._layout.KernelLayout` puts the batch axis, by its kind:
+(``(start, length)``, see ``_call/per_example.runs``); a pair of runs gives one *block* per output leaf.
+A block lands where the :class:`~torchntk._layout.kernel_layout.KernelLayout` puts the batch axis, by its kind:
 
 * kept: at rows ``run1`` and columns ``run2``; when the kernel is symmetric (x2 None) and only
   the pair ``(run1, run2)`` was computed, its mirror image (every x1/x2 axis pair swapped) goes to
@@ -11,7 +11,7 @@ A block lands where the :class:`~torchntk._layout.KernelLayout` puts the batch a
 * diagonal: at entries ``run1`` of the single batch axis (only a run paired with itself exists);
 * traced: added into the whole kernel, with a weight when the blocks are means over their runs.
 
-``chunk_size`` (``_blocks.assemble``), ``batch`` (``_batch_output.KernelOutput``) and structured
+``chunk_size`` (``_call/blocks.assemble``), ``batch`` (``batching/_output.KernelOutput``) and structured
 derivatives' symmetric halves (``structured/_contract.py``) all place blocks through
 :class:`Placement`.
 
@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ._layout import KernelLayout
+from .kernel_layout import KernelLayout
 
 Run = tuple[int, int]
 """``(start, length)``: consecutive examples of one side."""
@@ -48,7 +48,7 @@ class Placement:
         swap: the permutation exchanging every x1 axis with its x2 axis (for mirror images).
 
     Example:
-        >>> from torchntk._layout import make_layout
+        >>> from torchntk._layout.kernel_layout import make_layout
         >>> layout = make_layout(2, (-1,), (), "example", "the output")  # traced logits: (N1, N2)
         >>> placement = Placement.of(layout, 0)
         >>> kernel = torch.zeros(4, 4)
