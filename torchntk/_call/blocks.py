@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .._layout.kernel_layout import accumulation_dtype
+from .._layout.runs import runs
 from .._layout.tiles import Placement
-from .kernel_call import KernelCall, runs
+from .kernel_call import KernelCall
 
 Prepare = Callable[[Any], Any]
 Contract = Callable[[Any, Any, Sequence[bool]], list[Optional[torch.Tensor]]]

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .._layout.kernel_layout import KernelLayout, check_shapes, make_layout
+from .._layout.runs import runs
 from .._model.functional import (
     FunctionalModel,
     OutputFn,
@@ -23,7 +24,7 @@ from .._model.functional import (
 from .._utils.checks import input_argument, show
 from .._utils.tree import Flat, describe, is_all_none
 from .groups import GroupKernels, ParameterGroups
-from .per_example import Side, runs
+from .per_example import Side
 from .vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
 from .vmap_check import PROBE_EXAMPLES, VmapAxesCheck
 

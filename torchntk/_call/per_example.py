@@ -305,14 +305,6 @@ def map_examples(function, in_dims, out_dims=0, loop: bool = False):
     return looped
 
 
-def runs(size: int, length: Optional[int]) -> list[tuple[int, int]]:
-    """``(start, length)`` runs of at most ``length`` covering ``range(size)`` (the last may be
-    shorter); one run when ``length`` is None or covers everything."""
-    if length is None or length >= size:
-        return [(0, size)]
-    return [(start, min(length, size - start)) for start in range(0, size, length)]
-
-
 def _unsqueeze(leaves: tuple, axes: tuple[Optional[int], ...]) -> tuple:
     return tuple(leaf if axis is None else leaf.unsqueeze(axis) for leaf, axis in zip(leaves, axes))
 

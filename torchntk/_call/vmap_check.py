@@ -12,10 +12,11 @@ from typing import Optional
 import torch
 from torch.func import vjp
 
+from .._layout.runs import runs
 from .._model.functional import FunctionalModel
 from .._utils.checks import leaves_with_names, non_finite_count
 from .._utils.precision import requested_mode
-from .per_example import OutputAxisError, Side, VmapLimitation, VmapRuntimeError, first_line, runs
+from .per_example import OutputAxisError, Side, VmapLimitation, VmapRuntimeError, first_line
 from .vmap_axes import ParsedVmapAxes, suggested_vmap_axes, unmapped_batch_sized_kwargs
 
 _PER_EXAMPLE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.complex128: 1e-9, torch.complex64: 1e-4}

@@ -18,8 +18,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 Run = tuple[int, int]
+"""``(start, length)``: consecutive examples of one side."""
+
+
+def runs(size: int, length: Optional[int]) -> list[Run]:
+    """Runs of at most ``length`` covering ``range(size)`` (the last may be shorter); one run when
+    ``length`` is None or covers everything.
+
+    Example:
+        >>> runs(5, 2), runs(5, None), runs(0, 3)
+        ([(0, 2), (2, 2), (4, 1)], [(0, 5)], [(0, 0)])
+    """
+    if length is None or length >= size:
+        return [(0, size)]
+    return cut(0, size, length)
 
 
 def shard_rows(n1: int, unit: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -41,7 +56,7 @@ def shard_rows(n1: int, unit: int, rank: int, world_size: int) -> tuple[int, int
 
 
 def cut(start: int, stop: int, length: int) -> list[Run]:
-    """``(start, length)`` runs of at most ``length`` covering ``range(start, stop)``; none if empty."""
+    """Runs of at most ``length`` covering ``range(start, stop)``; none if it is empty."""
     return [(first, min(length, stop - first)) for first in range(start, stop, max(1, length))]
 
 

@@ -2,7 +2,7 @@
 
 NOTE: [Tiles]
 Kernels are computed in blocks. The examples of x1 and of x2 are cut into *runs*
-(``(start, length)``, see ``_call/per_example.runs``); a pair of runs gives one *block* per output leaf.
+(``(start, length)``, see ``runs.py``); a pair of runs gives one *block* per output leaf.
 A block lands where the :class:`~torchntk._layout.kernel_layout.KernelLayout` puts the batch axis, by its kind:
 
 * kept: at rows ``run1`` and columns ``run2``; when the kernel is symmetric (x2 None) and only
@@ -31,9 +31,8 @@ import numpy as np
 import torch
 
 from .kernel_layout import KernelLayout
+from .runs import Run
 
-Run = tuple[int, int]
-"""``(start, length)``: consecutive examples of one side."""
 _MIRROR_TILE = 512
 """Examples per side of the tiles a mirror image is copied in."""
 

@@ -33,7 +33,7 @@ import torch
 from .._kernel.block_source import BlockSource, Prepared
 from .._kernel.kernel_function import KernelFnSpec
 from .._layout.kernel_layout import make_layout
-from .._layout.runs import Tiling, shard_rows, tile
+from .._layout.runs import Run, Tiling, shard_rows, tile
 from .._utils.threads import serialised
 from .._utils.tree import Flat
 from ..distributed import owned_blocks
@@ -41,8 +41,6 @@ from ._disk import ProgressRecord, match_out
 from ._output import KernelOutput, batch_axis_kinds
 from ._streams import Lane
 from ._workers import serve
-
-Run = tuple[int, int]
 
 
 @dataclass(frozen=True)

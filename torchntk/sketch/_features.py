@@ -44,7 +44,8 @@ import torch
 from torch.func import jacrev
 
 from .._call.kernel_call import KernelCall
-from .._call.per_example import Side, runs
+from .._call.per_example import Side
+from .._layout.runs import runs
 from . import _projections as projections
 from ._capture import CaptureMismatch, TapCall, Taps, verify
 
