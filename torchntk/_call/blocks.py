@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .._layout.kernel_layout import accumulation_dtype
 from .._layout.runs import runs
 from .._layout.tiles import Placement
+from .._utils.precision import accumulation_dtype
 from .kernel_call import KernelCall
 
 Prepare = Callable[[Any], Any]

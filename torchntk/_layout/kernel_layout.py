@@ -24,6 +24,8 @@ from typing import Sequence
 
 import torch
 
+from .._utils.precision import accumulation_dtype
+
 _LETTERS = string.ascii_letters
 _MAX_NDIM = (len(_LETTERS) - 4) // 2
 
@@ -200,15 +202,6 @@ class KernelLayout:
 # took 1.3 times as long. Hence 8192.
 CONTRACTION_BLOCK = 8192
 _PARTIALS_PER_CALL = 2**18
-
-
-def accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype long sums of ``dtype`` values are carried in: float64 (complex128 for complex
-    dtypes) where the device has it; MPS has no float64, so there ``dtype`` itself (the blocks
-    then still shorten each float32 sum)."""
-    if device.type == "mps":
-        return dtype
-    return torch.complex128 if dtype.is_complex else torch.float64
 
 
 def _product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

@@ -133,3 +133,20 @@ def _apply_new(mode: str):
     for setting in settings:
         setting.fp32_precision = _NEW[mode]
     return restore
+
+
+def accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype long sums of ``dtype`` values are carried in (kernel contractions, NOTE: [Accurate
+    contraction]; Monte Carlo running sums, NOTE: [Monte Carlo accumulation]): float64, complex128
+    for complex dtypes, where ``device`` has it; MPS has no float64, so there ``dtype`` itself.
+
+    Example:
+        >>> cpu, mps = torch.device("cpu"), torch.device("mps")
+        >>> accumulation_dtype(torch.float32, cpu), accumulation_dtype(torch.complex64, cpu)
+        (torch.float64, torch.complex128)
+        >>> accumulation_dtype(torch.float32, mps)
+        torch.float32
+    """
+    if device.type == "mps":
+        return dtype
+    return torch.complex128 if dtype.is_complex else torch.float64

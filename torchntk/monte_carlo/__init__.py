@@ -46,8 +46,8 @@ rank waits for the others at a collective; a rank that fails or hangs makes the 
 ``torchntk.distributed.DistributedError``.
 
 NOTE: [Monte Carlo accumulation]
-The running sum is kept in float64 (complex128 for complex kernels), on the device each kernel
-comes back on, and divided by ``n`` only when an estimate is emitted, which is then cast back to
+The running sum is kept in float64 (complex128 for complex kernels; the kernel's own dtype on MPS,
+which has no float64), on the device each kernel comes back on, and divided by ``n`` only when an estimate is emitted, which is then cast back to
 the kernel's dtype. Summing in double makes the estimate independent, to float32 rounding, of how
 samples are split between processes and of the order they are added in; it costs one
 double-precision copy of the kernel. (neural-tangents sums in the kernel's dtype.)

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from .._call.outputs import KERNEL_NAMES, canonical_get, empirical_kernel_type, results_type
 from .._utils.checks import show
+from .._utils.precision import accumulation_dtype
 from .._utils.tree import Flat
 from .._utils.types import Model, PyTree
 from ..distributed import DEFAULT_TIMEOUT, all_reduce_sum, failure_guard, owned_samples, world
@@ -157,7 +158,7 @@ def estimates(
                 leaves = sample_kernel(s)
                 if running is None:
                     dtypes = [leaf.dtype for leaf in leaves]
-                    running = [leaf.to(accumulation_dtype(leaf.dtype), copy=True) for leaf in leaves]
+                    running = [leaf.to(accumulation_dtype(leaf.dtype, leaf.device), copy=True) for leaf in leaves]
                 else:
                     for total, leaf in zip(running, leaves):
                         total.add_(leaf)
@@ -171,7 +172,7 @@ def estimates(
                 if template is None:
                     leaves = sample_kernel(0)
                     dtypes = [leaf.dtype for leaf in leaves]
-                    template = [torch.zeros_like(leaf, dtype=accumulation_dtype(leaf.dtype)) for leaf in leaves]
+                    template = [torch.zeros_like(leaf, dtype=accumulation_dtype(leaf.dtype, leaf.device)) for leaf in leaves]
                 local = [zeros.clone() for zeros in template]
             else:
                 local = [total.clone() for total in running]
@@ -180,11 +181,6 @@ def estimates(
     finally:
         if bar is not None:
             bar.close()
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the running sum of kernels of ``dtype`` (NOTE: [Monte Carlo accumulation])."""
-    return torch.complex128 if dtype.is_complex else torch.float64
 
 
 def progress_bar(total: int) -> Any:
