@@ -33,7 +33,7 @@ from .._utils import checks as _checks
 from .._utils.tree import Flat, is_all_none
 from .._utils.types import PyTree
 from ..distributed import DEFAULT_TIMEOUT, KernelShard, all_reduce_sum, checkpoint, failure_guard, world
-from ._devices import device_count_argument, devices_argument, move, pinned, resolve
+from ._devices import asynchronous_copy, device_count_argument, devices_argument, move, pinned, resolve
 from ._disk import ProgressRecord, assign_whole, fingerprint, match_out, out_leaves
 from ._jobs import Job, run_blocks, run_spans
 
@@ -299,7 +299,7 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
 
     def open_source(function: Callable, device: torch.device, thorough: bool):
         request = BlockRequest(settings.batch_size or None, thorough)
-        moved = move((x1, x2, args, kwargs), device, asynchronous=True)  # on the worker's own stream
+        moved = move((x1, x2, args, kwargs), device, source_kept=True)  # on the worker's own stream
         return spec_of(function).open_blocks(request, moved[0], moved[1], *moved[2], **moved[3])
 
     for thorough in (False, True):
@@ -325,7 +325,7 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
     if n1 == 0 or n2 == 0:
         return _Empty(n1)
     # Moved here, in the calling thread, on the streams every worker's stream starts after.
-    moved_args = {device: move(args, device, asynchronous=True) for device in set(job.devices)}
+    moved_args = {device: move(args, device, source_kept=True) for device in set(job.devices)}
 
     def compute(function: Callable, device: torch.device, run1, run2) -> PyTree:
         one = _slice(flat1, *run1, device)
@@ -339,7 +339,7 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
 def _cut(key: str, value: Any, run1, run2, n1: int, n2: int, device: torch.device) -> Any:
     """A keyword argument for one block: tensor 2-tuples are cut like x1 and x2."""
     if key in _NOT_SPLIT or not (isinstance(value, tuple) and len(value) == 2):
-        return move(value, device, asynchronous=True)
+        return move(value, device, source_kept=True)
     halves = []
     for half, (start, length), size, name in ((value[0], run1, n1, "x1"), (value[1], run2, n2, "x2")):
         flat = Flat.of(half)
@@ -362,7 +362,9 @@ def _model_device(spec: KernelFnSpec) -> Optional[torch.device]:
 
 
 def _slice(flat: Flat, start: int, length: int, device: torch.device) -> Any:
-    # Non-blocking only towards an accelerator: a copy to the CPU would return before its data arrived.
-    asynchronous = device.type != "cpu"
-    return flat.rebuild([leaf.narrow(0, start, length).to(device, non_blocking=asynchronous) for leaf in flat.leaves])
+    # The inputs are the caller's or their pinned copies, which nothing writes to during the call.
+    return flat.rebuild([
+        leaf.narrow(0, start, length).to(device, non_blocking=asynchronous_copy(leaf.device, device, source_kept=True))
+        for leaf in flat.leaves
+    ])
 

@@ -78,19 +78,36 @@ def resolve(device_count: int, devices: Optional[tuple[torch.device, ...]], inpu
 
 
 
-def move(tree: Any, device: torch.device, asynchronous: bool = False) -> Any:
+def asynchronous_copy(source: torch.device, target: torch.device, source_kept: bool = False) -> bool:
+    """Whether a copy from ``source`` to ``target`` may return before its data has arrived
+    (``non_blocking=True``): the one rule for every copy ``batch`` and Monte Carlo make.
+
+    Never towards the CPU: CPU code reads the copy as soon as it returns. Towards an accelerator,
+    a copy from another accelerator is ordered by the streams before any use there; a copy from
+    the CPU only when the caller keeps the source unchanged until the device has been synchronised
+    (``source_kept``: the pinned copies of :func:`pinned`), since a pinned source is read after the
+    copy returns.
+
+    Example:
+        >>> cpu, cuda = torch.device("cpu"), torch.device("cuda")
+        >>> asynchronous_copy(cuda, cpu), asynchronous_copy(cpu, cuda), asynchronous_copy(cpu, cuda, source_kept=True)
+        (False, False, True)
+    """
+    return target.type != "cpu" and (source.type != "cpu" or source_kept)
+
+
+def move(tree: Any, device: torch.device, source_kept: bool = False) -> Any:
     """``tree`` with every tensor leaf moved to ``device``; other leaves (``None`` too) as they are.
 
     The one tree-to-device move of the package, so that batching and Monte Carlo hand tensors to a
-    device the same way. ``asynchronous``: copies towards a CUDA device do not wait (the current
-    stream orders them before any use there); only for sources nobody writes to until the device
-    has been synchronised, since a pinned source is read after this returns. Copies to the CPU
-    always wait.
+    device the same way; whether a copy waits is :func:`asynchronous_copy`'s decision.
     """
-    asynchronous = asynchronous and device.type == "cuda"
     flat = Flat.of(tree)
     leaves = [
-        leaf.to(device, non_blocking=asynchronous) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat.leaves
+        leaf.to(device, non_blocking=asynchronous_copy(leaf.device, device, source_kept))
+        if isinstance(leaf, torch.Tensor)
+        else leaf
+        for leaf in flat.leaves
     ]
     return flat.rebuild(leaves)
 

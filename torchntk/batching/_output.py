@@ -18,6 +18,7 @@ import torch
 
 from .._layout.kernel_layout import KernelLayout
 from .._layout.tiles import Placement
+from ._devices import asynchronous_copy
 from ._disk import ProgressRecord, as_numpy, assign_whole, check_out_leaf, checksum, flush
 from ._streams import Lane
 
@@ -39,10 +40,9 @@ def batch_axis_kinds(leaf_layouts: Sequence[tuple[KernelLayout, int]], trace_axe
 
 
 def moved(block: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``block`` on ``device``; asynchronously only between accelerators, where the stream orders the
-    copy before any use. A non-blocking copy to the CPU returns before the data arrives, and the
-    CPU copies that place blocks would read it too early."""
-    return block.to(device, non_blocking=device.type != "cpu" and block.device.type != "cpu")
+    """``block`` on ``device``; the CPU copies that place blocks read it at once, so only a copy
+    between accelerators may return early (:func:`asynchronous_copy`)."""
+    return block.to(device, non_blocking=asynchronous_copy(block.device, device))
 
 
 class KernelOutput:
