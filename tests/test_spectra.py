@@ -377,7 +377,7 @@ def test_eigenpairs_and_trace_argument_errors(device):
         torchntk.ntk_eigenpairs(case.module, x, 6)
     with pytest.raises(ValueError, match=r"`k` must be a positive int, got 0"):
         torchntk.ntk_eigenpairs(case.module, x, 0)
-    with pytest.raises(TypeError, match=r"`k` must be a non-negative int, got 2.0"):
+    with pytest.raises(TypeError, match=r"`k` must be a positive int, got 2.0"):
         torchntk.top_eigenpairs(matvec, 4, 2.0)
     with pytest.raises(ValueError, match=r"`max_products`=2 is below `k`=3"):
         torchntk.top_eigenpairs(matvec, 4, 3, max_products=2)

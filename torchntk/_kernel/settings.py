@@ -97,7 +97,7 @@ class NtkSettings:
             _checks.axes_argument(diagonal_axes, "diagonal_axes", where),
             parse_vmap_axes(vmap_axes, where),
             chosen,
-            _checks.chunk_size_argument(chunk_size, where),
+            _checks.positive_int_argument(chunk_size, "chunk_size", where, none_allowed=True),
             _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where),
             options,
             implementation_table(options),

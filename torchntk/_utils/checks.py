@@ -11,7 +11,7 @@ import math
 import numbers
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -124,14 +124,30 @@ def implementation_argument(value: Any, where: str) -> NtkImplementation:
     return NtkImplementation(int(value))
 
 
-def chunk_size_argument(value: Any, where: str) -> Optional[int]:
-    """``None`` or a positive int."""
-    if value is None:
+def positive_int_argument(value: Any, name: str, where: str, *, none_allowed: bool = False, meaning: str = "") -> Any:
+    """``value`` as an int >= 1 (``None`` too where ``none_allowed``): the one check of every argument
+    that counts something (``chunk_size``, ``k``, ``block_size``, ...); ``meaning`` is said after the
+    name in the message (e.g. ``"the number of features"``).
+
+    Raises:
+        TypeError: not an int (bools included), nor ``None`` where allowed.
+        ValueError: zero or negative.
+
+    Example:
+        >>> positive_int_argument(3, "k", "f"), positive_int_argument(None, "chunk_size", "f", none_allowed=True)
+        (3, None)
+        >>> positive_int_argument(0, "k", "f", meaning="the number of features")
+        Traceback (most recent call last):
+        ValueError: f: `k` (the number of features) must be a positive int, got 0 (int).
+    """
+    if value is None and none_allowed:
         return None
+    label = f"`{name}` ({meaning})" if meaning else f"`{name}`"
+    expected = "None or a positive int" if none_allowed else "a positive int"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: `chunk_size` must be None or a positive int, got {show(value)}.")
+        raise TypeError(f"{where}: {label} must be {expected}, got {show(value)}.")
     if value < 1:
-        raise ValueError(f"{where}: `chunk_size` must be None or a positive int, got {show(value)}.")
+        raise ValueError(f"{where}: {label} must be {expected}, got {show(value)}.")
     return int(value)
 
 

@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 import string
 from typing import Any, Callable, Optional
 
@@ -256,10 +255,7 @@ class _Settings:
     def validate(cls, f, k, trace_axes, vmap_axes, projection, seed, chunk_size, check_vmap_axes, output_fn,
                  where: str) -> "_Settings":
         _checks.callable_model_argument(f, where)
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-            raise TypeError(f"{where}: `k` (the number of features) must be a positive int, got {show(k)}.")
-        if k < 1:
-            raise ValueError(f"{where}: `k` (the number of features) must be a positive int, got {k}.")
+        k = _checks.positive_int_argument(k, "k", where, meaning="the number of features")
         if not isinstance(projection, str):
             raise TypeError(f"{where}: `projection` must be one of {', '.join(map(repr, PROJECTIONS))}, "
                             f"got {show(projection)}.")
@@ -267,7 +263,7 @@ class _Settings:
             raise ValueError(f"{where}: `projection` must be one of {', '.join(map(repr, PROJECTIONS))}, "
                              f"got {projection!r}.")
         seed = _checks.non_negative_int_argument(seed, "seed", where)
-        options = SketchOptions(int(k), projection, seed, _checks.chunk_size_argument(chunk_size, where))
+        options = SketchOptions(k, projection, seed, _checks.positive_int_argument(chunk_size, "chunk_size", where, none_allowed=True))
         traced = _checks.axes_argument(trace_axes, "trace_axes", where)
         parsed = None if vmap_axes is None else parse_vmap_axes(vmap_axes, where)
         check = _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where)

@@ -44,7 +44,13 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .._utils.checks import non_negative_int_argument, real_number_argument, show, user_stacklevel
+from .._utils.checks import (
+    non_negative_int_argument,
+    positive_int_argument,
+    real_number_argument,
+    show,
+    user_stacklevel,
+)
 from .._utils.types import Axes, Model, PyTree
 from ._hutchinson import TraceEstimate, hutchinson
 from ._lanczos import block_lanczos
@@ -319,10 +325,10 @@ class _LanczosSettings:
     @classmethod
     def of(cls, k: Any, block_size: Any, max_products: Any, tol: Any, seed: Any, where: str) -> "_LanczosSettings":
         """Checks what can be checked before the operator's size is known."""
-        k = _positive_int(k, "k", where)
-        block_size = _positive_int(block_size, "block_size", where)
+        k = positive_int_argument(k, "k", where)
+        block_size = positive_int_argument(block_size, "block_size", where)
         if max_products is not None:
-            max_products = _positive_int(max_products, "max_products", where)
+            max_products = positive_int_argument(max_products, "max_products", where)
             if max_products < k:
                 raise ValueError(
                     f"{where}: `max_products`={max_products} is below `k`={k}; at least k products are needed."
@@ -364,13 +370,6 @@ def _dtype_argument(value: Any, where: str) -> torch.dtype:
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         raise TypeError(f"{where}: `dtype` must be None or a floating-point torch.dtype, got {show(value)}.")
     return value
-
-
-def _positive_int(value: Any, name: str, where: str) -> int:
-    number = non_negative_int_argument(value, name, where)
-    if number == 0:
-        raise ValueError(f"{where}: `{name}` must be a positive int, got 0.")
-    return number
 
 
 def _probes_argument(value: Any, where: str) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.func import vmap
@@ -140,9 +140,5 @@ def ntk_operator(
 
 
 def _chunk_size_argument(value: Any, where: str) -> int:
-    if value is None:
-        return DEFAULT_CHUNK_SIZE
-    chunk: Optional[int] = _checks.non_negative_int_argument(value, "chunk_size", where)
-    if chunk == 0:
-        raise ValueError(f"{where}: `chunk_size` must be None or a positive int, got 0.")
-    return chunk
+    chunk = _checks.positive_int_argument(value, "chunk_size", where, none_allowed=True)
+    return DEFAULT_CHUNK_SIZE if chunk is None else chunk
