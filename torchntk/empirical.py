@@ -39,7 +39,7 @@ from ._call.vmap_axes import parse_vmap_axes, split_kwargs
 from ._implementations.nngp import nngp
 from ._kernel.block_source import BlockRequest, BlockSource
 from ._kernel.kernel_function import KernelFnSpec, KernelFunction
-from ._kernel.settings import FORWARD_RUN, NtkSettings, input_shape_key
+from ._kernel.settings import FORWARD_RUN, NtkOptions, NtkSettings, input_shape_key
 from ._model.functional import functional_model, warn_training_mode
 from ._model.unfused import forward_mode_kernels
 from ._utils import checks as _checks
@@ -88,21 +88,6 @@ _KERNEL_FN_DOC = (
         returns="The kernels as ``get`` asks, per output leaf.",
     )
 )
-
-
-def _ntk_settings(builder: Callable[..., KernelFunction], arguments: dict[str, Any]) -> NtkSettings:
-    """The validated settings of ``empirical_ntk_fn`` or ``empirical_kernel_fn`` from their arguments.
-
-    The two builders spell out the same signature on purpose (``help()``, IDEs and type checkers
-    see every option); everything behind the signature is shared from here.
-    """
-    structured_options = ("structure_rules", "closed_form_rules", "local_jacobian", "verify")
-    structured = {name: arguments[name] for name in structured_options}
-    return NtkSettings.validate(
-        arguments["f"], arguments["trace_axes"], arguments["diagonal_axes"], arguments["vmap_axes"],
-        arguments["implementation"], arguments["chunk_size"], arguments["check_vmap_axes"], structured,
-        arguments["output_fn"], builder.__name__, arguments["groups"], arguments["compile"],
-    )
 
 
 def empirical_ntk_fn(
@@ -267,7 +252,13 @@ def empirical_ntk_fn(
         >>> torch.allclose(again, torchntk.empirical_ntk_fn(model)(x1, x2), atol=1e-5)
         True
     """
-    settings = _ntk_settings(empirical_ntk_fn, locals())
+    given = NtkOptions(
+        trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
+        chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, structure_rules=structure_rules,
+        closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify, output_fn=output_fn,
+        groups=groups, compile=compile,
+    )
+    settings = NtkSettings.validate(f, given, where="empirical_ntk_fn")
 
     def ntk(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], params: Any, kwargs: dict) -> PyTree:
         key = input_shape_key(x1, x2, params, kwargs)
@@ -279,7 +270,7 @@ def empirical_ntk_fn(
     def open_blocks(
         request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any
     ) -> Optional[BlockSource]:
-        return settings.open_blocks(request, x1, x2, params, kwargs, ("ntk",), True, "ntk_fn")
+        return settings.open_blocks(request, x1, x2, params, kwargs, names=("ntk",), bare=True, where="ntk_fn")
 
     return settings.publish(ntk_fn, "ntk", empirical_ntk_fn, open_blocks, "ntk_fn", _NTK_FN_DOC)
 
@@ -340,7 +331,7 @@ def empirical_nngp_fn(
             vmap_axes=_EXAMPLES_ON_AXIS_0, check_vmap_axes=False, for_ntk=False, output_fn=selected,
             forward_run_length=None if request.block_size is None else max(request.block_size, FORWARD_RUN),
         )
-        return BlockSource(call, None, ("nngp",), True, True)
+        return BlockSource(call, None, ("nngp",), bare=True, thread_safe=True)
 
     def rebuild(model: Model) -> KernelFunction:
         return empirical_nngp_fn(model, trace_axes, diagonal_axes, output_fn=output_fn)
@@ -402,7 +393,13 @@ def empirical_kernel_fn(
         >>> sorted(split(x1, x2).ntk), split(x1, x2).nngp.shape
         (['head', 'hidden'], torch.Size([4, 3]))
     """
-    settings = _ntk_settings(empirical_kernel_fn, locals())
+    given = NtkOptions(
+        trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
+        chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, structure_rules=structure_rules,
+        closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify, output_fn=output_fn,
+        groups=groups, compile=compile,
+    )
+    settings = NtkSettings.validate(f, given, where="empirical_kernel_fn")
 
     def requested(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], get: Any, params: Any, kwargs: dict) -> Any:
         names, bare = canonical_get(get, "kernel_fn")
@@ -425,7 +422,7 @@ def empirical_kernel_fn(
         request: BlockRequest, /, x1: Any, x2: Any = None, get: Any = None, params: Any = None, **kwargs: Any
     ) -> Optional[BlockSource]:
         names, bare = canonical_get(get, "kernel_fn")
-        return settings.open_blocks(request, x1, x2, params, kwargs, names, bare, "kernel_fn")
+        return settings.open_blocks(request, x1, x2, params, kwargs, names=names, bare=bare, where="kernel_fn")
 
     return settings.publish(kernel_fn, "kernel", empirical_kernel_fn, open_blocks, "kernel_fn", _KERNEL_FN_DOC)
 
@@ -473,7 +470,7 @@ def empirical_ntk_vp_fn(
     model = functional_model(f, params, where, output_fn_argument(output_fn, where))
     warn_training_mode(model, where)
     reuse = is_all_none(x2)
-    kwargs1, kwargs2 = split_kwargs(kwargs, reuse, where)
+    kwargs1, kwargs2 = split_kwargs(kwargs, x2_is_none=reuse, where=where)
     structure: dict[str, Flat] = {}
 
     def on(x: Any, side_kwargs: dict, key: str):

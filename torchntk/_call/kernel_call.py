@@ -192,7 +192,7 @@ def prepare_call(
     if computes_ntk:
         _reject_complex_parameters(model, where)
     reuse = is_all_none(x2)
-    kwargs1, kwargs2 = split_kwargs(kwargs, reuse, where)
+    kwargs1, kwargs2 = split_kwargs(kwargs, x2_is_none=reuse, where=where)
     resolved1 = resolved2 = None
     if vmap_axes is not None:
         resolved1 = resolve_inputs(vmap_axes, x1, kwargs1, where)

@@ -176,7 +176,7 @@ def resolve_outputs(parsed: ParsedVmapAxes, output: Any, where: str) -> tuple[in
     return tuple(int(axis) for axis in axes)  # type: ignore[arg-type]
 
 
-def split_kwargs(kwargs: Mapping[str, Any], x2_is_none: bool, where: str) -> tuple[dict, dict]:
+def split_kwargs(kwargs: Mapping[str, Any], *, x2_is_none: bool, where: str) -> tuple[dict, dict]:
     """Splits every 2-tuple keyword argument ``(for_x1, for_x2)``; others go to both sides.
 
     When ``x2`` is None the x1 computation is reused for x2, so both halves must be equal.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -49,6 +50,35 @@ need, so runs this long bound memory without paying a model call per small block
 16 examples cost 10 ms more than 2 of 256 on the benchmark MLP)."""
 
 
+@dataclass(frozen=True, **({"kw_only": True} if sys.version_info >= (3, 10) else {}))
+class NtkOptions:
+    """The arguments of ``empirical_ntk_fn`` and ``empirical_kernel_fn`` besides the model, as the
+    user gave them (:meth:`NtkSettings.validate` checks them). Build it by keyword: the fields are
+    the builders' keyword names, and a kernel function is rebuilt around another copy of the model
+    from them (``batch``'s replicas)."""
+
+    trace_axes: Any
+    diagonal_axes: Any
+    vmap_axes: Any
+    implementation: Any
+    chunk_size: Any
+    check_vmap_axes: Any
+    structure_rules: Any
+    closed_form_rules: Any
+    local_jacobian: Any
+    verify: Any
+    output_fn: Any
+    groups: Any
+    compile: Any
+
+    def as_keywords(self) -> dict[str, Any]:
+        """The builder's keyword arguments (the values themselves, not copies)."""
+        return {option.name: getattr(self, option.name) for option in dataclasses.fields(self)}
+
+
+_STRUCTURED_OPTIONS = ("structure_rules", "closed_form_rules", "local_jacobian", "verify")
+
+
 @dataclass(frozen=True)
 class NtkSettings:
     """Builder arguments, validated once when the kernel function is built."""
@@ -62,7 +92,7 @@ class NtkSettings:
     check_vmap_axes: bool
     options: StructuredOptions
     table: dict  # NOTE: [The implementation table], one per kernel function
-    arguments: dict  # as given, to build the same kernel function around another copy of the model
+    given: NtkOptions  # to build the same kernel function around another copy of the model
     derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
     example_loops: ExampleLoops = field(default_factory=ExampleLoops)
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
@@ -70,22 +100,19 @@ class NtkSettings:
     captured: Optional[CapturedCalls] = None  # NOTE: [Captured kernels]; None: every call eager
 
     @classmethod
-    def validate(
-        cls, f, trace_axes, diagonal_axes, vmap_axes, implementation, chunk_size, check_vmap_axes, structured,
-        output_fn, where, groups=None, compile=False,
-    ):
+    def validate(cls, f: Model, given: NtkOptions, *, where: str) -> "NtkSettings":
+        """Checks every builder argument (``where``: the builder's name, for messages).
+
+        Raises:
+            TypeError, ValueError: an argument of the wrong type or value, named in the message.
+        """
         _checks.callable_model_argument(f, where)
-        chosen = _checks.implementation_argument(implementation, where)
-        parsed_groups = groups_argument(groups, f, where)
-        arguments = dict(
-            trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
-            chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, output_fn=output_fn, compile=compile,
-            **structured,
-        )
+        chosen = _checks.implementation_argument(given.implementation, where)
+        parsed_groups = groups_argument(given.groups, f, where)
         if parsed_groups is not None:  # resolved (submodules as paths), so that a replica is grouped alike
-            arguments["groups"] = parsed_groups
-        options = structured_options(structured, chosen, where)
-        backend = compile_argument(compile, where)
+            given = dataclasses.replace(given, groups=parsed_groups)
+        options = structured_options({name: getattr(given, name) for name in _STRUCTURED_OPTIONS}, chosen, where)
+        backend = compile_argument(given.compile, where)
         if backend is not None and options.verify:
             raise ValueError(
                 f"{where}: `verify=True` checks every call against autograd, which a replayed graph "
@@ -93,16 +120,16 @@ class NtkSettings:
             )
         return cls(
             f,
-            _checks.axes_argument(trace_axes, "trace_axes", where),
-            _checks.axes_argument(diagonal_axes, "diagonal_axes", where),
-            parse_vmap_axes(vmap_axes, where),
+            _checks.axes_argument(given.trace_axes, "trace_axes", where),
+            _checks.axes_argument(given.diagonal_axes, "diagonal_axes", where),
+            parse_vmap_axes(given.vmap_axes, where),
             chosen,
-            _checks.positive_int_argument(chunk_size, "chunk_size", where, none_allowed=True),
-            _checks.bool_argument(check_vmap_axes, "check_vmap_axes", where),
+            _checks.positive_int_argument(given.chunk_size, "chunk_size", where, none_allowed=True),
+            _checks.bool_argument(given.check_vmap_axes, "check_vmap_axes", where),
             options,
             implementation_table(options),
-            arguments,
-            output_fn=output_fn_argument(output_fn, where),
+            given,
+            output_fn=output_fn_argument(given.output_fn, where),
             groups=parsed_groups,
             captured=None if backend is None else CapturedCalls(backend, f, where),
         )
@@ -141,7 +168,7 @@ class NtkSettings:
             if self.check_vmap_axes:
                 key = (shape_key, _structure_key(self.f))
 
-        def prepare(example_loop: bool) -> KernelCall:
+        def prepare(*, example_loop: bool) -> KernelCall:
             return prepare_call(
                 self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
                 diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
@@ -155,11 +182,11 @@ class NtkSettings:
 
         looped = loop_key is not None and self.example_loops.needed(loop_key)
         try:
-            call = prepare(looped)
+            call = prepare(example_loop=looped)
         except VmapLimitation as error:  # NOTE: [Switching to example loops]
             if loop_key is None or looped:
                 raise
-            call = prepare(True)  # a model that also fails in the loop raises its own error, unwarned
+            call = prepare(example_loop=True)  # a model that also fails in the loop raises its own error, unwarned
             self.example_loops.switch(loop_key, error, where)
         if key is not None:
             self.derivatives_checked[key] = True
@@ -178,8 +205,8 @@ class NtkSettings:
             return result
 
     def open_blocks(
-        self, request: BlockRequest, x1: Any, x2: Any, params: Any, kwargs: dict, names: tuple[str, ...], bare: bool,
-        where: str,
+        self, request: BlockRequest, x1: Any, x2: Any, params: Any, kwargs: dict, *, names: tuple[str, ...],
+        bare: bool, where: str,
     ) -> Optional[BlockSource]:
         """The call as a :class:`BlockSource` for ``batch``, or None without ``vmap_axes`` (see
         NOTE: [Prepared spans]); the NNGP's forward passes are mapped by ``vmap_axes`` too."""
@@ -199,7 +226,7 @@ class NtkSettings:
             n2 = n1 if call.reuses_x1 else call.side2.batch_size()
             block = (min(n1, request.block_size or n1), min(n2, request.block_size or n2))
             plan = self.table[self.implementation].blocks(call, ("blocks", shape_key), request.thorough, block)
-        return BlockSource(call, plan, names, bare, self.thread_safe)
+        return BlockSource(call, plan, names, bare=bare, thread_safe=self.thread_safe)
 
     @property
     def maps_examples(self) -> bool:
@@ -233,8 +260,10 @@ class NtkSettings:
         where: str, doc: str,
     ) -> KernelFunction:
         """The :class:`KernelFunction` of ``kernel_fn``: its spec (for ``batch``), ``auto_choice`` and ``doc``."""
-        rebuild = functools.partial(builder, **self.arguments)
-        spec = KernelFnSpec(kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, self.thread_safe, open_blocks)
+        rebuild = functools.partial(builder, **self.given.as_keywords())
+        spec = KernelFnSpec(
+            kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, thread_safe=self.thread_safe, open_blocks=open_blocks
+        )
 
         def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
             key = input_shape_key(x1, x2, params, kwargs)

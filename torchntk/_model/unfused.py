@@ -97,7 +97,7 @@ def _bound(args: tuple, kwargs: dict, names: Sequence[str]) -> Optional[list]:
 _MISSING = object()
 
 
-def _decompose(cell: Cell, gates: int, lstm: bool, args: tuple, kwargs: dict) -> Any:
+def _decompose(cell: Cell, gates: int, args: tuple, kwargs: dict, *, lstm: bool) -> Any:
     if _PACKED_ARGUMENTS & set(kwargs) or (len(args) > 3 and isinstance(args[3], (list, tuple))):
         return NotImplemented  # a PackedSequence: (data, batch_sizes, hx, params, ...)
     bound = _bound(args, kwargs, _RNN_ARGUMENTS)
@@ -182,22 +182,22 @@ def lstm(*args: Any, **kwargs: Any) -> Any:
     bidirectional, batch_first) -> (output, h_n, c_n)``; proj_size is read from the number of
     ``params`` per layer and direction (``w_hr`` last). See :func:`_run_layers` for the shapes and
     the calls left to the fused kernel (``NotImplemented``), the packed form among them."""
-    return _decompose(_lstm_cell, 4, True, args, kwargs)
+    return _decompose(_lstm_cell, 4, args, kwargs, lstm=True)
 
 
 def gru(*args: Any, **kwargs: Any) -> Any:
     """``torch._VF.gru(input, h_0, params, ...) -> (output, h_n)``, otherwise as :func:`lstm`."""
-    return _decompose(_gru_cell, 3, False, args, kwargs)
+    return _decompose(_gru_cell, 3, args, kwargs, lstm=False)
 
 
 def rnn_tanh(*args: Any, **kwargs: Any) -> Any:
     """``torch._VF.rnn_tanh(input, h_0, params, ...) -> (output, h_n)``, otherwise as :func:`lstm`."""
-    return _decompose(_tanh_cell, 1, False, args, kwargs)
+    return _decompose(_tanh_cell, 1, args, kwargs, lstm=False)
 
 
 def rnn_relu(*args: Any, **kwargs: Any) -> Any:
     """``torch._VF.rnn_relu(input, h_0, params, ...) -> (output, h_n)``, otherwise as :func:`lstm`."""
-    return _decompose(_relu_cell, 1, False, args, kwargs)
+    return _decompose(_relu_cell, 1, args, kwargs, lstm=False)
 
 
 # ---------------------------------------------------------------------------------------------

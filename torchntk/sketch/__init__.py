@@ -215,7 +215,7 @@ def sketched_ntk_fn(
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         reuse = is_all_none(x2)
-        kwargs1, kwargs2 = split_kwargs(kwargs, reuse, "ntk_fn")
+        kwargs1, kwargs2 = split_kwargs(kwargs, x2_is_none=reuse, where="ntk_fn")
         with kernel_precision():  # NOTE: [Kernel precision]
             features1, tree1, shapes1 = settings.features(x1, params, kwargs1, "ntk_fn", "x1")
             for index, shape in enumerate(shapes1):  # bad axes raise before x2 is sketched

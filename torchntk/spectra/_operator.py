@@ -123,7 +123,7 @@ def ntk_operator(
             f"{where}: {', '.join(model.random)} draws random numbers in training mode, so every product "
             f"would be with another kernel and the result no spectrum. Call model.eval()."
         )
-    model_kwargs, _ = split_kwargs(kwargs, True, where)
+    model_kwargs, _ = split_kwargs(kwargs, x2_is_none=True, where=where)
     with torch.no_grad():
         output = model.apply(model.params, x, model_kwargs)
     if not isinstance(output, torch.Tensor) or not output.is_floating_point():

@@ -71,12 +71,12 @@ def batch_norm_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) ->
     def normalised():
         # Batch statistics must not update the running ones a second time, so none are passed.
         if training:
-            return F.batch_norm(x.detach(), None, None, None, None, True, 0.0, eps)
-        return F.batch_norm(x.detach(), mean, var, None, None, False, 0.0, eps)
+            return F.batch_norm(x.detach(), None, None, training=True, momentum=0.0, eps=eps)
+        return F.batch_norm(x.detach(), mean, var, training=False, momentum=0.0, eps=eps)
 
     def local(w, b):
         if training:
-            return F.batch_norm(x, None, None, w, b, True, 0.0, eps)
+            return F.batch_norm(x, None, None, w, b, training=True, momentum=0.0, eps=eps)
         return func(x, mean, var, w, b, False, momentum, eps)
 
     return RuleCall(output, _affine_roles(ref_of, weight, bias, _channels_view(output), "bcd", normalised, local))
