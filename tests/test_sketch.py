@@ -323,6 +323,21 @@ def test_the_kernel_layout_of_sketched_ntk_fn():
     assert_kernels_close(torchntk.sketched_ntk_fn(model, 32, vmap_axes=0)(x1), traced @ traced.T)
 
 
+@pytest.mark.parametrize("projection", ["gaussian", "kronecker"])
+def test_sketched_ntk_fn_is_a_kernel_function_that_batch_tiles(projection):
+    """Like every builder, ``sketched_ntk_fn`` returns a ``KernelFunction``: ``batch`` tiles it
+    (blocks of the same features) and ``replicate`` rebuilds it with every option."""
+    model = _mlp()
+    x1, x2 = to_device(torch.randn(7, 3, dtype=torch.float64)), to_device(torch.randn(5, 3, dtype=torch.float64))
+    ntk_fn = torchntk.sketched_ntk_fn(model, 64, trace_axes=(), vmap_axes=0, projection=projection, seed=3)
+    assert isinstance(ntk_fn, torchntk.KernelFunction)
+    assert ntk_fn.spec.kind == "ntk" and ntk_fn.spec.f is model and ntk_fn.spec.trace_axes == ()
+    whole = ntk_fn(x1, x2)
+    assert_kernels_close(torchntk.batch(ntk_fn, batch_size=3)(x1, x2), whole)
+    assert_kernels_close(torchntk.batch(ntk_fn, batch_size=2)(x1), ntk_fn(x1))
+    assert_kernels_close(ntk_fn.replicate(x1.device)(x1, x2), whole)
+
+
 def test_pytree_outputs_get_features_per_leaf():
     model = _mlp()
 

@@ -5,6 +5,7 @@ from ._call.example_loop import ExampleLoopWarning as ExampleLoopWarning
 from ._implementations.choice import AutoChoice as AutoChoice
 from ._implementations.choice import Estimate as Estimate
 from ._kernel.kernel_function import KernelFunction as KernelFunction
+from ._utils.exports import published
 from ._utils.precision import precision as precision
 from ._utils.types import NtkImplementation as NtkImplementation
 from .batching import batch as batch
@@ -29,12 +30,6 @@ from .taylor import linearize as linearize
 from .taylor import taylor_expand as taylor_expand
 
 __version__ = "0.1.0"
-
-# Public names report the package they are used from (``torchntk.AutoChoice``), not the private
-# module that defines them.
-for _public in (AutoChoice, Estimate, ExampleLoopWarning, KernelFunction, NtkImplementation, precision):
-    _public.__module__ = "torchntk"
-del _public
 
 __all__ = [
     # kernels
@@ -71,3 +66,5 @@ __all__ = [
     # predictions from kernels (torchntk.predict.gradient_descent_mse, ...)
     "predict",
 ]
+
+published(globals(), "torchntk")  # torchntk.AutoChoice, not the private module that defines it

@@ -47,6 +47,8 @@ from ._utils.threads import FORWARD_MODE_LOCK
 from ._utils.tree import Flat, describe, is_all_none
 from ._utils.types import Axes, Model, NtkImplementation, PyTree, VMapAxes
 
+__all__ = ["empirical_ntk_fn", "empirical_nngp_fn", "empirical_kernel_fn", "empirical_ntk_vp_fn"]
+
 DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
 """Jacobian contraction: exact, general, and the fastest of 1 and 2 for traced kernels."""
 

@@ -17,6 +17,8 @@ from ._utils.threads import FORWARD_MODE_LOCK
 from ._utils.tree import Flat
 from ._utils.types import Model, PyTree
 
+__all__ = ["linearize", "taylor_expand"]
+
 
 def _expansion_model(f: Model, params: Any, where: str) -> FunctionalModel:
     """The model with its expansion point copied, so later in-place training cannot move it."""

@@ -37,6 +37,8 @@ from ._devices import asynchronous_copy, device_count_argument, devices_argument
 from ._disk import ProgressRecord, assign_whole, fingerprint, match_out, out_leaves
 from ._jobs import Job, run_blocks, run_spans
 
+__all__ = ["batch"]
+
 _NOT_SPLIT = ("params", "get")
 DEFAULT_CACHE_BYTES = 2**30
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 
 from ._models import UsageError
 
+__all__ = ["main"]
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.

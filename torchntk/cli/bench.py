@@ -45,8 +45,11 @@ from ._models import BENCH_MODELS, JAX_LAYOUTS, UsageError, inputs
 from ._timing import timed_calls
 from ._tutorial import jacobian_bytes, tutorial_ntk_fn
 
+__all__ = ["main", "parser"]
+
 
 def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``torchntk bench`` (``torchntk bench --help`` prints its options)."""
     parser = _arguments.Parser(
         prog="torchntk bench",
         description="Time torchntk's NTK implementations against N, side by side with neural-tangents when installed.",
@@ -81,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    """Runs ``torchntk bench`` with ``argv`` (the arguments after ``bench``); returns the exit status."""
     arguments = parser().parse_args(argv)
     models = [name.strip() for name in arguments.models.split(",") if name.strip()]
     unknown = [name for name in models if name not in BENCH_MODELS]

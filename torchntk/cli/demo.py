@@ -34,6 +34,8 @@ from ._inputs import INPUT_DTYPES, InputSpec, keyword_inputs
 from ._models import DEMO_MODELS, ModelChoice, UsageError, user_model
 from ._runs import ModelRun, Row, Settings, describe_error, run_model
 
+__all__ = ["main", "parser"]
+
 _EPILOG = """exit status:
   0  every implementation ran and they agree
   1  two implementations disagree
@@ -49,6 +51,7 @@ a language model taking token ids and an attention mask, from my_lm.py's make_mo
 
 
 def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``torchntk demo`` (``torchntk --help`` prints its options)."""
     parser = _arguments.Parser(
         prog="torchntk",
         description=(

@@ -112,6 +112,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from .._layout.runs import shard_rows as _shard_rows
+from .._utils.exports import published
 from ._checkpoint_protocol import DistributedError as DistributedError
 from ._checkpoint_protocol import RankFailedError as RankFailedError
 from ._checkpoint_protocol import (
@@ -479,3 +480,6 @@ def finalize(*, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
     finally:
         forget_groups()
         dist.destroy_process_group()
+
+
+published(globals(), __name__)  # torchntk.distributed.world, not its private module

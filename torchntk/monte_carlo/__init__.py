@@ -74,6 +74,8 @@ from ._estimates import MonteCarloKernel as MonteCarloKernel
 from ._estimates import monte_carlo_kernel_type as monte_carlo_kernel_type
 from ._estimates import sampled_kernel_fn
 
+__all__ = ["monte_carlo_kernel_fn"]
+
 
 def monte_carlo_kernel_fn(
     f: Model,

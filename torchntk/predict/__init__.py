@@ -27,6 +27,7 @@ Example:
     (torch.Size([2, 8, 1]), torch.Size([2, 3, 1]))
 """
 
+from .._utils.exports import published
 from ._ensemble import gradient_descent_mse_ensemble
 from ._gp import Gaussian, gp_inference
 from ._mse import gradient_descent_mse, max_learning_rate
@@ -41,3 +42,5 @@ __all__ = [
     "gradient_descent_mse_ensemble",
     "max_learning_rate",
 ]
+
+published(globals(), __name__)

@@ -31,6 +31,7 @@ import torch
 from .._call.kernel_call import prepare_call
 from .._call.outputs import output_fn_argument
 from .._call.vmap_axes import parse_vmap_axes, split_kwargs
+from .._kernel.kernel_function import KernelFnSpec, KernelFunction
 from .._layout.kernel_layout import make_layout
 from .._utils import checks as _checks
 from .._utils.checks import show
@@ -38,6 +39,8 @@ from .._utils.precision import kernel_precision
 from .._utils.tree import is_all_none
 from .._utils.types import Axes, Model, PyTree, VMapAxes
 from ._features import SketchOptions, sketch
+
+__all__ = ["sketched_ntk_features_fn", "sketched_ntk_fn"]
 
 PROJECTIONS = ("gaussian", "sparse", "kronecker")
 """The projections ``sketched_ntk_features_fn`` accepts (see its ``projection`` argument)."""
@@ -171,7 +174,7 @@ def sketched_ntk_fn(
     chunk_size: Optional[int] = None,
     check_vmap_axes: bool = True,
     output_fn: Optional[Callable[..., PyTree]] = None,
-) -> Callable[..., PyTree]:
+) -> KernelFunction:
     """Returns a function estimating the empirical NTK from ``k`` sketched features per example.
 
     A drop-in, approximate :func:`torchntk.empirical_ntk_fn`: the kernel has the same layout (NOTE:
@@ -187,9 +190,11 @@ def sketched_ntk_fn(
             :func:`torchntk.empirical_ntk_fn`. Default: ``()``.
 
     Returns:
-        ``ntk_fn(x1, x2=None, params=None, **kwargs)``, arguments as for the ``ntk_fn`` of
-        :func:`torchntk.empirical_ntk_fn` (``x2=None`` reuses x1's features; 2-tuple keyword
-        arguments are split between x1 and x2). One kernel per output leaf.
+        A :class:`~torchntk.KernelFunction` ``ntk_fn(x1, x2=None, params=None, **kwargs)``, arguments
+        as for the ``ntk_fn`` of :func:`torchntk.empirical_ntk_fn` (``x2=None`` reuses x1's features;
+        2-tuple keyword arguments are split between x1 and x2). One kernel per output leaf. Given to
+        :func:`torchntk.batch`, its blocks are contractions of the same features (each example's
+        features depend on ``seed``, not on the other examples of its block).
 
     Raises:
         TypeError, ValueError, RuntimeError: as :func:`torchntk.sketched_ntk_features_fn`; also axes both
@@ -232,11 +237,19 @@ def sketched_ntk_fn(
             ]
         return tree1.rebuild(kernels)
 
-    ntk_fn.__doc__ = (
+    def rebuild(model: Model) -> KernelFunction:
+        return sketched_ntk_fn(
+            model, k, trace_axes, diagonal_axes, vmap_axes, projection=projection, seed=seed, chunk_size=chunk_size,
+            check_vmap_axes=check_vmap_axes, output_fn=output_fn,
+        )
+
+    # Sketches use reverse mode only, so blocks may run in several threads (KernelFnSpec.thread_safe).
+    spec = KernelFnSpec("ntk", f, settings.trace_axes, diagonal, rebuild, thread_safe=True)
+    doc = (
         "``ntk_fn(x1, x2=None, params=None, **kwargs)``: the sketched NTK of the model (built by\n"
         ":func:`torchntk.sketched_ntk_fn`, which documents every option)."
     )
-    return ntk_fn
+    return KernelFunction(ntk_fn, spec, doc)
 
 
 class _Settings:
