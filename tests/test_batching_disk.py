@@ -357,3 +357,33 @@ def test_blocks_reach_the_host_synchronously_and_accelerators_asynchronously():
         block = Block(source)
         moved(block, torch.device(target))
         assert block.calls == [(target, asynchronous)]
+
+
+_FORMAT_1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "progress_record_format_1")
+
+
+@pytest.mark.cpu_only("a record of a CPU run, shipped with the tests")
+def test_a_record_written_by_an_earlier_version_resumes(tmp_path, monkeypatch):
+    """``tests/data/progress_record_format_1``: a run of the problem below (``batch(ntk_fn, 2,
+    cache_bytes=0)(x, out=<6 x 6 memmap>, progress_file=...)``) written before the package's
+    modules moved into folders, its record then cut to its first 3 of 6 blocks, as a killed run
+    leaves it. Records name no module, so the same problem resumes: 3 blocks are computed, and the
+    kernel is the whole one."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for index, parameter in enumerate(model.parameters()):
+            values = torch.linspace(-1, 1, parameter.numel(), dtype=torch.float64)
+            parameter.copy_(values.reshape(parameter.shape) * (index + 1) / 3)
+    x = torch.linspace(-2, 2, 18, dtype=torch.float64).reshape(6, 3)
+    for name in ("kernel.npy", "progress.json"):
+        (tmp_path / name).write_bytes(open(os.path.join(_FORMAT_1, name), "rb").read())
+    assert len(json.loads((tmp_path / "progress.json").read_text())["blocks"]) == 3
+    completed = []
+    original = torchntk.batching._disk.ProgressRecord.completed
+    monkeypatch.setattr(torchntk.batching._disk.ProgressRecord, "completed",
+                        lambda self, *args: completed.append(1) or original(self, *args))
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    out = np.lib.format.open_memmap(tmp_path / "kernel.npy", mode="r+")
+    torchntk.batch(ntk_fn, 2, cache_bytes=0)(x, out=out, progress_file=tmp_path / "progress.json")
+    assert len(completed) == 3
+    assert_kernels_close(torch.from_numpy(np.array(out)), reference_ntk(model, x))
