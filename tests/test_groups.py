@@ -421,3 +421,48 @@ def test_only_the_nngp_needs_no_groups_check():
     assert_kernels_close(kernel_fn(x1, x2, "nngp"), reference_nngp(_model(), x1, x2))
     with pytest.raises(ValueError, match="`groups` entry 'typo'"):
         kernel_fn(x1, x2, "ntk")
+
+
+class _Tied(nn.Module):
+    """``l2.weight`` is ``l1.weight`` (named ``l1.weight`` by ``named_parameters()``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+        self.l2.weight = self.l1.weight
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("selection", ["module", "pattern", "name", "predicate"])
+def test_a_tied_parameter_is_selected_by_any_of_its_names(implementation, selection):
+    """docs/groups.md: a submodule selects every parameter under it; a tied weight is under both
+    modules, so ``l2`` (as a module, a pattern, a parameter name or a predicate on names) selects
+    ``l1.weight`` too."""
+    model = _Tied().double().to(DEVICE)
+    x1, x2 = to_device(torch.randn(3, 4, dtype=torch.float64)), to_device(torch.randn(2, 4, dtype=torch.float64))
+    chosen = {
+        "module": model.l2, "pattern": "l2", "name": ["l2.weight", "l2.bias"],
+        "predicate": lambda name, parameter: name.startswith("l2."),
+    }[selection]
+    snapshot = ModuleSnapshot.of(model)
+    kernels = torchntk.empirical_ntk_fn(
+        model, trace_axes=(), vmap_axes=0, implementation=IMPLEMENTATIONS[implementation],
+        groups={"l2": chosen, "rest": "*"},
+    )(x1, x2)
+    expected = reference_ntk(model, x1, x2, params=_subset(model, ["l1.weight", "l2.bias"]), trace_axes=())
+    assert_kernels_close(kernels["l2"], expected)
+    assert_kernels_close(kernels["rest"], reference_ntk(model, x1, x2, params=_subset(model, ["l1.bias"]), trace_axes=()))
+    snapshot.assert_unchanged()
+
+
+def test_params_patterns_select_a_tied_parameter_by_any_of_its_names():
+    model = _Tied().double().to(DEVICE)
+    x = to_device(torch.randn(3, 4, dtype=torch.float64))
+    ntk = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0)(x, None, "l2.*")
+    expected = reference_ntk(model, x, None, params=_subset(model, ["l1.weight", "l2.bias"]), trace_axes=())
+    assert_kernels_close(ntk, expected)

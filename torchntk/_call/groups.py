@@ -10,6 +10,8 @@ per group of parameters: ``K_g = sum_{p in g} J1_p J2_p^T``. ``groups={name: sel
   them, a submodule of the model (every parameter under it), a list mixing the two, or a
   predicate ``(name, parameter) -> bool``. Functions ``f(params, x)`` name their parameters by
   their key paths in ``params`` joined with dots (``{"dense": {"w": w}}`` names ``w`` ``"dense.w"``);
+* a tied parameter (one tensor registered under several names) is selected by any of its names,
+  and by any submodule that holds it;
 * each differentiated parameter belongs to the first group (in the mapping's order) that selects
   it, so a catch-all ``"*"`` last takes the rest. Parameters in no group are not differentiated at
   all (they stay constants, which saves their work): the groups sum to the NTK of the grouped
@@ -39,6 +41,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .._model.functional import FunctionalModel, predicate_verdict
+from .._model.names import parameter_names
 from .._utils.checks import show
 from .._utils.tree import Flat, key_entry
 
@@ -82,10 +85,14 @@ class _Selection:
     modules: tuple[str, ...] = ()
     predicate: Optional[Callable[[str, torch.Tensor], Any]] = None
 
-    def selects(self, name: str, parameter: torch.Tensor, group: str, where: str) -> bool:
+    def selects(self, names: Sequence[str], parameter: torch.Tensor, group: str, where: str) -> bool:
+        """Whether the parameter is selected under any of its ``names`` (a tied one has several)."""
         if self.predicate is not None:
             what = f"the predicate of `groups` entry {group!r}"
-            return predicate_verdict(self.predicate, name, parameter, what, where)
+            return any(predicate_verdict(self.predicate, name, parameter, what, where) for name in names)
+        return any(self._selects(name) for name in names)
+
+    def _selects(self, name: str) -> bool:
         if any(path == "" or name.startswith(path + ".") for path in self.modules):
             return True
         return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in self.patterns)
@@ -112,17 +119,19 @@ class ParameterGroups:
         """
         names = _parameter_names(model)
         own = dict(module.named_parameters(remove_duplicate=False)) if module is not None else {}
+        aliases = parameter_names(module) if module is not None else {}
         members: list[list[int]] = [[] for _ in self.names]
         claimed: dict[int, list[str]] = {}  # parameters selected by a group after the one holding them
         for index, (name, value) in enumerate(zip(names, model.params)):
             parameter = own.get(name, value)
+            known_as = aliases.get(name, (name,))  # a tied parameter is selected by any of its names
             owner = None
             for position, (group, selection) in enumerate(zip(self.names, self.selections)):
                 if owner is None:
-                    if selection.selects(name, parameter, group, where):
+                    if selection.selects(known_as, parameter, group, where):
                         owner = position
                         members[position].append(index)
-                elif not members[position] and selection.selects(name, parameter, group, where):
+                elif not members[position] and selection.selects(known_as, parameter, group, where):
                     claimed.setdefault(position, []).append(name)
         for position, indices in enumerate(members):
             if not indices:
