@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from .._utils.checks import show, user_stacklevel
 from .._utils.tree import Flat
+from .names import parameter_names
 from .shell import private_shell
 from .unfused import fused_layers
 
@@ -234,21 +235,31 @@ def _is_selection(params: Any) -> bool:
 
 
 def _selected(module: nn.Module, selection: Any, where: str) -> dict[str, torch.Tensor]:
-    """The module's parameters (each tied tensor once, frozen ones included) that ``selection``
-    picks: names matching a glob pattern (``fnmatch``: ``*`` also crosses dots), or for which a
-    predicate ``(name, parameter) -> bool`` is true. Their current values are differentiated.
+    """The module's parameters (each tied tensor once, under its first name, frozen ones included)
+    that ``selection`` picks: those with a name (any of a tied parameter's names) matching a glob
+    pattern (``fnmatch``: ``*`` also crosses dots), or for which a predicate ``(name, parameter) ->
+    bool`` is true. Their current values are differentiated.
 
     Raises:
         ValueError: nothing is selected.
         TypeError: a predicate that returns something other than a bool.
     """
     named = list(module.named_parameters())
+    aliases = parameter_names(module)  # a tied parameter is selected by any of its names
     if callable(selection) and not isinstance(selection, str):
         what = "the `params` predicate"
-        chosen = {name: param for name, param in named if predicate_verdict(selection, name, param, what, where)}
+        chosen = {
+            name: param
+            for name, param in named
+            if any(predicate_verdict(selection, alias, param, what, where) for alias in aliases[name])
+        }
     else:
         patterns = [selection] if isinstance(selection, str) else list(selection)
-        chosen = {name: param for name, param in named if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+        chosen = {
+            name: param
+            for name, param in named
+            if any(fnmatch.fnmatchcase(alias, p) for alias in aliases[name] for p in patterns)
+        }
         what = f"`params` pattern{'s' if len(patterns) > 1 else ''} {patterns if len(patterns) > 1 else patterns[0]!r}"
     if not chosen:
         names = [name for name, _ in named]
