@@ -329,6 +329,32 @@ def test_progress_bar_can_be_switched_on(capsys):
     assert "kernel blocks" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("keyword, value", [("progress", True), ("batch_size", 2), ("devices", ["cpu"]),
+                                            ("cache_bytes", 0), ("distributed", "off")])
+def test_an_argument_of_batch_given_to_the_batched_call_is_refused(monkeypatch, keyword, value):
+    """Refused before anything runs, naming the keyword; the model's own keywords still reach it."""
+    x1, x2 = _inputs(5, 5)
+    batched = torchntk.batch(torchntk.empirical_ntk_fn(_model(), vmap_axes=0), 2)
+    monkeypatch.setattr(torchntk.batching, "_run", lambda *args: pytest.fail("computed"))
+    message = (rf"^batch: `{keyword}` \(.*\) is an argument of batch\(\.\.\.\), not of the batched kernel "
+               rf"function .* torchntk.batch\(kernel_fn, \.\.\., {keyword}=\.\.\.\)")
+    with pytest.raises(TypeError, match=message):
+        batched(x1, x2, **{keyword: value})
+    monkeypatch.undo()
+
+    class Timed(torch.nn.Module):  # a model with a keyword named like one of batch's
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2).double().to(DEVICE)
+
+        def forward(self, x, timeout=1.0):
+            return self.linear(x) * timeout
+
+    model = Timed()
+    kernel = torchntk.batch(torchntk.empirical_ntk_fn(model), 2)(x1, x2, timeout=2.0)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2, timeout=2.0), rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "arguments, error, message",
     [

@@ -14,6 +14,8 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import torchntk
 import torchntk.batching
@@ -174,7 +176,8 @@ def test_a_record_of_another_problem_or_a_recreated_out_is_refused(tmp_path):
     changed = _model()
     with torch.no_grad():
         changed[0].bias.add_(1.0)
-    with pytest.raises(ValueError, match=r"records another problem \(model: recorded"):
+    with pytest.raises(ValueError, match=r"records another problem \(parameters: the model's parameters or buffers "
+                                         r"differ"):
         torchntk.batch(torchntk.empirical_ntk_fn(changed, vmap_axes=0), 3)(
             x1, out=_open(tmp_path / "k.npy", (N1, N1), False), progress_file=record)
     with pytest.raises(ValueError, match=r"`out` does not hold the blocks .* mode='w\+'"):
@@ -319,12 +322,32 @@ def test_shards_refuse_a_traced_batch_axis_and_auto_refuses_out(monkeypatch):
 
 
 def test_shard_rows_are_whole_blocks_and_checked():
-    assert [torchntk.distributed.shard_rows(10, 3, rank, 3) for rank in range(3)] == [(0, 6), (6, 10), (10, 10)]
+    assert [torchntk.distributed.shard_rows(10, 3, rank, 3) for rank in range(3)] == [(0, 6), (6, 9), (9, 10)]
+    # 15 units over 6 ranks: 3 ranks of 3 and 3 of 2 (ceil(15 / 6) = 3 each left the last rank none).
+    assert [torchntk.distributed.shard_rows(15, 1, rank, 6) for rank in range(6)] == [
+        (0, 3), (3, 6), (6, 9), (9, 11), (11, 13), (13, 15)]
+    assert [torchntk.distributed.shard_rows(30, 2, rank, 6) for rank in range(6)] == [
+        (0, 6), (6, 12), (12, 18), (18, 22), (22, 26), (26, 30)]
     assert [torchntk.distributed.shard_rows(7, 0, rank, 2) for rank in range(2)] == [(0, 4), (4, 7)]
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         torchntk.distributed.shard_rows(7, 0, 2, 2)
     with pytest.raises(ValueError, match="n1 must be a non-negative int, got -1"):
         torchntk.distributed.shard_rows(-1, 0, 0, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 60), st.integers(0, 7), st.integers(1, 9))
+def test_shard_rows_split_the_blocks_as_evenly_as_possible(n1, batch_size, world_size):
+    """The shards cover ``range(n1)`` contiguously in rank order, start on block boundaries, and
+    their numbers of blocks differ by at most one."""
+    unit = batch_size or 1
+    shards = [torchntk.distributed.shard_rows(n1, batch_size, rank, world_size) for rank in range(world_size)]
+    assert shards[0][0] == 0 and shards[-1][1] == n1
+    assert all(stop == start for (_, stop), (start, _) in zip(shards, shards[1:]))
+    assert all(start <= stop and (start % unit == 0 or start == n1) for start, stop in shards)
+    blocks = [-(-(stop - start) // unit) for start, stop in shards]
+    assert max(blocks) - min(blocks) <= 1
+    assert blocks == sorted(blocks, reverse=True)  # the extra blocks go to the first ranks
 
 
 # -- progress -------------------------------------------------------------------------------------
@@ -363,12 +386,12 @@ _FORMAT_1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pr
 
 
 @pytest.mark.cpu_only("a record of a CPU run, shipped with the tests")
-def test_a_record_written_by_an_earlier_version_resumes(tmp_path, monkeypatch):
+def test_a_record_written_by_an_earlier_version_is_refused(tmp_path, monkeypatch):
     """``tests/data/progress_record_format_1``: a run of the problem below (``batch(ntk_fn, 2,
-    cache_bytes=0)(x, out=<6 x 6 memmap>, progress_file=...)``) written before the package's
-    modules moved into folders, its record then cut to its first 3 of 6 blocks, as a killed run
-    leaves it. Records name no module, so the same problem resumes: 3 blocks are computed, and the
-    kernel is the whole one."""
+    cache_bytes=0)(x, out=<6 x 6 memmap>, progress_file=...)``) written by an earlier version, its
+    record then cut to its first 3 of 6 blocks, as a killed run leaves it. Format 1 did not record
+    ``output_fn``, ``groups``, the module's attributes or hooks, so it cannot tell this problem
+    from another: it is refused, saying why, before anything is computed, and ``out`` is kept."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
     with torch.no_grad():
         for index, parameter in enumerate(model.parameters()):
@@ -378,12 +401,175 @@ def test_a_record_written_by_an_earlier_version_resumes(tmp_path, monkeypatch):
     for name in ("kernel.npy", "progress.json"):
         (tmp_path / name).write_bytes(open(os.path.join(_FORMAT_1, name), "rb").read())
     assert len(json.loads((tmp_path / "progress.json").read_text())["blocks"]) == 3
+    _refuse_computing(monkeypatch)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    out = np.lib.format.open_memmap(tmp_path / "kernel.npy", mode="r+")
+    before = np.array(out)
+    message = (r"`progress_file` .* was written by an older version of torchntk \(record format 1, now 2\), whose "
+               r"records left out output_fn, groups, .* Delete it and compute the kernel afresh")
+    with pytest.raises(ValueError, match=message):
+        torchntk.batch(ntk_fn, 2, cache_bytes=0)(x, out=out, progress_file=tmp_path / "progress.json")
+    assert np.array_equal(np.array(out), before)
+
+
+def _refuse_computing(monkeypatch) -> None:
+    """Makes any kernel computation of ``batch`` fail the test."""
+    for name in ("_by_spans", "_by_blocks"):
+        monkeypatch.setattr(torchntk.batching, name, lambda *args, name=name: pytest.fail(f"batch computed ({name})"))
+
+
+# -- refusing another problem's record ------------------------------------------------------------
+
+
+class _Scaled(torch.nn.Module):
+    """The test MLP times a plain attribute its forward pass reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+class _Selected(torch.nn.Module):
+    """``output_fn(model(x))`` as a module, for the reference kernel."""
+
+    def __init__(self, model, output_fn):
+        super().__init__()
+        self.model, self.output_fn = model, output_fn
+
+    def forward(self, x):
+        return self.output_fn(self.model(x))
+
+
+def _doubled(module, inputs, output):
+    return output * 2.0
+
+
+def _squashed(output):
+    return torch.tanh(output)
+
+
+def _change(what: str, model: _Scaled) -> tuple[dict, str, torch.Tensor]:
+    """Changes ``what`` of the problem: the builder keywords, the refusal expected, the new kernel's
+    float64 reference (for the inputs of ``_inputs()``)."""
+    x1 = _inputs()[0]
+    if what == "groups":
+        second = {name: p for name, p in model.named_parameters() if name.startswith("net.2.")}
+        return ({"groups": {"g": "net.2.*"}}, r"groups: recorded \"\{'g': \[net\.0\.\*\]\}\", now "
+                r"\"\{'g': \[net\.2\.\*\]\}\"", {"g": reference_ntk(model, x1, params=second)})
+    if what == "output_fn":
+        return ({"output_fn": _squashed}, r"output_fn: recorded 'None', now 'tests\.test_batching_disk\._squashed#",
+                reference_ntk(_Selected(model, _squashed), x1))
+    if what == "attribute":
+        model.scale = 3.0
+        message = r"model: attribute `scale` of the model \(_Scaled\): recorded '1\.0', now '3\.0'"
+        return {}, message, reference_ntk(model, x1)
+    model.net[2].register_forward_hook(_doubled)
+    return ({}, r"model: forward hooks of the model's submodule 'net\.2' \(Linear\): recorded none, now "
+                r"'\[\"tests\.test_batching_disk\._doubled#", reference_ntk(model, x1))
+
+
+@pytest.mark.parametrize("what", ["groups", "output_fn", "attribute", "hook"])
+def test_a_record_of_another_output_fn_groups_attribute_or_hook_is_refused(tmp_path, monkeypatch, what):
+    """A run differing from the recorded one only in ``groups``, ``output_fn``, a plain attribute
+    the forward pass reads or a forward hook is refused before anything is computed, naming what
+    differs; the recorded problem still resumes, and the other one computed afresh is its own kernel."""
+    x1 = _inputs()[0]
+    model = _Scaled()
+    first = {"groups": {"g": "net.0.*"}} if what == "groups" else {}
+
+    def run(path, keywords, fresh):
+        out = _open(tmp_path / f"{path}.npy", (N1, N1), fresh)
+        out_tree = {"g": out} if what == "groups" else out
+        ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, **keywords)
+        torchntk.batch(ntk_fn, 3, cache_bytes=0)(x1, out=out_tree, progress_file=tmp_path / f"{path}.json")
+        return out
+
+    run("k", first, fresh=True)
+    recorded = np.array(np.load(tmp_path / "k.npy"))
+    second, message, expected = _change(what, model)
+    with monkeypatch.context() as patched:
+        _refuse_computing(patched)
+        with pytest.raises(ValueError, match=rf"records another problem \({message}"):
+            run("k", second, fresh=False)
+    assert np.array_equal(np.load(tmp_path / "k.npy"), recorded)
+    changed = run("other", second, fresh=True)
+    assert_kernels_close({"g": torch.from_numpy(np.array(changed))} if what == "groups" else
+                         torch.from_numpy(np.array(changed)), expected, rtol=1e-10, atol=1e-12)
+    assert not np.allclose(np.array(changed), recorded, rtol=0.05)  # the old kernel would have been wrong
+    if what == "attribute":
+        model.scale = 1.0
+    elif what == "hook":
+        model.net[2]._forward_hooks.clear()
     completed = []
     original = torchntk.batching._disk.ProgressRecord.completed
     monkeypatch.setattr(torchntk.batching._disk.ProgressRecord, "completed",
                         lambda self, *args: completed.append(1) or original(self, *args))
-    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
-    out = np.lib.format.open_memmap(tmp_path / "kernel.npy", mode="r+")
-    torchntk.batch(ntk_fn, 2, cache_bytes=0)(x, out=out, progress_file=tmp_path / "progress.json")
-    assert len(completed) == 3
-    assert_kernels_close(torch.from_numpy(np.array(out)), reference_ntk(model, x))
+    assert np.array_equal(run("k", first, fresh=False), recorded)
+    assert not completed  # every block is recorded: none is redone
+
+
+def _closure(factor: float):
+    def scaled(output):
+        return output * factor
+
+    return scaled
+
+
+SCALE = 2.0
+
+
+def _reads_a_global(output):
+    return output * SCALE
+
+
+def _with_keywords(module, args, kwargs, output):
+    return output
+
+
+def _described_problem(factor: float = 2.0) -> dict:
+    """The fingerprint of a problem with a closure ``output_fn``, a hook, an attribute, a predicate
+    in ``groups`` and a ``params`` argument (run in a child process too)."""
+    model = _Scaled().cpu()
+    model.net[0].register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    model.net[2].register_forward_hook(_doubled)
+    model.register_forward_hook(_with_keywords, with_kwargs=True, always_call=True)
+    groups = {"first": model.net[0], "biases": lambda name, parameter: name.endswith("bias"), "rest": "*"}
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, output_fn=_closure(factor), groups=groups)
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
+    params = {"net.2.weight": torch.ones(4, 8, dtype=torch.float64)}
+    return torchntk.batching._disk.fingerprint(ntk_fn.spec, (x, None, (params,), {}), 3, None)
+
+
+@pytest.mark.cpu_only("a child process describes the same problem on the CPU")
+def test_a_problem_is_described_alike_in_a_fresh_process(tmp_path):
+    """Functions (closures, lambdas, hooks, predicates) are described by what they compute, not by
+    their address: a fresh process (another string hash seed) describes the same problem alike,
+    and another closure value, another global read or another ``params`` differs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "child.py"
+    script.write_text("import json\nfrom tests.test_batching_disk import _described_problem\n"
+                      "print(json.dumps(_described_problem()))\n")
+    child = run_python(script, env={"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                    "PYTHONHASHSEED": "12345"}, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    here = json.loads(json.dumps(_described_problem()))
+    assert json.loads(child.stdout) == here
+    assert here["options"]["output_fn"].startswith("tests.test_batching_disk._closure.<locals>.scaled#")
+    assert _described_problem(3.0)["options"]["output_fn"] != here["options"]["output_fn"]
+    describe = torchntk.batching._describe.describe
+    before = describe(_reads_a_global)
+    global SCALE
+    SCALE = 3.0
+    try:
+        assert describe(_reads_a_global) != before
+    finally:
+        SCALE = 2.0
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0)
+    x = _inputs()[0]
+    fingerprints = [torchntk.batching._disk.fingerprint(ntk_fn.spec, (x, None, (params,), {}), 3, None)["inputs"]
+                    for params in (None, {"0.weight": torch.ones(8, 3)}, {"2.weight": torch.ones(8, 3)})]
+    assert len(set(fingerprints)) == 3  # the params argument counts, names included

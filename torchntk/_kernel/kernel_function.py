@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -37,6 +37,10 @@ class KernelFnSpec:
             arguments returns a :class:`~torchntk._kernel.block_source.BlockSource` for the call, or None
             where the call cannot be split into prepared spans (no ``vmap_axes``); ``None`` for
             kernel functions that never can. See NOTE: [Prepared spans].
+        options: the builder's keyword arguments besides the model and the axes above (for the
+            empirical builders, ``NtkOptions``' fields as given), so that a progress record can
+            tell two problems apart (NOTE: [Kernels on disk] in ``batching/_disk.py``); None where
+            the builder does not say (such records cover the kind, the axes and the model only).
     """
 
     kind: str
@@ -46,6 +50,7 @@ class KernelFnSpec:
     rebuild: Callable[[Model], Callable[..., Any]]
     thread_safe: bool = True
     open_blocks: Optional[Callable[..., Any]] = None
+    options: Optional[Mapping[str, Any]] = None
 
     def replicate(self, device: torch.device) -> Callable[..., Any]:
         """The kernel function around a private copy of a module on ``device``.

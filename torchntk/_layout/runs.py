@@ -40,19 +40,24 @@ def runs(size: int, length: Optional[int]) -> list[Run]:
 def shard_rows(n1: int, unit: int, rank: int, world_size: int) -> tuple[int, int]:
     """``(start, stop)``: the x1 examples (kernel rows) that ``rank`` keeps in shard mode.
 
-    Whole multiples of ``unit`` (the batch size, 1 for none) as even as possible, in rank order;
-    the last ranks get none when there are fewer units than ranks.
+    Whole multiples of ``unit`` (the batch size, 1 for none; the last unit may be shorter), in
+    rank order, as even as possible: the ranks' numbers of units differ by at most one, the first
+    ranks taking the extra ones, so the last ranks get none only when there are fewer units than
+    ranks.
 
     Example:
         >>> [shard_rows(10, 3, rank, 2) for rank in range(2)]
         [(0, 6), (6, 10)]
+        >>> [shard_rows(15, 1, rank, 6) for rank in range(6)]
+        [(0, 3), (3, 6), (6, 9), (9, 11), (11, 13), (13, 15)]
         >>> [shard_rows(2, 1, rank, 3) for rank in range(3)]
         [(0, 1), (1, 2), (2, 2)]
     """
     units = math.ceil(n1 / unit)
-    per_rank = math.ceil(units / world_size)
-    start = min(n1, rank * per_rank * unit)
-    return start, min(n1, start + per_rank * unit)
+    each, extra = divmod(units, world_size)
+    first = rank * each + min(rank, extra)  # in units
+    count = each + (1 if rank < extra else 0)
+    return min(n1, first * unit), min(n1, (first + count) * unit)
 
 
 def cut(start: int, stop: int, length: int) -> list[Run]:

@@ -19,6 +19,7 @@ each rank may keep only its rows (NOTE: [Row shards] in ``_layout/runs.py``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -109,7 +110,9 @@ def batch(
         single tensors) go to every block, copied to each device once per call.
 
     Raises:
-        TypeError: a ``kernel_fn`` not from this library; arguments of the wrong type.
+        TypeError: a ``kernel_fn`` not from this library; arguments of the wrong type; at call
+            time, a keyword argument of ``batch`` itself (``progress=True``) that the model does
+            not name.
         ValueError: a negative ``batch_size`` or ``cache_bytes``, a ``device_count`` below -1 or above the CUDA
             devices present, a device that does not exist, both ``devices`` and
             ``device_count``; at call time, input leaves with different batch sizes, a traced or
@@ -154,6 +157,7 @@ def batch(
     def batched(
         x1: PyTree, x2: Optional[PyTree] = None, *args: Any, out: Any = None, progress_file: Any = None, **kwargs: Any
     ) -> PyTree:
+        _refuse_batch_keywords(kwargs, spec.f)
         with plan.lock:  # the replicas serve one call at a time
             return _run(plan, x1, x2, args, kwargs, out, progress_file)
 
@@ -163,10 +167,43 @@ def batch(
             distributed=distributed, timeout=timeout, cache_bytes=cache_bytes,
         )
 
-    batched_spec = KernelFnSpec(spec.kind, spec.f, spec.trace_axes, spec.diagonal_axes, rebuild, spec.thread_safe)
+    batched_spec = KernelFnSpec(
+        spec.kind, spec.f, spec.trace_axes, spec.diagonal_axes, rebuild, spec.thread_safe, options=spec.options
+    )
     result = KernelFunction(batched, batched_spec, kernel_fn.__doc__, kernel_fn.auto_choice)
     result._batch_settings = plan  # for tests (_settings_of)
     return result
+
+
+_BATCH_KEYWORDS = tuple(inspect.signature(batch).parameters)
+"""``batch``'s own arguments: given to the function it returns, they are a mistake, not the model's."""
+
+
+def _refuse_batch_keywords(kwargs: dict, model: Any) -> None:
+    """``TypeError`` for a keyword argument of the batched call that belongs to ``batch(...)``.
+
+    Keyword arguments of the call go to the model, which would fail on ``progress=True`` deep
+    inside the first block with a message about ``forward()``; a model that names the keyword
+    itself (``forward(self, x, timeout=...)``) still receives it.
+    """
+    for name in _BATCH_KEYWORDS:
+        if name in kwargs and not _names_keyword(model, name):
+            raise TypeError(
+                f"batch: `{name}` ({_checks.show(kwargs[name])}) is an argument of batch(...), not of the "
+                f"batched kernel function it returns (whose keyword arguments go to the model, which takes "
+                f"no `{name}`): pass it as torchntk.batch(kernel_fn, ..., {name}=...)."
+            )
+
+
+def _names_keyword(model: Any, name: str) -> bool:
+    """Whether ``model`` (its ``forward`` for a module) has a parameter ``name`` it takes by keyword."""
+    try:
+        signature = inspect.signature(model.forward if isinstance(model, torch.nn.Module) else model)
+    except (TypeError, ValueError):  # no signature to read: assume the model does not take it
+        return False
+    parameter = signature.parameters.get(name)
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameter is not None and parameter.kind in keyword
 
 
 @dataclass

@@ -14,13 +14,25 @@ durable themselves, as zarr does). The record is rewritten atomically (a tempora
 ``os.replace``, fsync of the directory) at most every :data:`RECORD_SECONDS` and at the end, so a
 kill loses at most that much work, and never leaves a record listing unwritten blocks.
 
-The fingerprint is the kernel function (kind, ``trace_axes``, ``diagonal_axes``, the module's
-architecture and a hash of its parameters and buffers), a hash of the inputs and other
-arguments, ``batch_size``, the rank and world size in shard mode, and every output leaf's shape and dtype. A
-record with another fingerprint is refused with a ``ValueError`` naming what differs, never
-reused. Each recorded block carries a checksum of its first values, and on resume the last
-blocks recorded are read back from ``out`` and compared, which catches an ``out`` that was
-recreated (``np.memmap(..., mode="w+")`` zeroes the file: reopen with ``"r+"``).
+The fingerprint (:func:`fingerprint`) is everything that decides the kernel's values: the kernel
+function's kind, ``trace_axes`` and ``diagonal_axes``; the builder's options that change values
+(``output_fn``, ``groups``, ``vmap_axes``, any option not known to leave them alone; not the
+implementation, ``chunk_size`` or the checks, which are exact or raise: ``_NOT_VALUES``); the
+module's structure (per submodule its class, plain attributes, hooks and train/eval mode) and a
+hash of its parameters and buffers (names, ``requires_grad``, values); a hash of the inputs and
+every other argument (``params`` among them, with their key paths); ``batch_size``; the rank and
+world size in shard mode; every output leaf's shape and dtype. It is JSON data equal in every
+process for the same problem: functions (``output_fn``, hooks, predicates) are described by their
+code, closures and defaults, never by address (``_describe.py``). A record with another
+fingerprint is refused with a ``ValueError`` naming what differs (``output_fn: recorded ...,
+now ...``, the attribute or hook table and submodule), before anything is computed, never
+reused. Records of format 1 covered less (no ``output_fn``, ``groups``, attributes or hooks), so
+they cannot vouch for the problem and are refused, saying so. Kernel functions whose spec has no
+``options`` are fingerprinted without them.
+
+Each recorded block carries a checksum of its first values, and on resume the last blocks
+recorded are read back from ``out`` and compared, which catches an ``out`` that was recreated
+(``np.memmap(..., mode="w+")`` zeroes the file: reopen with ``"r+"``).
 """
 
 from __future__ import annotations
@@ -38,12 +50,14 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from .._call.groups import ParameterGroups
 from .._utils.tree import Flat, key_entry
+from ._describe import describe, tensor_bytes, text
 
 RECORD_SECONDS = 10.0
 """At most this long between rewrites of the progress record (blocks done since are redone after
 a kill)."""
-_FORMAT = 1
+_FORMAT = 2
 _CHECKED_ON_RESUME = 4
 """Recorded blocks read back from ``out`` on resume."""
 _CHECKSUM_VALUES = 4096
@@ -146,44 +160,171 @@ def checksum(block: np.ndarray) -> int:
 
 # -- the fingerprint -----------------------------------------------------------------------------
 
-
-def _hash_tensors(tree: Any, digest: Any) -> None:
-    for leaf in pytree.tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor):
-            data = leaf.detach().to("cpu").contiguous().reshape(-1)
-            digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
-            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            digest.update(repr(leaf).encode())
-        else:  # reprs of other objects carry addresses, which differ between processes
-            digest.update(type(leaf).__qualname__.encode())
+_NOT_VALUES = frozenset({
+    "trace_axes", "diagonal_axes",  # recorded from the spec, normalised
+    "implementation", "structure_rules", "closed_form_rules", "local_jacobian",  # every way is exact
+    "chunk_size",  # memory only
+    "check_vmap_axes", "verify",  # checks: they pass or raise
+    "compile",  # replays the same computation
+})
+"""Builder options that do not change the kernel's values (beyond rounding), left out of the
+fingerprint so that a run may resume with, say, another implementation or ``chunk_size``. Every
+other option counts, unknown ones included: ``output_fn`` and ``groups`` choose what is
+differentiated, and ``vmap_axes`` which inputs and keyword arguments each example's evaluation
+sees (an argument mapped per example or given whole is another function)."""
+_OPTION_TEXT = 240
+"""Options are few: their descriptions may be longer than attributes' before they are hashed."""
+_TABLES = ("_parameters", "_buffers", "_modules")
+"""Module attributes recorded elsewhere: tensors in ``parameters``, the tree in the paths."""
 
 
 def fingerprint(spec: Any, inputs: Any, batch_size: int, shard: Optional[list[int]]) -> dict:
-    """What a progress record must agree on; ``inputs`` is ``(x1, x2, args, kwargs)``, ``shard``
-    ``[rank, world_size]`` in shard mode."""
+    """What a progress record must agree on; ``inputs`` is ``(x1, x2, args, kwargs)`` (``params``
+    is among them), ``shard`` ``[rank, world_size]`` in shard mode. JSON data, equal between
+    processes for the same problem (``_describe.py``)."""
     model = spec.f
-    model_digest = hashlib.blake2b(digest_size=16)
+    options = None
+    if spec.options is not None:
+        options = {name: _option(value) for name, value in spec.options.items() if name not in _NOT_VALUES}
     if isinstance(model, torch.nn.Module):
-        model_digest.update(str(model).encode())
-        _hash_tensors(dict(model.named_parameters()), model_digest)
-        _hash_tensors(dict(model.named_buffers()), model_digest)
-    else:
-        model_digest.update(getattr(model, "__qualname__", type(model).__qualname__).encode())
+        structure = module_structure(model)
+        tensors = hashlib.blake2b(digest_size=16)
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            tensors.update(f"{name} {tensor.requires_grad}".encode())
+            _hash_tensors(tensor, tensors)
+        parameters = tensors.hexdigest()
+    else:  # a function f(params, x): its parameters arrive with the inputs
+        structure, parameters = text(describe(model)), None
     input_digest = hashlib.blake2b(digest_size=16)
     _hash_tensors(inputs, input_digest)
     return {
         "kernel": spec.kind,
         "trace_axes": list(spec.trace_axes),
         "diagonal_axes": list(spec.diagonal_axes),
-        "model": model_digest.hexdigest(),
+        "options": options,
+        "model": structure,
+        "parameters": parameters,
         "inputs": input_digest.hexdigest(),
         "batch_size": batch_size,
         "shard": shard,
     }
 
 
+def _option(value: Any) -> str:
+    """A builder option's description, as text; parsed ``groups`` readable, as the user gave them."""
+    if isinstance(value, ParameterGroups):
+        shown = []
+        for name, selection in zip(value.names, value.selections):
+            chosen = [*selection.patterns, *(f"module {path!r}" for path in selection.modules)]
+            if selection.predicate is not None:
+                chosen.append(f"predicate {describe(selection.predicate)}")
+            shown.append(f"{name!r}: [{', '.join(chosen)}]")
+        return text("{" + ", ".join(shown) + "}", _OPTION_TEXT)
+    return text(describe(value), _OPTION_TEXT)
+
+
+def module_structure(module: torch.nn.Module) -> dict:
+    """``{path: {"class": ..., attribute: description}}`` for every submodule: what of a module
+    decides its function besides its tensors' values (``_model/fingerprint.structure_fingerprint``
+    describes the same for comparisons within a process). Plain attributes (``self.scale = 3.0``),
+    hooks (as the functions they are) and the train/eval mode count; empty hook tables are left
+    out to keep the record small."""
+    structure = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        entry = {"class": f"{type(sub).__module__}.{type(sub).__qualname__}"}
+        # Hook tables are keyed by handle ids, a process-wide counter: hooks count by their order.
+        handles: dict = {}
+        for key, value in sub.__dict__.items():
+            if "hooks" in key and isinstance(value, dict):
+                for handle in value:
+                    handles.setdefault(handle, len(handles))
+        for key, value in sub.__dict__.items():
+            if key in _TABLES or (key.startswith("_") and isinstance(value, (dict, set)) and not value):
+                continue
+            if key.endswith("hooks") and isinstance(value, dict):  # the hooks themselves, in order
+                value = list(value.values())
+            elif "hooks" in key and isinstance(value, dict):  # flags of some hooks (with_kwargs=True, ...)
+                value = [[handles[handle], flag] for handle, flag in value.items()]
+            entry[key] = text(describe(value))
+        structure[path] = entry
+    return structure
+
+
+def _hash_tensors(tree: Any, digest: Any) -> None:
+    flat, _ = pytree.tree_flatten_with_path(tree)
+    for path, leaf in flat:
+        digest.update(pytree.keystr(path).encode())  # a parameter under another name is another problem
+        if isinstance(leaf, torch.Tensor):
+            digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+            digest.update(tensor_bytes(leaf))
+        else:
+            digest.update(text(describe(leaf)).encode())
+
+
 # -- the record ----------------------------------------------------------------------------------
+
+_OLD_FORMATS = {
+    1: "output_fn, groups, vmap_axes, the module's plain attributes, hooks and train/eval mode and the "
+       "parameters' requires_grad flags",
+}
+"""Record formats this version refuses with a message, and what their fingerprints did not cover."""
+_SHOWN = 4
+"""Differences named in the message refusing another problem's record."""
+_ROOT = ""
+
+
+def _differences(stored: dict, problem: dict) -> list[str]:
+    """What differs between a recorded problem and this call's, in words."""
+    found = []
+    for key in problem:
+        recorded, now = stored.get(key), problem.get(key)
+        if recorded == now:
+            continue
+        if key == "options" and isinstance(recorded, dict) and isinstance(now, dict):
+            found += [
+                f"{name}: recorded {_shown(recorded, name)}, now {_shown(now, name)}"
+                for name in _union(recorded, now) if recorded.get(name) != now.get(name)
+            ]
+        elif key == "model" and isinstance(recorded, dict) and isinstance(now, dict):
+            found += [f"model: {difference}" for difference in _module_differences(recorded, now)]
+        elif key == "parameters":
+            found.append(
+                "parameters: the model's parameters or buffers differ (values, names, shapes, dtypes or "
+                "requires_grad flags)"
+            )
+        else:
+            found.append(f"{key}: recorded {recorded!r}, now {now!r}")
+    return found
+
+
+def _module_differences(recorded: dict, now: dict) -> list[str]:
+    found = []
+    for path in _union(recorded, now):
+        before, after = recorded.get(path), now.get(path)
+        if before == after:
+            continue
+        where = "the model" if path == _ROOT else f"the model's submodule {path!r}"
+        if before is None or after is None or before.get("class") != after.get("class"):
+            classes = [entry["class"] if isinstance(entry, dict) else "nothing" for entry in (before, after)]
+            found.append(f"{where}: recorded {classes[0]}, now {classes[1]}")
+            continue
+        where += f" ({after['class'].rsplit('.', 1)[-1]})"
+        for key in _union(before, after):
+            if before.get(key) != after.get(key):
+                what = key.strip("_").replace("_", " ") if key.endswith("hooks") else f"attribute `{key}`"
+                found.append(f"{what} of {where}: recorded {_shown(before, key)}, now {_shown(after, key)}")
+    return found
+
+
+def _union(first: dict, second: dict) -> list:
+    return list(first) + [key for key in second if key not in first]
+
+
+def _shown(entries: dict, key: str) -> str:
+    if key not in entries:
+        return "none" if key.endswith("hooks") else "nothing"
+    return repr(entries[key])
+
 
 
 class ProgressRecord:
@@ -210,23 +351,38 @@ class ProgressRecord:
         """
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"batch: `progress_file` must be a path (str or os.PathLike), got {type(path).__name__}.")
+        problem = json.loads(json.dumps(problem))  # as it reads back: lists for tuples, str keys
         record = cls(path, problem)
         if not os.path.exists(record.path):
             return record
         try:
             with open(record.path, encoding="utf-8") as file:
                 saved = json.load(file)
-            assert saved["format"] == _FORMAT
-            blocks = {(tuple(entry[0]), tuple(entry[1])): list(entry[2]) for entry in saved["blocks"]}
-            stored = saved["problem"]
+            written = saved["format"]
+            if written in _OLD_FORMATS:
+                blocks, stored = {}, {}
+            else:
+                assert written == _FORMAT
+                blocks = {(tuple(entry[0]), tuple(entry[1])): list(entry[2]) for entry in saved["blocks"]}
+                stored = saved["problem"]
+                assert isinstance(stored, dict)
         except (OSError, ValueError, KeyError, TypeError, IndexError, AssertionError) as error:
             raise ValueError(
                 f"batch: `progress_file` {record.path!r} exists but is not a progress record of this "
                 f"version of torchntk ({type(error).__name__}: {error}). Delete it to start over."
             ) from error
-        different = sorted(key for key in set(stored) | set(problem) if stored.get(key) != problem.get(key))
+        if written in _OLD_FORMATS:
+            raise ValueError(
+                f"batch: `progress_file` {record.path!r} was written by an older version of torchntk "
+                f"(record format {written!r}, now {_FORMAT}), whose records left out {_OLD_FORMATS[written]}, so "
+                f"it cannot tell whether this call is the problem it recorded. Delete it and compute the "
+                f"kernel afresh (a new `out`, or np.memmap(..., mode='w+'))."
+            )
+        different = _differences(stored, problem)
         if different:
-            shown = "; ".join(f"{key}: recorded {stored.get(key)!r}, now {problem.get(key)!r}" for key in different)
+            shown = "; ".join(different[:_SHOWN])
+            if len(different) > _SHOWN:
+                shown += f"; and {len(different) - _SHOWN} more"
             raise ValueError(
                 f"batch: `progress_file` {record.path!r} records another problem ({shown}). Resuming "
                 f"would mix two kernels: delete the file (and start `out` afresh) or pass the same "

@@ -248,9 +248,11 @@ class KernelShard(NamedTuple):
 def shard_rows(n1: int, batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
     """The kernel rows ``(start, stop)`` that ``rank`` keeps with ``batch(..., distributed="shard")``.
 
-    Contiguous, in rank order, whole multiples of ``batch_size`` (``0``: of one example) and as
-    even as possible; the last ranks get none when there are fewer blocks than ranks. They depend
-    on nothing else (not memory, not timing), so a rank can allocate its part in advance.
+    Contiguous, in rank order, whole multiples of ``batch_size`` (``0``: of one example; the last
+    block may be shorter) and as even as possible: the ranks' numbers of blocks differ by at most
+    one, the first ranks taking the extra ones, so the last ranks get none only when there are
+    fewer blocks than ranks. They depend on nothing else (not memory, not timing), so a rank can
+    allocate its part in advance.
 
     Args:
         n1: the number of x1 examples.
@@ -264,6 +266,8 @@ def shard_rows(n1: int, batch_size: int, rank: int, world_size: int) -> tuple[in
     Example:
         >>> [shard_rows(10, 3, rank, 2) for rank in range(2)]
         [(0, 6), (6, 10)]
+        >>> [shard_rows(15, 0, rank, 6) for rank in range(6)]
+        [(0, 3), (3, 6), (6, 9), (9, 11), (11, 13), (13, 15)]
     """
     rank, world_size = _check_rank(rank, world_size)
     for name, value in (("n1", n1), ("batch_size", batch_size)):
