@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchntk
 from tests.cases import DEVICE, to_device
-from torchntk.testing import assert_kernels_close
+from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_nngp, reference_ntk
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
@@ -134,3 +135,74 @@ def test_high_degree_taylor_expansion_of_a_polynomial_is_exact():
         assert_kernels_close(torchntk.taylor_expand(f, params, degree)(moved, x), f(moved, x))
     assert not torch.allclose(torchntk.taylor_expand(f, params, 2)(moved, x), f(moved, x))
     assert math.isclose(torchntk.taylor_expand(f, params, 0)(moved, x)[0].item(), f(params, x)[0].item())
+
+
+def _ntk_builders(model, x1, x2, implementation, vmap_axes):
+    """``(name, compute)`` of each public NTK builder's full (trace_axes=()) kernel of ``model`` on
+    (x1, x2); ``ntk_vp`` is the product with a vector of ones."""
+    vector = torch.ones(x2.shape[0], _outputs(model), dtype=torch.float64, device=DEVICE)
+    builders = [
+        ("ntk", lambda: torchntk.empirical_ntk_fn(model, (), vmap_axes=vmap_axes, implementation=implementation)(x1, x2)),
+        ("kernel", lambda: torchntk.empirical_kernel_fn(model, (), vmap_axes=vmap_axes, implementation=implementation)(
+            x1, x2, get="ntk"
+        )),
+        ("ntk_vp", lambda: torchntk.empirical_ntk_vp_fn(model, x1, x2)(vector)),
+    ]
+    if vmap_axes is not None:
+        ntk_fn = torchntk.empirical_ntk_fn(model, (), vmap_axes=0, implementation=implementation)
+        builders.append(("batch", lambda: torchntk.batch(ntk_fn, 1)(x1, x2)))
+    return builders
+
+
+def _outputs(model) -> int:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+
+
+@SETTINGS
+@given(problems())
+def test_builders_compute_a_compiled_module_on_the_module_it_wraps(problem):
+    model, x1, x2, implementation, vmap_axes = problem
+    compiled = torch.compile(model, backend="eager")
+    snapshot = ModuleSnapshot.of(model)
+    full = reference_ntk(model, x1, x2, trace_axes=())
+    vector = torch.ones(x2.shape[0], _outputs(model), dtype=torch.float64, device=DEVICE)
+    for name, compute in _ntk_builders(compiled, x1, x2, implementation, vmap_axes):
+        expected = torch.einsum("nmab,mb->na", full, vector) if name == "ntk_vp" else full
+        assert_kernels_close(compute(), expected)
+    assert_kernels_close(torchntk.empirical_nngp_fn(compiled, ())(x1, x2), reference_nngp(model, x1, x2, trace_axes=()))
+    snapshot.assert_unchanged()
+
+
+class _LastWeightAliased(torch.nn.Module):
+    """``net`` with its last layer's weight read through ``holder`` instead of its registered name."""
+
+    def __init__(self, net: torch.nn.Sequential, holder: str):
+        super().__init__()
+        self.net, self.holder = net, holder
+        weight = net[-1].weight
+        self.read = {
+            "list": (lambda store: lambda: store[0])([weight]),
+            "dict": (lambda store: lambda: store["w"])({"w": weight}),
+            "closure": lambda: weight,
+        }[holder]
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.net[:-1](x), self.read(), self.net[-1].bias)
+
+
+@SETTINGS
+@given(problems(), st.sampled_from(["list", "dict", "closure"]), st.booleans())
+def test_builders_refuse_parameters_read_around_their_names(problem, holder, frozen):
+    model, x1, x2, implementation, vmap_axes = problem
+    model[-1].weight.requires_grad_(not frozen)
+    aliased = _LastWeightAliased(model, holder)
+    assert_kernels_close(torchntk.empirical_nngp_fn(aliased, ())(x1, x2), reference_nngp(model, x1, x2, trace_axes=()))
+    if frozen:  # the module's own value of a constant is the right one
+        full = reference_ntk(model, x1, x2, trace_axes=())
+        vector = torch.ones(x2.shape[0], _outputs(model), dtype=torch.float64, device=DEVICE)
+        for name, compute in _ntk_builders(aliased, x1, x2, implementation, vmap_axes):
+            assert_kernels_close(compute(), torch.einsum("nmab,mb->na", full, vector) if name == "ntk_vp" else full)
+        return
+    for _, compute in _ntk_builders(aliased, x1, x2, implementation, vmap_axes):
+        with pytest.raises(ValueError, match=r"reads parameter 'net.2.weight'"):
+            compute()

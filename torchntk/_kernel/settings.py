@@ -9,6 +9,7 @@ dispatches to the implementation table (NOTE: [The implementation table]) and pu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -27,6 +28,7 @@ from .._call.vmap_axes import ParsedVmapAxes, parse_vmap_axes
 from .._implementations import implementation_table
 from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
+from .._model.aliases import alias_checks
 from .._model.fingerprint import structure_fingerprint
 from .._model.torch_errors import explained
 from .._utils import checks as _checks
@@ -94,6 +96,7 @@ class NtkSettings:
     table: dict  # NOTE: [The implementation table], one per kernel function
     given: NtkOptions  # to build the same kernel function around another copy of the model
     derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
+    aliases_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Aliased parameters]
     example_loops: ExampleLoops = field(default_factory=ExampleLoops)
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
     groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
@@ -159,7 +162,8 @@ class NtkSettings:
         The derivative part of NOTE: [Checking vmap_axes] runs once per input shapes and module
         structure: what it catches (a PyTorch vmap bug, coupling in the backward pass) does not
         depend on the values, and it costs as much as a small kernel (about 4 ms on the benchmark
-        MLP). The output check runs on every call. ``shape_key``: the caller's
+        MLP). The output check runs on every call. So does NOTE: [Aliased parameters]'s check of a
+        module's parameter references, recorded once it passed. ``shape_key``: the caller's
         :func:`input_shape_key` of these arguments, if it has one."""
         key = loop_key = None
         if for_ntk and self.maps_examples:
@@ -167,6 +171,7 @@ class NtkSettings:
             loop_key = shape_key
             if self.check_vmap_axes:
                 key = (shape_key, _structure_key(self.f))
+        aliases = self._alias_checks(key, x1, x2, params, kwargs, shape_key)
 
         def prepare(*, example_loop: bool) -> KernelCall:
             return prepare_call(
@@ -181,16 +186,30 @@ class NtkSettings:
             )
 
         looped = loop_key is not None and self.example_loops.needed(loop_key)
-        try:
-            call = prepare(example_loop=looped)
-        except VmapLimitation as error:  # NOTE: [Switching to example loops]
-            if loop_key is None or looped:
-                raise
-            call = prepare(example_loop=True)  # a model that also fails in the loop raises its own error, unwarned
-            self.example_loops.switch(loop_key, error, where)
+        with aliases:
+            try:
+                call = prepare(example_loop=looped)
+            except VmapLimitation as error:  # NOTE: [Switching to example loops]
+                if loop_key is None or looped:
+                    raise
+                call = prepare(example_loop=True)  # a model that also fails in the loop raises its own error, unwarned
+                self.example_loops.switch(loop_key, error, where)
         if key is not None:
             self.derivatives_checked[key] = True
         return call
+
+    def _alias_checks(
+        self, key: Optional[tuple], x1: Any, x2: Any, params: Any, kwargs: dict, shape_key: Optional[tuple]
+    ) -> Any:
+        """The :func:`alias_checks` context for a call's model: skipped where a check with these
+        input shapes and module structure has passed (``key`` where the derivative check made it)."""
+        if not isinstance(self.f, torch.nn.Module):
+            return contextlib.nullcontext()
+        if key is None:
+            key = (shape_key or input_shape_key(x1, x2, params, kwargs), _structure_key(self.f))
+        if key in self.aliases_checked:
+            return alias_checks(skip=True)
+        return alias_checks(on_clean=functools.partial(self.aliases_checked.__setitem__, key, True))
 
     def computed(self, call: KernelCall, key: tuple, compute: Callable[[KernelCall], Any]) -> Any:
         """``compute(call)``, again with an example loop if vmap fails on the model (NOTE:
@@ -262,7 +281,8 @@ class NtkSettings:
         """The :class:`KernelFunction` of ``kernel_fn``: its spec (for ``batch``), ``auto_choice`` and ``doc``."""
         rebuild = functools.partial(builder, **self.given.as_keywords())
         spec = KernelFnSpec(
-            kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, thread_safe=self.thread_safe, open_blocks=open_blocks
+            kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, thread_safe=self.thread_safe,
+            open_blocks=open_blocks, options=self.given.as_keywords(),
         )
 
         def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:

@@ -39,9 +39,11 @@ from torch.utils import _pytree as pytree
 
 from .._utils.checks import show, user_stacklevel
 from .._utils.tree import Flat
+from .aliases import watched
 from .names import parameter_names
 from .shell import private_shell
 from .unfused import fused_layers
+from .wrappers import compiled_function, compiled_wrapper, plain_checkpoints
 
 Call = Callable[[tuple, tuple, Mapping[str, Any]], Any]
 
@@ -164,6 +166,13 @@ def tensor_leaves_only(output: Any) -> Any:
 def _module_model(
     module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str, lazy: bool = False
 ) -> FunctionalModel:
+    wrapped = compiled_wrapper(module)  # NOTE: [Compiled modules]
+    prefix = ""
+    if wrapped is not None:
+        if wrapped[1]:
+            prefix = wrapped[1]
+        else:  # the wrapper lists no parameters: it is the wrapped module, under the wrapped module's names
+            module = wrapped[0]
     scripted = [
         path or type(sub).__name__ for path, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)
     ]
@@ -215,16 +224,44 @@ def _module_model(
     # A tied parameter has several names for one tensor; every alias of a chosen one is chosen.
     constants = _private_copies({name: p for name, p in all_params.items() if id(p) not in chosen_ids}, lazy)
     buffers = dict(module.named_buffers(remove_duplicate=False))
-    evaluate = _private_evaluation(module)
+    watch = watched(
+        module, {name: all_params[name] for name in names},
+        {name for name in names if not _same_values(chosen[name], all_params[name])}, where,
+    )
+    # The wrapper's names, as the user's object lists them, address the wrapped module's tables.
+    inner = _without_prefix(prefix)
+    evaluate = _private_evaluation(wrapped[0] if prefix else module)
+    constants, buffers, inner_names = inner(constants), inner(buffers), tuple(inner(dict.fromkeys(names)))
 
     def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         tensors = {name: _private_copy(buffer, lazy) for name, buffer in buffers.items()}
         tensors.update(constants)
-        tensors.update(zip(names, param_leaves))
-        return evaluate(tensors, args, dict(kwargs))
+        tensors.update(zip(inner_names, param_leaves))
+        if watch is None or not watch.armed:
+            return evaluate(tensors, args, dict(kwargs))
+        return watch.evaluate(param_leaves, lambda: evaluate(tensors, args, dict(kwargs)))
 
     coupled, random = training_mode_layers(module)
     return FunctionalModel(call, leaves, names, coupled, random, fused=fused_layers(module))
+
+
+def _without_prefix(prefix: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """Renames a mapping's keys from the compile wrapper's parameter names to the wrapped module's."""
+    return lambda mapping: {name[len(prefix):]: value for name, value in mapping.items()}
+
+
+def _same_values(given: torch.Tensor, own: torch.Tensor) -> bool:
+    """Whether ``given`` is ``own`` or a view of the same memory with its layout (so the module's
+    own tensor has the value torchntk substitutes; NOTE: [Aliased parameters])."""
+    if given is own:
+        return True
+    try:
+        return (
+            given.untyped_storage()._cdata == own.untyped_storage()._cdata and given.dtype == own.dtype
+            and given.storage_offset() == own.storage_offset() and given.stride() == own.stride()
+        )
+    except (NotImplementedError, RuntimeError):
+        return False
 
 
 def _is_selection(params: Any) -> bool:
@@ -316,7 +353,8 @@ def _private_evaluation(module: nn.Module) -> Callable[[dict, tuple, dict], Any]
         shell = getattr(local, "shell", None)
         if shell is None:  # another thread than the one that built the model
             shell = local.shell = private_shell(module)
-        return torch.func.functional_call(shell, tensors, args, kwargs, tie_weights=True, strict=False)
+        with plain_checkpoints():  # NOTE: [Reentrant checkpoints]
+            return torch.func.functional_call(shell, tensors, args, kwargs, tie_weights=True, strict=False)
 
     return evaluate
 
@@ -346,12 +384,14 @@ def _callable_model(f: Callable, params: Any, where: str) -> FunctionalModel:
     if not flat.leaves:
         raise ValueError(f"{where}: `params` has no tensors, so there is no parameter to differentiate.")
     names = tuple(f"params leaf {index}" for index in range(len(flat.leaves)))
+    f = compiled_function(f)  # NOTE: [Compiled modules]
     leaves = tuple(
         float_parameter(leaf, f"parameter {name!r}", where).detach() for leaf, name in zip(flat.leaves, names)
     )
 
     def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-        return f(flat.rebuild(param_leaves), *args, **kwargs)
+        with plain_checkpoints():  # NOTE: [Reentrant checkpoints]
+            return f(flat.rebuild(param_leaves), *args, **kwargs)
 
     return FunctionalModel(call, leaves, names, params_tree=flat)
 

@@ -9,7 +9,8 @@ torchntk's tensors into it. A shell is a copy of the module tree made of new mod
 ``__dict__`` is a shallow copy of the original's, with their own ``_parameters``, ``_buffers``,
 ``_modules`` and hook dictionaries (so swapping, attribute writes and hook registrations stay in
 the shell), sharing the tensors, the submodule classes and every other attribute value.
-Submodules shared in the original (tied modules) are shared in the shell.
+Submodules shared in the original (tied modules) are shared in the shell. A module compiled in place
+(``module.compile()``) is shelled uncompiled (NOTE: [Compiled modules] in ``_model/wrappers.py``).
 
 TorchScript modules cannot be shelled (nor evaluated by ``functional_call`` at all);
 ``_model/functional.py`` refuses them before a shell is asked for.
@@ -49,6 +50,10 @@ def private_shell(module: nn.Module) -> nn.Module:
             for key, value in original.__dict__.items()
         }
         state["_modules"] = {name: None if sub is None else copy(sub) for name, sub in original._modules.items()}
+        if state.get("_compiled_call_impl") is not None:
+            # ``module.compile()`` bound its compiled call to the original module, which would run
+            # with the original's tensors (NOTE: [Compiled modules]); the shell runs eagerly.
+            state["_compiled_call_impl"] = None
         object.__setattr__(shell, "__dict__", state)
         return shell
 
