@@ -33,8 +33,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch.func import jvp, vjp
 
-from ._call.kernel_call import prepare_call
-from ._call.outputs import canonical_get, combine, output_fn_argument
+from ._call.kernel_call import model_failures, prepare_call
+from ._call.outputs import canonical_get, combine, differentiable_outputs, output_fn_argument
 from ._call.vmap_axes import parse_vmap_axes, split_kwargs
 from ._implementations.nngp import nngp
 from ._kernel.block_source import BlockRequest, BlockSource
@@ -55,7 +55,10 @@ DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
 
 _CALL_ARGS = """
 Args:
-    x1: inputs: a tensor or a pytree of tensors, ``N1`` examples.
+    x1: inputs: a tensor or a pytree of tensors, ``N1`` examples (a nested list of numbers is a
+        TypeError). Without ``vmap_axes`` a 1-D x1 into a model that takes unbatched inputs
+        (``nn.Linear`` does) is one example, and the kernel has the output's axes only (0-d for
+        traced logits); with ``vmap_axes=0`` its entries are the examples.
     x2: second inputs, ``N2`` examples; None means x1 (and reuses its work). Default: None.{get}
     params: the parameters to differentiate (see the builder): for a module None, a mapping
         ``name -> tensor``, a name pattern, a list of patterns or a predicate; for a function
@@ -165,7 +168,9 @@ def empirical_ntk_fn(
             models: ``lambda out: out.logits``, the logits at the last non-padding token, a logit
             difference, the log-probability of target tokens (``docs/real_models.md``). Tensor
             leaves of the result get a kernel; other leaves (a ``DynamicCache``) are dropped and
-            hold None in the kernel pytree, with or without ``output_fn``. Default: ``None``.
+            hold None in the kernel pytree, with or without ``output_fn``; so do integer and boolean
+            tensor leaves (``return logits, logits.argmax(-1)``), which have no derivative (NOTE:
+            [Integer outputs] in ``_call/outputs.py``). Default: ``None``.
         groups: split the NTK by parameter groups, every group in one call (``docs/groups.md``): a
             mapping ``{group name: selection}``. A selection is a glob pattern over parameter names
             (``"*.lora_*"``; a pattern naming a module, ``"encoder.layer.0"`` or ``"*.attn"``,
@@ -210,16 +215,23 @@ def empirical_ntk_fn(
     Raises:
         TypeError: at build time, arguments of the wrong type (``groups`` that is not a mapping, keys
             that are not strings, selections of another type, ``compile`` neither a bool nor a string);
-            at call time, bad ``params``, numpy inputs, non-tensor outputs, complex parameters or
-            outputs, a ``groups`` predicate returning something other than a bool.
+            at call time, bad ``params``, numpy inputs or inputs holding no tensor (nested lists),
+            non-tensor outputs, complex parameters or outputs, a ``groups`` predicate returning
+            something other than a bool; the model failing on an input whose floating dtype differs
+            from its parameters' (both dtypes named; the check runs only when the model fails, so
+            models that cast their inputs, and integer token ids, are accepted).
         ValueError: ``implementation`` outside 0..3; the implementation-3 options with implementation 1
             or 2; ``compile`` naming no ``torch.compile`` backend, or with ``verify=True``; an unknown
             ``local_jacobian``; an empty ``groups``, an empty list in it, a submodule not in ``f``; at
             call time, a group that selects no differentiated parameter (or only ones earlier groups
             hold), axes out of range, duplicated, or both traced and diagonal; traced/diagonal sizes or
             output ndims that differ between x1 and x2; ``vmap_axes`` that do not fit the data or a
-            model that couples examples; nothing to differentiate; with ``verify=True``, structured
-            derivatives that disagree with autograd.
+            model that couples examples (a 1-D input under ``vmap_axes=0`` included); nothing to
+            differentiate (a module without trainable parameters: its NNGP is still computed); with
+            ``verify=True``, structured derivatives that disagree with autograd. When the model
+            raises on x1 or x2 (a feature size it was not built for, examples on another axis), the
+            ValueError names that input with its shapes and dtypes and ends with PyTorch's message;
+            it is also a RuntimeError, as PyTorch's was.
         RuntimeError: implementation 3 on a model whose operations change between evaluations.
 
     Example:
@@ -283,7 +295,9 @@ def empirical_nngp_fn(
     """Returns a function computing the empirical NNGP kernel ``f(x1) f(x2)^T`` of ``f``.
 
     The outputs themselves are contracted with the layout of NOTE: [Kernel layout]; no
-    derivative is taken.
+    derivative is taken, so a module without trainable parameters (``nn.Tanh()``, a frozen
+    network) has an NNGP too, though its NTK is refused. Integer and boolean output leaves get
+    None, like non-tensor leaves (NOTE: [Integer outputs]).
 
     Args:
         f: an ``nn.Module`` or a function ``f(params, x, **kwargs)``, as in :func:`empirical_ntk_fn`.
@@ -296,8 +310,9 @@ def empirical_nngp_fn(
         :func:`empirical_ntk_fn`'s ``ntk_fn``. The result has the output's dtype.
 
     Raises:
-        TypeError: arguments of the wrong type.
-        ValueError: bad axes, or traced/diagonal sizes or output ndims that differ between x1 and x2.
+        TypeError: arguments of the wrong type; inputs as for :func:`empirical_ntk_fn`.
+        ValueError: bad axes, or traced/diagonal sizes or output ndims that differ between x1 and x2;
+            the model failing on x1 or x2 (named, as for :func:`empirical_ntk_fn`).
 
     Example:
         >>> import torch, torchntk
@@ -338,7 +353,7 @@ def empirical_nngp_fn(
     def rebuild(model: Model) -> KernelFunction:
         return empirical_nngp_fn(model, trace_axes, diagonal_axes, output_fn=output_fn)
 
-    spec = KernelFnSpec("nngp", f, traced, diagonal, rebuild, open_blocks=open_blocks)
+    spec = KernelFnSpec("nngp", f, traced, diagonal, rebuild, open_blocks=open_blocks, options={"output_fn": output_fn})
     return KernelFunction(nngp_fn, spec, _NNGP_FN_DOC)
 
 
@@ -450,10 +465,13 @@ def empirical_ntk_vp_fn(
 
     Returns:
         ``ntk_vp_fn(cotangents)``: ``cotangents`` has the structure and shapes of ``f(x2)``; the
-        result has those of ``f(x1)``, in the output dtype.
+        result has those of ``f(x1)``, in the output dtype. Integer and boolean output leaves are
+        None in both, like non-tensor leaves (NOTE: [Integer outputs]).
 
     Raises:
-        ValueError: cotangents whose structure or shapes differ from ``f(x2)``'s; bad ``params``.
+        TypeError: inputs that hold no tensor (nested lists of numbers), numpy inputs.
+        ValueError: x1 None; cotangents whose structure or shapes differ from ``f(x2)``'s; bad
+            ``params``; the model failing on x2 (named, as for :func:`empirical_ntk_fn`).
 
     Example:
         >>> import torch, torchntk
@@ -467,9 +485,9 @@ def empirical_ntk_vp_fn(
     """
     where = "empirical_ntk_vp_fn"
     _checks.callable_model_argument(f, where)
-    _checks.input_argument(x1, "x1", where)
+    _checks.input_argument(x1, "x1", where, required=True)
     _checks.input_argument(x2, "x2", where)
-    model = functional_model(f, params, where, output_fn_argument(output_fn, where))
+    model = functional_model(f, params, where, differentiable_outputs(output_fn_argument(output_fn, where)))
     warn_training_mode(model, where)
     reuse = is_all_none(x2)
     kwargs1, kwargs2 = split_kwargs(kwargs, x2_is_none=reuse, where=where)
@@ -484,7 +502,8 @@ def empirical_ntk_vp_fn(
 
     forward1 = on(x1, kwargs1, "x1")
     forward2 = forward1 if reuse else on(x2, kwargs2, "x2")
-    outputs2, pullback = vjp(forward2, model.params)
+    with model_failures(model, x1 if reuse else x2, "x1" if reuse else "x2", where):
+        outputs2, pullback = vjp(forward2, model.params)
     output2_tree = structure["x1" if reuse else "x2"]
 
     def ntk_vp_fn(cotangents: PyTree) -> PyTree:

@@ -7,10 +7,12 @@ result dtypes. Implementations only compute; they never validate.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
+from torch import nn
 
 from .._layout.kernel_layout import KernelLayout, check_shapes, make_layout
 from .._layout.runs import runs
@@ -21,10 +23,11 @@ from .._model.functional import (
     reject_vmap_with_coupling,
     warn_training_mode,
 )
-from .._utils.checks import input_argument, show
+from .._utils.checks import input_argument, leaves_with_names, show
 from .._utils.tree import Flat, describe, is_all_none
 from .groups import GroupKernels, ParameterGroups
-from .per_example import Side
+from .outputs import differentiable_outputs
+from .per_example import Side, is_out_of_memory
 from .vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
 from .vmap_check import PROBE_EXAMPLES, VmapAxesCheck
 
@@ -179,16 +182,15 @@ def prepare_call(
             (NOTE: [Checking vmap_axes] lists the causes told apart), a model that vmap cannot
             evaluate per example (data-dependent shapes or control flow), an empty parameter group.
     """
-    if x1 is None or is_all_none(x1):
-        raise ValueError(f"{where}: `x1` must contain at least one tensor, got {show(x1)}.")
-    input_argument(x1, "x1", where)
+    input_argument(x1, "x1", where, required=True)
     input_argument(x2, "x2", where)
-    model = functional_model(f, params, where, output_fn, lazy=True)  # dies with the call
+    computes_ntk = vmap_axes is not None if for_ntk is None else for_ntk
+    evaluated = f if computes_ntk else without_trainable_parameters(f, params)
+    model = functional_model(evaluated, params, where, differentiable_outputs(output_fn), lazy=True)  # dies with the call
     index_groups = None
     if groups is not None:
         model, index_groups = groups.split(model, f if isinstance(f, torch.nn.Module) else None, where)
     warn_training_mode(model, where)
-    computes_ntk = vmap_axes is not None if for_ntk is None else for_ntk
     if computes_ntk:
         _reject_complex_parameters(model, where)
     reuse = is_all_none(x2)
@@ -201,8 +203,10 @@ def prepare_call(
             raise ValueError(f"{where}: `vmap_axes` maps the inputs of only one of x1 and x2.")
     run_length = forward_run_length if resolved1 is not None else None
     with torch.no_grad():
-        output1 = _whole_batch(model, x1, kwargs1, resolved1, vmap_axes, run_length, where)
-        output2 = output1 if reuse else _whole_batch(model, x2, kwargs2, resolved2, vmap_axes, run_length, where)
+        with model_failures(model, x1, "x1", where):
+            output1 = _whole_batch(model, x1, kwargs1, resolved1, vmap_axes, run_length, where)
+        with model_failures(model, x2, "x2", where, worked=x1):
+            output2 = output1 if reuse else _whole_batch(model, x2, kwargs2, resolved2, vmap_axes, run_length, where)
     _check_outputs(output1, output2, where)
     leaves1, leaves2 = output1.leaves, output2.leaves
     if computes_ntk:
@@ -272,7 +276,10 @@ def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:
                     f"{where}: the model must return tensors (or pytrees of tensors), got a leaf {show(leaf)}."
                 )
     if not output1.leaves:
-        raise ValueError(f"{where}: the model returned no tensor.")
+        raise ValueError(
+            f"{where}: the model returned no floating-point or complex tensor (integer and boolean outputs "
+            f"get no kernel; see NOTE: [Integer outputs])."
+        )
     if not output1.same_structure(output2):
         raise ValueError(
             f"{where}: the model returns differently structured outputs for x1 and x2: "
@@ -305,3 +312,101 @@ def _reject_complex_outputs(leaves1: tuple, leaves2: tuple, where: str) -> None:
                     f"needs real outputs. Return torch.view_as_real(output) (real and imaginary parts on a new "
                     f"last axis) instead; the NNGP (empirical_nngp_fn) accepts complex outputs."
                 )
+
+
+# NOTE: [NNGP without parameters]
+# The NNGP takes no derivative, so a module without any trainable parameter (nn.Tanh(), a frozen
+# feature extractor) still has one. Functional models refuse such modules ("nothing to
+# differentiate"), so for the NNGP alone the module is evaluated through a holder that owns one
+# unused scalar parameter: the module's own parameters stay constants, its buffers and state are
+# still private copies (NOTE: [Modules are never mutated]). The NTK of such a module stays refused.
+
+
+class _ParameterFree(nn.Module):
+    """``module`` with one unused trainable scalar, so that it has something to differentiate."""
+
+    def __init__(self, module: nn.Module, like: Optional[torch.Tensor]):
+        super().__init__()
+        self.module = module
+        dtype = like.dtype if like is not None else torch.get_default_dtype()
+        device = like.device if like is not None else None
+        self.unused = nn.Parameter(torch.zeros((), dtype=dtype, device=device))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def without_trainable_parameters(f: Any, params: Any) -> Any:
+    """``f``, or for a module with no trainable parameter and ``params=None``, the holder of NOTE:
+    [NNGP without parameters] (for kernels that take no derivative)."""
+    if not isinstance(f, nn.Module) or params is not None or any(p.requires_grad for p in f.parameters()):
+        return f
+    floating = [t for t in (*f.parameters(), *f.buffers()) if t.is_floating_point()]
+    return _ParameterFree(f, floating[0] if floating else None)
+
+
+class ModelInputError(ValueError, RuntimeError):
+    """The model raised on ``x1`` or ``x2``: a ValueError that names the input, still the
+    RuntimeError PyTorch raised for whoever catches that (``original``)."""
+
+
+class ModelInputDtypeError(TypeError, RuntimeError):
+    """The model raised on an input whose floating dtype differs from its parameters'."""
+
+
+@contextlib.contextmanager
+def model_failures(model: FunctionalModel, x: Any, name: str, where: str, worked: Any = None) -> Iterator[None]:
+    """Names the input when the model raises on it (the first evaluation of ``x1`` or ``x2``).
+
+    PyTorch's messages (``mat1 and mat2 shapes cannot be multiplied``, ``expected scalar type
+    Float``) do not say which input is wrong; the explanation gives its name, shapes and dtypes,
+    the parameters' dtype, ``worked`` (x1, when x2 fails) and PyTorch's text last. Only the plain
+    RuntimeError and TypeError of the model's operations are explained; running out of memory and
+    torchntk's own errors pass unchanged.
+
+    Raises:
+        ModelInputDtypeError: a floating input leaf whose dtype is none of the parameters'.
+        ModelInputError: any other RuntimeError.
+        TypeError: a TypeError of the model (e.g. a pytree where a tensor was expected).
+    """
+    try:
+        yield
+    except (RuntimeError, TypeError) as error:
+        if type(error) not in (RuntimeError, TypeError) or is_out_of_memory(error):
+            raise
+        leaves = leaves_with_names(x, name)
+        param_dtypes = sorted({str(p.dtype) for p in model.params if p.is_floating_point()})
+        params_text = " or ".join(param_dtypes) or "not floating-point"
+        mismatched = [
+            (leaf_name, leaf) for leaf_name, leaf in leaves
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and param_dtypes
+            and str(leaf.dtype) not in param_dtypes
+        ]
+        if mismatched and isinstance(error, RuntimeError):
+            leaf_name, leaf = mismatched[0]
+            raise ModelInputDtypeError(
+                f"{where}: the model failed on `{name}`: {leaf_name} has dtype {leaf.dtype} (shape "
+                f"{tuple(leaf.shape)}) but the model's parameters are {params_text}. Convert the input with "
+                f"{name}.to({param_dtypes[0]}) (or the model to {leaf.dtype}). PyTorch said: {error}"
+            ) from error
+        other = ""
+        if worked is not None:
+            other = f" (x1, {_describe_input(worked, 'x1')}, worked)"
+        text = (
+            f"{where}: the model failed on `{name}`, {_describe_input(x, name)}{other}; the model's parameters are "
+            f"{params_text}. Check that `{name}` is laid out as the model expects (the examples on the batch "
+            f"axis, then the sizes its layers were built for). PyTorch said: {error}"
+        )
+        if isinstance(error, TypeError):
+            raise TypeError(text) from error
+        raise ModelInputError(text) from error
+
+
+def _describe_input(x: Any, name: str) -> str:
+    """``of shape (4, 6) and dtype torch.float32``, or the same per tensor leaf of a pytree."""
+    leaves = [(leaf_name, leaf) for leaf_name, leaf in leaves_with_names(x, name) if isinstance(leaf, torch.Tensor)]
+    if isinstance(x, torch.Tensor):
+        return f"of shape {tuple(x.shape)} and dtype {x.dtype}"
+    parts = [f"{leaf_name} of shape {tuple(leaf.shape)} and dtype {leaf.dtype}" for leaf_name, leaf in leaves[:4]]
+    more = f" and {len(leaves) - 4} more tensors" if len(leaves) > 4 else ""
+    return f"with {', '.join(parts)}{more}" if parts else f"which is {show(x)}"

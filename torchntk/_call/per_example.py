@@ -382,12 +382,12 @@ def vmap_errors(where: str) -> Iterator[None]:
                 f"vmap_axes=None (the model then sees whole batches), or write the operation with fixed "
                 f"shapes (e.g. torch.where). PyTorch said: {first_line(error)}"
             ) from error
-        if type(error) is RuntimeError and not _is_out_of_memory(error):
+        if type(error) is RuntimeError and not is_out_of_memory(error):
             raise VmapRuntimeError(where, error) from error
         raise
 
 
-def _is_out_of_memory(error: RuntimeError) -> bool:
+def is_out_of_memory(error: BaseException) -> bool:
     """CPU allocation failures are plain RuntimeErrors; blaming vmap for them would mislead."""
     text = str(error)
     return "can't allocate memory" in text or "out of memory" in text

@@ -218,6 +218,8 @@ class VmapAxesCheck:
                 with torch.no_grad():
                     got = run.forward()
             except (RuntimeError, OutputAxisError) as error:
+                if isinstance(error, RuntimeError):
+                    self._raise_for_miscounted_examples(side, leaves, error)
                 self._raise_for_failure(side, run, expected, error)
                 raise
             self._compare_outputs(side, run, expected, got)
@@ -379,6 +381,36 @@ class VmapAxesCheck:
                 f"evaluate one of the model's operations per example (a limitation or a bug of PyTorch's "
                 f"torch.func.vmap: in-place writes into tensors shared by all examples, nn.PReLU's "
                 f"derivative, ...). Pass vmap_axes=None, which gives the right kernel."
+            ) from error
+
+    def _raise_for_miscounted_examples(self, side: Side, leaves: tuple[torch.Tensor, ...], error: RuntimeError) -> None:
+        """Raises ValueError when the per-example evaluation failed and the whole-batch output does
+        not hold one entry per example either: the inputs are not batched along the mapped axis
+        (a 1-D input whose entries became examples, a batch axis elsewhere than `vmap_axes` says)."""
+        count = side.batch_size()
+        for index, (leaf, axis) in enumerate(zip(leaves, side.out_axes)):
+            if leaf.ndim > axis and leaf.shape[axis] == count:
+                continue
+            named = dict(leaves_with_names(side.x.rebuild(side.x.leaves), side.name))
+            mapped = [
+                (name, value, axis)
+                for (name, value), axis in zip(named.items(), side.x_axes or ())
+                if axis is not None and isinstance(value, torch.Tensor)
+            ]
+            listing = ", ".join(f"axis {axis} of {name}, of shape {tuple(value.shape)}" for name, value, axis in mapped)
+            if any(value.ndim == 1 for _, value, _ in mapped):
+                hint = (
+                    f"A 1-D input under `vmap_axes` makes each of its entries one example. For a single example "
+                    f"of a model that takes unbatched inputs, give it a batch axis ({side.name}[None]) or pass "
+                    f"vmap_axes=None"
+                )
+            else:
+                hint = "Put the examples on the axis `vmap_axes` maps (or map the axis that holds them)"
+            raise ValueError(
+                f"{self.where}: `vmap_axes` maps {count} examples of `{side.name}` ({listing or 'keyword arguments'}), "
+                f"but the model's output leaf {index} on {side.name} has shape {tuple(leaf.shape)}, without "
+                f"{count} entries on its out axis {axis}, and the model fails on one example. {hint}. "
+                f"PyTorch said: {_first_line(error)}"
             ) from error
 
     def _raise_unmapped_kwargs(self, side: Side, symptom: str, error: Optional[BaseException] = None) -> None:

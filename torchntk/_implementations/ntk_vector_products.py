@@ -192,7 +192,7 @@ class _Columns:
             try:
                 products = _forward_mode_columns(side1, leaf, tangents, chunk)
             except (RuntimeError, NotImplementedError) as error:
-                missing = missing_forward_mode(error)
+                missing = _missing_forward_mode(error)
                 if missing is None or self.forward_mode is True:
                     raise
                 self.forward_mode, self.missing = False, missing
@@ -213,13 +213,46 @@ class _Columns:
 
 
 def _forward_mode_columns(side1: Side, leaf: int, tangents: tuple, chunk: int) -> torch.Tensor:
-    forward, params = side1.whole_batch(), side1.model.params
+    # NOTE: [Memory formats in forward mode]: contiguous inputs, parameters and tangents.
+    side1 = _contiguous(side1)
+    forward = side1.whole_batch()
+    params = tuple(param.contiguous() for param in side1.model.params)
+    tangents = tuple(tangent.contiguous() for tangent in tangents)
 
     def column(tangent: tuple) -> torch.Tensor:
         return jvp(forward, (params,), (tangent,))[1][leaf]
 
     with FORWARD_MODE_LOCK, forward_mode_kernels(bool(side1.model.fused)):  # NOTE: [Threads], [Unfused kernels]
         return vmap(column, chunk_size=chunk)(tangents)
+
+
+# NOTE: [Memory formats in forward mode]
+# Some forward-mode derivatives of PyTorch view their tangents or primals as contiguous: that of
+# group_norm fails with "view size is not compatible with input tensor's size and stride" when a
+# convolution before it gets channels_last inputs or weights, as does a model's own ``.view`` when
+# the tangent's strides differ from the primal's. The kernel does not depend on memory formats, so
+# the forward-mode passes get contiguous copies of x1's tensors, of the parameters and of the
+# tangents (no copy for tensors that already are). Where an operation still makes a
+# channels_last tensor that such a derivative then meets, the error switches the call to the
+# double-VJP path, as for an operation without a forward-mode derivative.
+_LAYOUT_BOUND = "view size is not compatible with input tensor's size and stride"
+
+
+def _contiguous(side: Side) -> Side:
+    """``side`` with its input and keyword tensors contiguous (NOTE: [Memory formats in forward mode])."""
+    def contiguous(flat):
+        leaves = tuple(leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in flat.leaves)
+        return replace(flat, leaves=leaves)
+
+    return replace(side, x=contiguous(side.x), kwargs={key: contiguous(flat) for key, flat in side.kwargs.items()})
+
+
+def _missing_forward_mode(error: BaseException) -> Optional[str]:
+    """What lacks a usable forward-mode derivative according to ``error``, or None."""
+    missing = missing_forward_mode(error)
+    if missing is None and isinstance(error, RuntimeError) and _LAYOUT_BOUND in str(error):
+        return "an operation whose forward-mode derivative needs contiguous tensors (channels_last)"
+    return missing
 
 
 def _transposed_maps(side1: Side) -> Callable[[int], Callable]:
@@ -326,7 +359,7 @@ def vector_products_method(side: Side) -> tuple[str, Optional[str]]:
         _forward_mode_columns(example, 0, tangent, 1)
         return "forward mode", None
     except (RuntimeError, NotImplementedError) as error:
-        missing = missing_forward_mode(error)
+        missing = _missing_forward_mode(error)
         if missing is None:
             raise
     _Columns(forward_mode=False, missing=missing)(example, 0, tangent, 1)

@@ -37,23 +37,45 @@ def _is_numpy_array(value: Any) -> bool:
     return kind.__name__ == "ndarray" and kind.__module__ == "numpy"
 
 
-def input_argument(value: Any, name: str, where: str) -> None:
-    """Rejects numpy arrays among the leaves of the input pytree ``value`` (``x1`` or ``x2``).
+def input_argument(value: Any, name: str, where: str, *, required: bool = False) -> None:
+    """Checks the input pytree ``value`` (``x1`` or ``x2``): its leaves must include a tensor.
 
-    Arrays are not converted, as PyTorch modules and ``torch.func`` do not convert them either:
+    Numpy arrays are not converted, as PyTorch modules and ``torch.func`` do not convert them either:
     the dtype and device the model needs are the caller's choice (numpy's default float64 would
-    not fit a float32 model), and a silent copy to the device would hide a cost.
+    not fit a float32 model), and a silent copy to the device would hide a cost. Nested lists of
+    Python numbers are refused for the same reason. Non-tensor leaves next to tensors (a flag in a
+    dict of inputs) are left to the model. ``required``: ``value`` must not be None (``x1``).
 
     Raises:
-        TypeError: naming the leaf, its shape and dtype.
+        TypeError: a numpy leaf (named, with its shape and dtype), or leaves none of which is a tensor.
+        ValueError: ``required`` and ``value`` is None or holds only None.
+
+    Example:
+        >>> input_argument([[1.0, 2.0]], "x1", "ntk_fn")
+        Traceback (most recent call last):
+        TypeError: ntk_fn: `x1` must be a tensor or a pytree of tensors, got [[1.0, 2.0]] (list),
+        which holds no tensor (x1[0][0] is 1.0 (float)). Convert it with torch.tensor(...), in the
+        dtype and on the device of the model's parameters.
     """
-    for leaf_name, leaf in leaves_with_names(value, name):
+    leaves = leaves_with_names(value, name)
+    for leaf_name, leaf in leaves:
         if _is_numpy_array(leaf):
             raise TypeError(
                 f"{where}: `{name}` must be a tensor or a pytree of tensors, but {leaf_name} is a numpy.ndarray "
                 f"of shape {tuple(leaf.shape)} and dtype {leaf.dtype}. Convert it with "
                 f"torch.from_numpy(...).to(dtype, device), in the dtype and on the device of the model's parameters."
             )
+    if not leaves:
+        if required:
+            raise ValueError(f"{where}: `{name}` must contain at least one tensor, got {show(value)}.")
+        return
+    if not any(isinstance(leaf, torch.Tensor) for _, leaf in leaves):
+        leaf_name, leaf = leaves[0]
+        inside = "" if leaf_name == name else f", which holds no tensor ({leaf_name} is {show(leaf)})"
+        raise TypeError(
+            f"{where}: `{name}` must be a tensor or a pytree of tensors, got {show(value)}{inside}. Convert it "
+            f"with torch.tensor(...), in the dtype and on the device of the model's parameters."
+        )
 
 
 def non_finite_count(tensor: torch.Tensor) -> int:

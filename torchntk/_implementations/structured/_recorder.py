@@ -175,7 +175,13 @@ class Recorder(TorchFunctionMode):
             if isinstance(result, torch.Tensor):
                 self._track(result, source_ref)
             return result
-        index = follow_view(func, args, kwargs, 0, positions(self._params[source_ref.param], source_ref))
+        seen = positions(self._params[source_ref.param], source_ref)
+        index = follow_view(func, args, kwargs, 0, seen)
+        if any(_is_batched(leaf) for leaf in pytree.tree_leaves(index)) and not _is_batched(seen):
+            # NOTE: [Indices that depend on the example]: ``W[x.argmax(-1)]`` under vmap selects other
+            # entries for every example, which one recorded index cannot state.
+            self._unrule(found, f"`{_name(func)}` selects its entries with indices computed from the input")
+            return result
         for tensor, view_ref in view_refs(result, index, source_ref.param):
             self._track(tensor, view_ref)
         return result
@@ -200,6 +206,17 @@ class Recorder(TorchFunctionMode):
         if delta.shape != call.output.shape or delta.dtype != call.output.dtype:
             raise ShapeMismatch(position, tuple(call.output.shape), tuple(delta.shape))
         return call.output + delta
+
+
+# NOTE: [Indices that depend on the example]
+# A view op's result is tracked by applying the same op to the parameter's flat positions. When an
+# argument of the op (an index tensor) is computed from the input under the per-example vmap of
+# ``vmap_axes``, those positions come out batched: every example sees other entries of the
+# parameter (``table[x.argmax(-1)]``, an embedding lookup by computed ids). A ParamRef holds one
+# index for all examples and must not keep a batched tensor beyond the transform, so the parameter
+# is unruled and its share of the kernel comes from exact Jacobians (the fallback). Constant
+# indices (a buffer of positions, a slice) stay unbatched and are followed as before; without
+# vmap the whole batch is one example and its index is exact.
 
 
 class ShapeMismatch(Exception):
@@ -249,6 +266,21 @@ def _storage_version(tensor: torch.Tensor) -> int:
 
 _is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda tensor: False)
 _unwrapped = getattr(torch._C._functorch, "get_unwrapped", None)
+
+_is_batched_wrapper = getattr(torch._C._functorch, "is_batchedtensor", lambda tensor: False)
+
+
+def _is_batched(value: Any) -> bool:
+    """Whether a vmap level batches ``value`` under any other transform's wrapper (NOTE: [Indices
+    that depend on the example]); tensors made inside a transform are wrapped without being batched."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    while _is_wrapped(value):
+        if _is_batched_wrapper(value):
+            return True
+        value = _unwrapped(value)
+    return False
+
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
