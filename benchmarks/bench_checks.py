@@ -7,7 +7,9 @@ For each model and implementation it times, in one process (float32, ``vmap_axes
 - each check on its own, on the same inputs: the private copies of the module's tensors
   (``functional_model``), the per-example output check (per call), the derivative check of
   ``vmap_axes`` (first call per shapes), the structured plan check against autograd (first call
-  per shapes, implementation 3 only).
+  per shapes, implementation 3 only), the check for parameters read around their registered
+  names (NOTE: [Aliased parameters]: the derivative check's evaluations watched, first call per
+  shapes).
 
 Usage: ``python benchmarks/bench_checks.py [--repeats 7] [--threads 2] [--markdown]``. The
 results are recorded in docs/guarantees.md and docs/benchmarks.md.
@@ -26,6 +28,7 @@ from torchntk._call.kernel_call import prepare_call
 from torchntk._call.vmap_axes import parse_vmap_axes
 from torchntk._implementations.structured import StructuredOptions, plan_for
 from torchntk._implementations.structured._verify import disagreements
+from torchntk._model.aliases import alias_checks
 from torchntk._model.functional import functional_model
 from torchntk.cli._models import cnn, mlp, seeded
 
@@ -65,6 +68,13 @@ def measure(model, x, implementation: int, trace_axes, repeats: int) -> dict:
     without = _median_ms(lambda: _prepare(model, x, trace_axes, check_vmap_axes=False), repeats)
     outputs = _median_ms(lambda: _prepare(model, x, trace_axes, check_derivatives=False), repeats)
     everything = _median_ms(lambda: _prepare(model, x, trace_axes), repeats)
+
+    def prepared(skip: bool):
+        with alias_checks(skip=skip):
+            _prepare(model, x, trace_axes)
+
+    watched = _median_ms(lambda: prepared(False), repeats) - _median_ms(lambda: prepared(True), repeats)
+    row["alias check"] = max(watched, 0.0)
     # implementation 3 compares the outputs of the per-example pass it makes anyway
     row["output check"] = max(outputs - without, 0.0) if implementation != 3 else None
     row["derivative check"] = max(everything - outputs, 0.0)
@@ -84,7 +94,9 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    columns = ["first call", "later calls", "private copies", "output check", "derivative check", "plan check"]
+    columns = [
+        "first call", "later calls", "private copies", "output check", "derivative check", "plan check", "alias check",
+    ]
     print(f"torch {torch.__version__}, {args.threads} threads, float32, median of {args.repeats}, times in ms")
     print("| model | implementation | kernel | " + " | ".join(columns) + " |")
     print("|---|---|---|" + "---|" * len(columns))
