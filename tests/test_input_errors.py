@@ -261,6 +261,29 @@ def test_value_dependent_indexing_with_structured_derivatives(vmap_axes):
         assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
 
 
+class _LookedUpInALoop(_LookedUp):
+    """``_LookedUp`` with a ``.item()`` vmap cannot evaluate, so the examples run in a Python loop."""
+
+    def forward(self, x):
+        if x.abs().sum().item() < 0:  # never true: only there to need a Python value
+            return x
+        return super().forward(x)
+
+
+@ALL_IMPLEMENTATIONS
+def test_value_dependent_indexing_in_an_example_loop(implementation):
+    """In an example loop no index is batched: each example's pass would keep one example's
+    indices, so implementation 3 takes the parameter's Jacobians instead (exact)."""
+    torch.manual_seed(0)
+    model = _LookedUpInALoop().eval()
+    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=implementation)
+    generator = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(4, 5, generator=generator, dtype=F64), torch.randn(3, 5, generator=generator, dtype=F64)
+    with pytest.warns(torchntk.ExampleLoopWarning):
+        kernel = ntk_fn(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2, trace_axes=()))
+
+
 @pytest.mark.parametrize("vmap_axes", [None, 0])
 def test_examples_on_the_wrong_axis_name_x1_and_its_shape(vmap_axes):
     model = nn.Linear(4, 3)

@@ -73,9 +73,12 @@ class Recorder(TorchFunctionMode):
         reasons: why each unruled parameter is (the first reason met).
     """
 
-    def __init__(self, params: tuple[torch.Tensor, ...], deltas: Optional[dict[int, torch.Tensor]] = None):
+    def __init__(
+        self, params: tuple[torch.Tensor, ...], deltas: Optional[dict[int, torch.Tensor]] = None, looped: bool = False
+    ):
         super().__init__()
         self._params = params
+        self._looped = looped  # examples mapped by a Python loop: NOTE: [Indices that depend on the example]
         self._index = {id(param): position for position, param in enumerate(params)}
         self._views: dict[int, tuple[torch.Tensor, ParamRef]] = {}
         self._deltas = deltas
@@ -182,6 +185,12 @@ class Recorder(TorchFunctionMode):
             # entries for every example, which one recorded index cannot state.
             self._unrule(found, f"`{_name(func)}` selects its entries with indices computed from the input")
             return result
+        if self._looped and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args[1:], kwargs))):
+            # In an example loop every example is recorded apart, with nothing to tell an index
+            # computed from it from a constant one, and the passes keep one example's roles.
+            self._unrule(found, f"`{_name(func)}` selects its entries with a tensor of indices, which may differ "
+                                f"between the examples of an example loop")
+            return result
         for tensor, view_ref in view_refs(result, index, source_ref.param):
             self._track(tensor, view_ref)
         return result
@@ -216,7 +225,10 @@ class Recorder(TorchFunctionMode):
 # index for all examples and must not keep a batched tensor beyond the transform, so the parameter
 # is unruled and its share of the kernel comes from exact Jacobians (the fallback). Constant
 # indices (a buffer of positions, a slice) stay unbatched and are followed as before; without
-# vmap the whole batch is one example and its index is exact.
+# vmap the whole batch is one example and its index is exact. In an example loop (NOTE: [Example
+# loops]) no example is batched, and each pass keeps one example's roles (``_side._KeptRoles``), so
+# there any tensor of indices unrules the parameter: exact, at the fallback's price, in a mode that
+# is already the slow one.
 
 
 class ShapeMismatch(Exception):

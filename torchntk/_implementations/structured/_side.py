@@ -105,7 +105,7 @@ def probe(side: Side, first_example_only: bool = True) -> Probe:
     """
     if side.mapped and first_example_only:
         side = side.narrow(0, min(1, side.batch_size()))
-    recorder = Recorder(side.model.params)
+    recorder = Recorder(side.model.params, looped=side.loop)
 
     def record(x_leaves: tuple, kwarg_leaves: tuple) -> None:
         with torch.no_grad(), recorder:
@@ -172,7 +172,7 @@ def side_factors(
     def run(x_leaves: tuple, kwarg_leaves: tuple, *cotangent_leaves: torch.Tensor) -> tuple:
         def perturbed_model(deltas: tuple[torch.Tensor, ...]) -> tuple:
             # One pass records the rule calls, builds their operands and perturbs their outputs.
-            recorder = Recorder(params, dict(zip(positions, deltas)))
+            recorder = Recorder(params, dict(zip(positions, deltas)), looped=side.loop)
             with recorder:
                 outputs = side.evaluate(params, x_leaves, kwarg_leaves)
             if not plan.foresees(recorder.calls, recorder.unruled):
@@ -195,7 +195,7 @@ def side_factors(
         else:
             positions = None
         if positions is None:  # shapes differ from the probe's: find them with a recording pass
-            recorder = Recorder(params)
+            recorder = Recorder(params, looped=side.loop)
             with torch.no_grad(), recorder:
                 under_a_transform(lambda: side.evaluate(params, x_leaves, kwarg_leaves))
             if not plan.foresees(recorder.calls, recorder.unruled):
