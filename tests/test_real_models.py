@@ -1,8 +1,8 @@
 """Every implementation and AUTO on real architectures, against the float64 brute force.
 
 The zoo (``tests/zoo.py``): torchvision's ResNet-18, MobileNetV3-small, EfficientNet-B0 (slow) and a
-small VisionTransformer, a timm ViT, Hugging Face BERT and GPT-2 with padding masks and an output
-selector, nn.TransformerEncoder, nn.MultiheadAttention, nn.LSTM and nn.GRU, a weight-norm
+small VisionTransformer, a timm ViT, Hugging Face BERT (also with peft LoRA adapters: the kernel over
+the adapters) and GPT-2 with padding masks and an output selector, nn.TransformerEncoder, nn.MultiheadAttention, nn.LSTM and nn.GRU, a weight-norm
 parametrization, a tied autoencoder using ``W.T``, and forward hooks; each with ``vmap_axes`` 0
 (or the keyword-argument form) and None, traced and full kernels. Models and inputs are built on
 the CPU and moved to the run device (``pytest --device``).

@@ -49,6 +49,14 @@ def import_transformers():
     return transformers
 
 
+def import_peft():
+    """peft, or the test skipped with the reason (``pip install -e ".[test]"`` installs it)."""
+    import pytest
+
+    import_transformers()
+    return pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[test]')")
+
+
 def import_timm():
     import_torchvision()
     import timm
@@ -200,10 +208,21 @@ def gpt2() -> Case:
     return Case(model, ids1, ids2, {"attention_mask": masks}, (0, 0, {"attention_mask": 0}), last_token_logits)
 
 
+def bert_lora() -> Case:
+    """``bert`` with peft's LoRA (r = 2) on the attention's query and value: peft freezes the base
+    model, so the kernel is over the adapters only, the workload users run most."""
+    peft = import_peft()
+    case = bert()
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["query", "value"],
+                             init_lora_weights=False)  # random B too: the kernel over A is not zero
+    model = peft.get_peft_model(case.module, config).eval()
+    return case._replace(module=model)
+
+
 FAST = {
     "lstm": lstm, "gru": gru, "multihead_attention": multihead_attention, "transformer_encoder": transformer_encoder,
     "weight_norm": weight_norm, "tied_autoencoder": tied_autoencoder, "hooks": hooks,
-    "torchvision_vit": torchvision_vit, "timm_vit": timm_vit, "bert": bert, "gpt2": gpt2,
+    "torchvision_vit": torchvision_vit, "timm_vit": timm_vit, "bert": bert, "bert_lora": bert_lora, "gpt2": gpt2,
 }
 SLOW = {"resnet18": resnet18, "mobilenet_v3_small": mobilenet_v3_small, "efficientnet_b0": efficientnet_b0}
 
