@@ -31,10 +31,12 @@ the last, so user code that bound ``checkpoint`` at import is covered and nothin
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 import threading
 from typing import Any, Callable, Iterator, Optional
 
-import torch.utils.checkpoint as _checkpoint_module
+import torch.utils.checkpoint  # noqa: F401  (a module whose globals the stand-ins replace)
 from torch import nn
 
 _WRAPPED = "_orig_mod"
@@ -102,7 +104,8 @@ class _State:
 
     lock = threading.Lock()
     count = 0
-    originals: dict[str, Any] = {}
+    originals: dict[str, Any] = {}  # the functions the stand-ins defer to, by key of _STAND_INS
+    owners: dict[str, tuple[Any, str, Any]] = {}  # where each stand-in was set, and what to restore
     local = threading.local()  # ``depth``: this thread's evaluations in progress
 
 
@@ -131,21 +134,78 @@ def _plain_checkpoint_steps(*arguments: Any, **kwargs: Any) -> Iterator[None]:
 
 
 _STEPS = "_checkpoint_without_reentrant_generator"
-_STAND_INS = {"CheckpointFunction": _PlainCheckpoint, _STEPS: _plain_checkpoint_steps}
-"""The globals of ``torch.utils.checkpoint`` that ``checkpoint`` reads at every call, and their stand-ins."""
+
+
+def _never_skipped(name: str) -> Callable[..., Any]:
+    """Stands in for a Hugging Face test of whether an attention mask may be skipped (NOTE:
+    [Attention masks under vmap]): on a thread computing a kernel the mask is always built."""
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        if _computing():
+            return False
+        return _State.originals[name](*args, **kwargs)
+
+    return stand_in
+
+
+_MASKS = "transformers.masking_utils"
+_OLD_MASKS = "transformers.modeling_attn_mask_utils"
+_STAND_INS: dict[str, tuple[str, str, Any]] = {
+    "CheckpointFunction": ("torch.utils.checkpoint", "CheckpointFunction", _PlainCheckpoint),
+    _STEPS: ("torch.utils.checkpoint", _STEPS, _plain_checkpoint_steps),
+    f"{_MASKS}._ignore_causal_mask_sdpa": (_MASKS, "_ignore_causal_mask_sdpa", None),
+    f"{_MASKS}._ignore_bidirectional_mask_sdpa": (_MASKS, "_ignore_bidirectional_mask_sdpa", None),
+    f"{_OLD_MASKS}.AttentionMaskConverter._ignore_causal_mask_sdpa": (
+        _OLD_MASKS, "AttentionMaskConverter._ignore_causal_mask_sdpa", None
+    ),
+}
+"""The globals that checkpoints and Hugging Face's attention masks read at every call, as ``key:
+(module, attribute path, stand-in)``; a stand-in of None is :func:`_never_skipped`. A module is
+only patched when the user's code has imported it already (torchntk imports none of them)."""
+
+# NOTE: [Attention masks under vmap]
+# Hugging Face models build their attention masks with ``transformers.masking_utils``, which first
+# asks whether the mask may be skipped (no padding: ``padding_mask.all()``) so that scaled dot-product
+# attention can run unmasked or with ``is_causal=True``. That question reads a tensor's value, which
+# ``vmap`` refuses ("data-dependent control flow"), so every masked transformer fell back to the slow
+# per-example loop (NOTE: [Switching to example loops]). While a kernel is computed the question is
+# answered "no" on the computing threads: the mask is built, which gives the same attention (the
+# all-true or causal mask the skip stood for) and runs under ``vmap``. Older versions ask the same
+# question in ``AttentionMaskConverter._ignore_causal_mask_sdpa``, replaced alike.
+
+
+def _resolve(module_name: str, path: str) -> tuple[Any, str, Any]:
+    """``(owner, attribute, current value)`` of ``module.path``, or ``(None, "", None)`` when the
+    module is not imported or has no such attribute."""
+    owner = sys.modules.get(module_name)
+    *parents, attribute = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent, None)
+    if owner is None or not hasattr(owner, attribute):
+        return None, "", None
+    return owner, attribute, inspect.getattr_static(owner, attribute)
 
 
 @contextlib.contextmanager
 def plain_checkpoints() -> Iterator[None]:
-    """``checkpoint`` calls on this thread run their function directly while the context is active
-    (NOTE: [Reentrant checkpoints]); reentrant, thread-safe, restores the globals after."""
+    """``checkpoint`` calls on this thread run their function directly, and Hugging Face attention
+    masks are always built, while the context is active (NOTE: [Reentrant checkpoints], NOTE:
+    [Attention masks under vmap]); reentrant, thread-safe, restores the globals after."""
     with _State.lock:
         if _State.count == 0:
-            _State.originals = {
-                name: getattr(_checkpoint_module, name) for name in _STAND_INS if hasattr(_checkpoint_module, name)
-            }
-            for name in _State.originals:
-                setattr(_checkpoint_module, name, _STAND_INS[name])
+            _State.originals, _State.owners = {}, {}
+            for key, (module_name, path, stand_in) in _STAND_INS.items():
+                owner, attribute, original = _resolve(module_name, path)
+                if owner is None:
+                    continue
+                replacement = _never_skipped(key) if stand_in is None else stand_in
+                if isinstance(original, staticmethod):
+                    _State.originals[key] = original.__func__
+                    replacement = staticmethod(replacement)
+                else:
+                    _State.originals[key] = original
+                _State.owners[key] = (owner, attribute, original)
+                setattr(owner, attribute, replacement)
         _State.count += 1
     _State.local.depth = getattr(_State.local, "depth", 0) + 1
     try:
@@ -155,6 +215,6 @@ def plain_checkpoints() -> Iterator[None]:
         with _State.lock:
             _State.count -= 1
             if _State.count == 0:
-                for name, original in _State.originals.items():
-                    setattr(_checkpoint_module, name, original)
-                _State.originals = {}
+                for owner, attribute, original in _State.owners.values():
+                    setattr(owner, attribute, original)
+                _State.originals, _State.owners = {}, {}
