@@ -22,3 +22,16 @@ def test_the_cuda_benchmark_runs_on_the_cpu():
     out = done.stdout
     assert "| 24 | (24, 24) cpu |" in out and "| True |" in out
     assert "aten::" in out and "Self CPU" in out
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("runs a benchmark script in a child process, on the CPU")
+def test_the_workload_benchmark_runs_and_every_method_agrees_with_the_hand_written_loop():
+    done = run_python(
+        str(ROOT / "benchmarks" / "bench_workloads.py"), "--layers", "1", "--hidden", "32", "--vocab", "100",
+        "--n", "3", "--repeats", "1", "--methods", "hand,1,2,3,0", timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| roberta") or line.startswith("| gpt2")]
+    assert len(rows) == 2 * 4 * 5  # models x parameter sets x methods
+    assert all(float(row[-2]) < 1e-3 for row in rows), done.stdout  # relative difference from the hand-written kernel

@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""The workload users run most: NTKs of a base-size transformer over LoRA, BitFit, head or all
+parameters, against the ``torch.func.jacrev`` loop users write by hand, timed in the same run.
+
+Models are built from configs with random weights (no download): a RoBERTa-base-size masked LM
+(12 layers, hidden 768, vocab 8000 by default; the kernel of 2 label-word logits at the mask
+position) and a GPT-2-small-size causal LM (the kernel of 2 logits at the last non-pad token); 32
+tokens with right padding, the mask (or last token) at varying positions; x2 = None, full layout
+(``trace_axes=()``). Parameter sets: ``lora`` (peft, r = 8 on the attention's query and value, or
+``c_attn`` for GPT-2), ``bitfit`` (biases), ``head`` (the LM head's dense layer or GPT-2's last
+block's MLP), ``all``. Methods: ``hand`` (per example, ``jacrev`` of ``functional_call`` over the
+set, stacked, one einsum), torchntk's implementations ``1``, ``2``, ``3`` and ``0`` (AUTO, its pick
+reported). Each is checked against ``hand`` and timed as the median of ``--repeats`` warm calls;
+peak memory is the process' resident-set growth during the method's calls (Linux), so run one
+method per process (``--methods``) for memory figures.
+
+    python benchmarks/bench_workloads.py --models roberta --sets lora --n 16
+    python benchmarks/bench_workloads.py --layers 2 --hidden 64 --vocab 500 --n 4   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.func import functional_call, jacrev  # noqa: E402
+
+import torchntk  # noqa: E402
+from tests import zoo  # noqa: E402
+
+TOKENS = 32
+LABELS = (5, 7)  # the label words' token ids
+
+
+def build(name: str, layers: int, hidden: int, vocab: int):
+    """``(model, head parameter prefix)`` for ``name`` in eval mode, random weights."""
+    transformers = zoo.import_transformers()
+    heads = max(1, hidden // 64)
+    if name == "roberta":
+        config = transformers.RobertaConfig(
+            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+            intermediate_size=4 * hidden, max_position_embeddings=TOKENS + 2, pad_token_id=1,
+        )
+        return transformers.RobertaForMaskedLM(config).eval(), "lm_head.dense."
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=TOKENS, bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config).eval(), f"transformer.h.{layers - 1}.mlp."
+
+
+def inputs(name: str, n: int, vocab: int, seed: int = 0):
+    """Token ids, the right-padded attention mask and the position the logits are read at."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (n, TOKENS), generator=generator)
+    lengths = torch.randint(TOKENS // 2, TOKENS + 1, (n,), generator=generator)
+    mask = (torch.arange(TOKENS)[None] < lengths[:, None]).long()
+    if name == "roberta":  # a mask token somewhere in each sequence
+        where = (torch.rand(n, generator=generator) * (lengths - 1)).long()
+        ids[torch.arange(n), where] = 4
+    else:
+        where = lengths - 1
+    return ids, mask, where
+
+
+def label_logits(output, input_ids, attention_mask, where):
+    """The label words' logits at each sequence's position ``where``: ``(N, 2)``."""
+    logits = output.logits
+    rows = torch.arange(input_ids.shape[0], device=logits.device)
+    return logits[rows, where][:, list(LABELS)]
+
+
+def parameter_set(model, name: str, choice: str, head: str):
+    """The model to differentiate (peft-wrapped for LoRA) with ``requires_grad`` on the set only."""
+    if choice == "lora":
+        peft = zoo.import_peft()
+        targets = ["query", "value"] if name == "roberta" else ["c_attn"]
+        config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets,
+                                 init_lora_weights=False, fan_in_fan_out=name == "gpt2")
+        return peft.get_peft_model(model, config).eval()
+    for parameter_name, parameter in model.named_parameters():
+        parameter.requires_grad_(
+            choice == "all" or (choice == "bitfit" and parameter_name.endswith("bias"))
+            or (choice == "head" and parameter_name.startswith(head))
+        )
+    return model
+
+
+def hand_written(model, ids, mask, where):
+    """What users write: per example, the Jacobian of the logits over the trainable parameters,
+    stacked; then one contraction over the parameters."""
+    trainable = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def logits(params, i):
+        output = functional_call(model, {**params, **frozen, **buffers}, (ids[i:i + 1],),
+                                 {"attention_mask": mask[i:i + 1]})
+        return label_logits(output, ids[i:i + 1], mask[i:i + 1], where[i:i + 1])[0]
+
+    jacobians = [jacrev(logits)(trainable, i) for i in range(ids.shape[0])]
+    flat = torch.stack([torch.cat([j.reshape(j.shape[0], -1) for j in jac.values()], 1) for jac in jacobians])
+    return torch.einsum("nap,mbp->nmab", flat, flat)
+
+
+def measure(call, repeats: int) -> tuple[float, float, object]:
+    """Median seconds of ``repeats`` warm calls, resident-set growth in MB, the last result."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = call()  # warm-up: plans, checks, caches
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - start)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    return statistics.median(times), grown, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="roberta,gpt2", help="comma list of roberta, gpt2")
+    parser.add_argument("--sets", default="lora,bitfit,head,all", help="comma list of lora, bitfit, head, all")
+    parser.add_argument("--n", default="16", help="comma list of numbers of examples")
+    parser.add_argument("--methods", default="hand,1,3,0", help="comma list of hand, 1, 2, 3, 0 (AUTO)")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    warnings.filterwarnings("ignore", category=UserWarning)  # PyTorch's vmap performance notes
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}, {TOKENS} tokens, "
+          f"{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, median of {args.repeats}")
+    print("| model | set | parameters | N | method | seconds | hand / method | RSS growth MB | rel. diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        for choice in args.sets.split(","):
+            torch.manual_seed(0)
+            base, head = build(name, args.layers, args.hidden, args.vocab)
+            model = parameter_set(base.to(dtype), name, choice, head)
+            count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            for n in (int(size) for size in args.n.split(",")):
+                ids, mask, where = inputs(name, n, args.vocab)
+
+                results, reference = {}, None
+                for method in args.methods.split(","):
+                    if method == "hand":
+                        call = lambda: hand_written(model, ids, mask, where)  # noqa: E731
+                    else:
+                        # vmap maps the positions with the examples: they travel as a keyword argument
+                        def selected(output, input_ids, attention_mask, rows):
+                            return label_logits(output, input_ids, attention_mask, rows)
+
+                        ntk_fn = torchntk.empirical_ntk_fn(
+                            _Positions(model), trace_axes=(), implementation=int(method),
+                            vmap_axes=(0, 0, {"attention_mask": 0, "rows": 0}), output_fn=selected,
+                        )
+                        call = lambda ntk_fn=ntk_fn: ntk_fn(ids, None, attention_mask=mask, rows=where)  # noqa: E731
+                    seconds, grown, kernel = measure(call, args.repeats)
+                    if reference is None:
+                        reference = kernel
+                    results[method] = seconds
+                    difference = float((kernel - reference).abs().max() / reference.abs().max())
+                    label = method
+                    if method == "0":
+                        label = f"0 (picks {int(ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation)})"
+                    ratio = results["hand"] / seconds if "hand" in results else float("nan")
+                    print(f"| {name} | {choice} | {count:,} | {n} | {label} | {seconds:.3f} | {ratio:.2f} | "
+                          f"{grown:.0f} | {difference:.1e} |", flush=True)
+
+
+class _Positions(torch.nn.Module):
+    """The model with the logits' positions as a keyword argument the output selector reads (the
+    model itself ignores it), so that ``vmap_axes`` maps them with the examples."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, rows):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask)
+
+
+if __name__ == "__main__":
+    main()
