@@ -8,6 +8,7 @@ forms (a linear model), explicit loops over output indices, Jacobians known by c
 from __future__ import annotations
 
 import ast
+import copy
 import itertools
 import math
 import pathlib
@@ -521,3 +522,25 @@ def test_the_oracle_shares_no_code_with_the_library():
         }
         allowed = {f".{module}" for module in oracle | ({"_module_snapshot"} if name == "__init__" else set())}
         assert imported <= allowed, (name, imported)
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in place"])
+def test_the_reference_of_a_compiled_module_is_that_of_the_module(form):
+    """The oracle differentiates a compiled module (a ``torch.compile`` wrapper, or compiled in
+    place) as the module itself, under the wrapper's parameter names: the brute force that
+    torchntk's kernels of compiled modules are checked against (``tests/test_model_forms.py``)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    compiled = copy.deepcopy(plain)
+    if form == "wrapper":
+        compiled = torch.compile(compiled, backend="eager")
+    else:
+        compiled.compile(backend="eager")
+    expected = reference_ntk(plain, x, trace_axes=())
+    assert expected.abs().max() > 0
+    assert_kernels_close(reference_ntk(compiled, x, trace_axes=()), expected)
+    if form == "wrapper":
+        names = {"_orig_mod.0.weight": compiled._orig_mod[0].weight}
+        assert_kernels_close(reference_ntk(compiled, x, params=names, trace_axes=()),
+                             reference_ntk(plain, x, params={"0.weight": plain[0].weight}, trace_axes=()))
