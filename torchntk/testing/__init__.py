@@ -84,7 +84,10 @@ def reference_ntk(
             For a module, the differentiated parameters are those with ``requires_grad=True``,
             each tied parameter counted once (as ``named_parameters()`` does); frozen parameters
             and buffers are constants. The module itself is never modified: a float64 deep copy
-            is called through :func:`torch.func.functional_call`.
+            is called through :func:`torch.func.functional_call`, so parameters are
+            differentiated through their registered names only: a forward pass that reads one
+            through another reference (a list of weights, a closure) gets that part of the kernel
+            wrong here, without an error (torchntk's kernel functions refuse such models).
         x1: input pytree for the first kernel argument, batch size ``N1``. Floating tensors are
             cast to float64; integer tensors (e.g. token ids) are passed unchanged.
         x2: input pytree for the second argument, batch size ``N2``. ``None`` (or a pytree made
