@@ -463,8 +463,11 @@ def _check_zoo_model(name: str) -> None:
     refusals = [str(warning.message) for warning in caught if issubclass(warning.category, RuntimeWarning)]
     for kernel in kernels:
         assert_kernels_close(kernel.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
-    if name in VALUE_DEPENDENT_ZOO:  # Hugging Face's mask code reads tensor values
-        assert len(refusals) == 1 and "Python value read from a tensor" in refusals[0]
+    if name in VALUE_DEPENDENT_ZOO:
+        # Hugging Face's mask code: while a kernel is computed the mask is always built (NOTE:
+        # [Attention masks under vmap]), by indexing with tensors, whose output shape the capture
+        # cannot tell from the values (boolean indices would make it depend on them).
+        assert len(refusals) == 1 and "output shape depends on tensor values" in refusals[0], refusals
     else:
         assert refusals == []
     assert zoo  # the zoo's models as test_real_models builds them
