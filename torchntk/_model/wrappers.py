@@ -193,18 +193,23 @@ def plain_checkpoints() -> Iterator[None]:
     [Attention masks under vmap]); reentrant, thread-safe, restores the globals after."""
     with _State.lock:
         if _State.count == 0:
-            _State.originals, _State.owners = {}, {}
+            replacements = {}
             for key, (module_name, path, stand_in) in _STAND_INS.items():
                 owner, attribute, original = _resolve(module_name, path)
                 if owner is None:
                     continue
                 replacement = _never_skipped(key) if stand_in is None else stand_in
                 if isinstance(original, staticmethod):
-                    _State.originals[key] = original.__func__
                     replacement = staticmethod(replacement)
-                else:
-                    _State.originals[key] = original
-                _State.owners[key] = (owner, attribute, original)
+                replacements[key] = (owner, attribute, original, replacement)
+            # Originals are added, never removed: a thread that looked a stand-in up just before
+            # the last evaluation restored the globals still finds what to defer to.
+            _State.originals.update({
+                key: original.__func__ if isinstance(original, staticmethod) else original
+                for key, (_, _, original, _) in replacements.items()
+            })
+            _State.owners = {key: entry[:3] for key, entry in replacements.items()}
+            for owner, attribute, _, replacement in replacements.values():
                 setattr(owner, attribute, replacement)
         _State.count += 1
     _State.local.depth = getattr(_State.local, "depth", 0) + 1
@@ -217,4 +222,4 @@ def plain_checkpoints() -> Iterator[None]:
             if _State.count == 0:
                 for owner, attribute, original in _State.owners.values():
                     setattr(owner, attribute, original)
-                _State.originals, _State.owners = {}, {}
+                _State.owners = {}
