@@ -34,7 +34,7 @@ import torch
 from torch.func import jvp, vjp
 
 from ._call.kernel_call import model_failures, prepare_call
-from ._call.outputs import canonical_get, combine, differentiable_outputs, output_fn_argument
+from ._call.outputs import canonical_get, combine, output_fn_argument
 from ._call.vmap_axes import parse_vmap_axes, split_kwargs
 from ._implementations.nngp import nngp
 from ._kernel.block_source import BlockRequest, BlockSource
@@ -170,7 +170,7 @@ def empirical_ntk_fn(
             leaves of the result get a kernel; other leaves (a ``DynamicCache``) are dropped and
             hold None in the kernel pytree, with or without ``output_fn``; so do integer and boolean
             tensor leaves (``return logits, logits.argmax(-1)``), which have no derivative (NOTE:
-            [Integer outputs] in ``_call/outputs.py``). Default: ``None``.
+            [Integer outputs] in ``_model/functional.py``). Default: ``None``.
         groups: split the NTK by parameter groups, every group in one call (``docs/groups.md``): a
             mapping ``{group name: selection}``. A selection is a glob pattern over parameter names
             (``"*.lora_*"``; a pattern naming a module, ``"encoder.layer.0"`` or ``"*.attn"``,
@@ -487,7 +487,7 @@ def empirical_ntk_vp_fn(
     _checks.callable_model_argument(f, where)
     _checks.input_argument(x1, "x1", where, required=True)
     _checks.input_argument(x2, "x2", where)
-    model = functional_model(f, params, where, differentiable_outputs(output_fn_argument(output_fn, where)))
+    model = functional_model(f, params, where, output_fn_argument(output_fn, where))
     warn_training_mode(model, where)
     reuse = is_all_none(x2)
     kwargs1, kwargs2 = split_kwargs(kwargs, x2_is_none=reuse, where=where)

@@ -26,7 +26,6 @@ from .._model.functional import (
 from .._utils.checks import input_argument, leaves_with_names, show
 from .._utils.tree import Flat, describe, is_all_none
 from .groups import GroupKernels, ParameterGroups
-from .outputs import differentiable_outputs
 from .per_example import Side, is_out_of_memory
 from .vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
 from .vmap_check import PROBE_EXAMPLES, VmapAxesCheck
@@ -186,7 +185,7 @@ def prepare_call(
     input_argument(x2, "x2", where)
     computes_ntk = vmap_axes is not None if for_ntk is None else for_ntk
     evaluated = f if computes_ntk else without_trainable_parameters(f, params)
-    model = functional_model(evaluated, params, where, differentiable_outputs(output_fn), lazy=True)  # dies with the call
+    model = functional_model(evaluated, params, where, output_fn, lazy=True)  # dies with the call
     index_groups = None
     if groups is not None:
         model, index_groups = groups.split(model, f if isinstance(f, torch.nn.Module) else None, where)
@@ -278,7 +277,7 @@ def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:
     if not output1.leaves:
         raise ValueError(
             f"{where}: the model returned no floating-point or complex tensor (integer and boolean outputs "
-            f"get no kernel; see NOTE: [Integer outputs])."
+            f"get no kernel; see NOTE: [Integer outputs] in _model/functional.py)."
         )
     if not output1.same_structure(output2):
         raise ValueError(

@@ -7,17 +7,11 @@ import functools
 import inspect
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-import torch
-from torch.utils import _pytree as pytree
-
 from .._utils.checks import show
 from .._utils.tree import Flat
 from .groups import is_group_kernels
 
 KERNEL_NAMES = ("nngp", "ntk")
-
-OutputFn = Callable[[Any, Any, Mapping[str, Any]], Any]
-"""``(output, x, kwargs) -> selected output``: a user's ``output_fn`` as :func:`output_fn_argument` returns it."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,28 +48,6 @@ def output_fn_argument(output_fn: Any, where: str) -> Optional[Callable[[Any, An
     except (TypeError, ValueError):  # ValueError: no signature to read (some builtins)
         return lambda output, x, kwargs: output_fn(output)
     return lambda output, x, kwargs: output_fn(output, x, **kwargs)
-
-
-def differentiable_outputs(output_fn: Optional[OutputFn]) -> OutputFn:
-    """``output_fn`` (or the identity) followed by dropping integer and boolean tensor leaves.
-
-    NOTE: [Integer outputs]
-    An integer or boolean output leaf (``y.argmax(-1)``, a mask) is piecewise constant in the
-    parameters: its derivative is zero where it exists, and autograd refuses to differentiate it.
-    Such a leaf is treated like a non-tensor leaf (NOTE: [Selected outputs]): it gets no kernel,
-    and its place in the kernel pytree holds None, for the NTK and the NNGP alike, whatever the
-    implementation, so that ``return logits, logits.argmax(-1)`` needs no ``output_fn``.
-    """
-    def selected(output: Any, x: Any, kwargs: Mapping[str, Any]) -> Any:
-        if output_fn is not None:
-            output = output_fn(output, x, kwargs)
-        return pytree.tree_map(lambda leaf: None if _is_discrete(leaf) else leaf, output)
-
-    return selected
-
-
-def _is_discrete(leaf: Any) -> bool:
-    return isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex())
 
 
 def canonical_get(get: Union[None, str, Sequence[str]], where: str) -> tuple[tuple[str, ...], bool]:

@@ -162,8 +162,8 @@ class NtkSettings:
         The derivative part of NOTE: [Checking vmap_axes] runs once per input shapes and module
         structure: what it catches (a PyTorch vmap bug, coupling in the backward pass) does not
         depend on the values, and it costs as much as a small kernel (about 4 ms on the benchmark
-        MLP). The output check runs on every call. So does NOTE: [Aliased parameters]'s check of a
-        module's parameter references, recorded once it passed. ``shape_key``: the caller's
+        MLP); so does NOTE: [Aliased parameters]'s check of a module's parameter references. The
+        output check runs on every call. ``shape_key``: the caller's
         :func:`input_shape_key` of these arguments, if it has one."""
         key = loop_key = None
         if for_ntk and self.maps_examples:
@@ -279,10 +279,11 @@ class NtkSettings:
         where: str, doc: str,
     ) -> KernelFunction:
         """The :class:`KernelFunction` of ``kernel_fn``: its spec (for ``batch``), ``auto_choice`` and ``doc``."""
-        rebuild = functools.partial(builder, **self.given.as_keywords())
+        options = self.given.as_keywords()
+        rebuild = functools.partial(builder, **options)
         spec = KernelFnSpec(
             kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, thread_safe=self.thread_safe,
-            open_blocks=open_blocks, options=self.given.as_keywords(),
+            open_blocks=open_blocks, options=options,
         )
 
         def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:

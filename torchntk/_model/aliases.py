@@ -68,7 +68,7 @@ def alias_checks(*, skip: bool = False, on_clean: Optional[Callable[[], None]] =
         _requests.current = previous
 
 
-def _storage_key(tensor: torch.Tensor) -> Optional[int]:
+def storage_key(tensor: torch.Tensor) -> Optional[int]:
     """The identity of ``tensor``'s storage object, or None for tensors without one reachable here
     (``torch.func``'s wrapped tensors, which are never the user's own, sparse tensors, fakes)."""
     if is_functorch_wrapped_tensor(tensor):
@@ -114,7 +114,7 @@ class _Watcher(TorchFunctionMode):
             return
         name = self.by_id.get(id(value))
         if name is None:
-            key = _storage_key(value)
+            key = storage_key(value)
             name = None if key is None else self.by_storage.get(key)
         if name is not None:
             self.found = (name, _operation_name(func))
@@ -146,7 +146,7 @@ class AliasWatch:
         by_id, by_storage = {}, {}
         for name, tensor in tensors.items():
             by_id.setdefault(id(tensor), name)
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if key is not None:
                 by_storage.setdefault(key, name)
         return by_id, by_storage
@@ -204,7 +204,7 @@ def watched(
 def _holders(module: nn.Module, target: torch.Tensor) -> list[str]:
     """Where among ``module``'s attributes (besides its tensor and submodule tables) a tensor with
     ``target``'s storage is held: ``"`blocks.0.cache[1]`"``-style labels, searched shallowly."""
-    key = _storage_key(target)
+    key = storage_key(target)
     found: list[str] = []
     seen: set[int] = set()
 
@@ -212,7 +212,7 @@ def _holders(module: nn.Module, target: torch.Tensor) -> list[str]:
         if len(found) >= 3 or depth > _SEARCH_DEPTH or id(value) in seen:
             return
         if isinstance(value, torch.Tensor):
-            if value is target or (key is not None and _storage_key(value) == key):
+            if value is target or (key is not None and storage_key(value) == key):
                 found.append(f"`{label}`")
             return
         if isinstance(value, (str, bytes, int, float, bool, type(None), type)):

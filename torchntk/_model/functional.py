@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from .._utils.checks import show, user_stacklevel
 from .._utils.tree import Flat
-from .aliases import watched
+from .aliases import storage_key, watched
 from .names import parameter_names
 from .shell import private_shell
 from .unfused import fused_layers
@@ -150,7 +150,7 @@ OutputFn = Callable[[Any, Any, Mapping[str, Any]], Any]
 
 
 def tensor_leaves_only(output: Any) -> Any:
-    """``output`` with every leaf that is not a tensor replaced by None.
+    """``output`` with every leaf that is not a floating-point or complex tensor replaced by None.
 
     NOTE: [Selected outputs]
     Kernels are computed for the tensor leaves of what the model returns. Other leaves (a Hugging
@@ -159,8 +159,19 @@ def tensor_leaves_only(output: Any) -> Any:
     empty subtree]). ``output_fn`` selects what to take the kernel of (the logits, the logits at
     some positions, a log-probability) from the model's output and inputs; it runs inside the
     transforms, per example under ``vmap_axes``.
+
+    NOTE: [Integer outputs]
+    An integer or boolean output leaf (``y.argmax(-1)``, a mask) is piecewise constant in the
+    parameters: its derivative is zero where it exists, and autograd refuses to differentiate it.
+    Such a leaf is treated like a non-tensor leaf: it gets no kernel, and its place in the kernel
+    pytree holds None, for the NTK and the NNGP alike, whatever the implementation or entry point,
+    so that ``return logits, logits.argmax(-1)`` needs no ``output_fn``.
     """
-    return pytree.tree_map(lambda leaf: leaf if isinstance(leaf, torch.Tensor) else None, output)
+    return pytree.tree_map(lambda leaf: leaf if _has_kernel(leaf) else None, output)
+
+
+def _has_kernel(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
 
 
 def _module_model(
@@ -255,13 +266,11 @@ def _same_values(given: torch.Tensor, own: torch.Tensor) -> bool:
     own tensor has the value torchntk substitutes; NOTE: [Aliased parameters])."""
     if given is own:
         return True
-    try:
-        return (
-            given.untyped_storage()._cdata == own.untyped_storage()._cdata and given.dtype == own.dtype
-            and given.storage_offset() == own.storage_offset() and given.stride() == own.stride()
-        )
-    except (NotImplementedError, RuntimeError):
-        return False
+    key = storage_key(given)
+    return (
+        key is not None and key == storage_key(own) and given.dtype == own.dtype
+        and given.storage_offset() == own.storage_offset() and given.stride() == own.stride()
+    )
 
 
 def _is_selection(params: Any) -> bool:
