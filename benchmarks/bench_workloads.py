@@ -9,18 +9,23 @@ tokens with right padding, the mask (or last token) at varying positions; x2 = N
 (``trace_axes=()``). Parameter sets: ``lora`` (peft, r = 8 on the attention's query and value, or
 ``c_attn`` for GPT-2), ``bitfit`` (biases), ``head`` (the LM head's dense layer or GPT-2's last
 block's MLP), ``all``. Methods: ``hand`` (per example, ``jacrev`` of ``functional_call`` over the
-set, stacked, one einsum), torchntk's implementations ``1``, ``2``, ``3`` and ``0`` (AUTO, its pick
-reported). Each is checked against ``hand`` and timed as the median of ``--repeats`` warm calls;
-peak memory is the process' resident-set growth during the method's calls (Linux), so run one
-method per process (``--methods``) for memory figures.
+set, stacked, one einsum; skipped, with the memory it would need, where its Jacobians do not
+fit), torchntk's implementations ``1``, ``2``, ``3`` and ``0`` (AUTO, its pick reported), each
+with the default ``check_vmap_axes=True`` or, suffixed ``f``, ``check_vmap_axes="first"``. Each
+is checked against the first method and timed as the median of ``--repeats`` warm calls; peak
+memory is the process' resident-set growth during the method's calls (Linux), so run one method
+per process (``--methods``) for memory figures. ``--extrapolate N`` times the kernel of N examples
+written by ``batch`` into a memmap with a progress file on 1, 2 and 3 blocks and extrapolates.
 
     python benchmarks/bench_workloads.py --models roberta --sets lora --n 16
+    python benchmarks/bench_workloads.py --models roberta --sets lora --n "" --extrapolate 512
     python benchmarks/bench_workloads.py --layers 2 --hidden 64 --vocab 500 --n 4   # a quick check
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import statistics
@@ -129,13 +134,18 @@ def main() -> None:
     parser.add_argument("--models", default="roberta,gpt2", help="comma list of roberta, gpt2")
     parser.add_argument("--sets", default="lora,bitfit,head,all", help="comma list of lora, bitfit, head, all")
     parser.add_argument("--n", default="16", help="comma list of numbers of examples")
-    parser.add_argument("--methods", default="hand,1,3,0", help="comma list of hand, 1, 2, 3, 0 (AUTO)")
+    parser.add_argument("--methods", default="hand,1,3,0,1f,3f,0f",
+                        help="comma list of hand, 1, 2, 3, 0 (AUTO); a suffix f: check_vmap_axes='first'")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--extrapolate", type=int, default=0,
+                        help="N of a kernel written by batch into a memmap, timed on 1-3 blocks and extrapolated")
+    parser.add_argument("--block", type=int, default=32, help="batch_size of --extrapolate")
+    parser.add_argument("--extrapolate-method", default="0f", help="method of --extrapolate (as in --methods)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -150,22 +160,22 @@ def main() -> None:
             base, head = build(name, args.layers, args.hidden, args.vocab)
             model = parameter_set(base.to(dtype), name, choice, head)
             count = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            for n in (int(size) for size in args.n.split(",")):
+            for n in (int(size) for size in args.n.split(",") if size):
                 ids, mask, where = inputs(name, n, args.vocab)
 
                 results, reference = {}, None
                 for method in args.methods.split(","):
                     if method == "hand":
+                        # its stacked Jacobians and their concatenated copy, (N, O, P) each
+                        needed = 2 * n * len(LABELS) * count * dtype.itemsize
+                        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+                        if needed > 0.8 * available:
+                            print(f"| {name} | {choice} | {count:,} | {n} | hand | needs {needed / 2**30:.1f} GiB "
+                                  f"of Jacobians, {available / 2**30:.1f} GiB available | | | |", flush=True)
+                            continue
                         call = lambda: hand_written(model, ids, mask, where)  # noqa: E731
                     else:
-                        # vmap maps the positions with the examples: they travel as a keyword argument
-                        def selected(output, input_ids, attention_mask, rows):
-                            return label_logits(output, input_ids, attention_mask, rows)
-
-                        ntk_fn = torchntk.empirical_ntk_fn(
-                            _Positions(model), trace_axes=(), implementation=int(method),
-                            vmap_axes=(0, 0, {"attention_mask": 0, "rows": 0}), output_fn=selected,
-                        )
+                        ntk_fn = ntk_function(model, int(method[0]), "first" if method.endswith("f") else True)
                         call = lambda ntk_fn=ntk_fn: ntk_fn(ids, None, attention_mask=mask, rows=where)  # noqa: E731
                     seconds, grown, kernel = measure(call, args.repeats)
                     if reference is None:
@@ -173,11 +183,60 @@ def main() -> None:
                     results[method] = seconds
                     difference = float((kernel - reference).abs().max() / reference.abs().max())
                     label = method
-                    if method == "0":
-                        label = f"0 (picks {int(ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation)})"
+                    if method.startswith("0"):
+                        label = f"{method} (picks {int(ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation)})"
                     ratio = results["hand"] / seconds if "hand" in results else float("nan")
                     print(f"| {name} | {choice} | {count:,} | {n} | {label} | {seconds:.3f} | {ratio:.2f} | "
                           f"{grown:.0f} | {difference:.1e} |", flush=True)
+            if args.extrapolate:
+                extrapolated(model, name, args.vocab, args.extrapolate, args.block, args.extrapolate_method, dtype)
+
+
+def ntk_function(model, method: int, check=True):
+    """torchntk's kernel function for the workload: the positions travel as a keyword argument,
+    mapped with the examples, and the output selector reads them. ``check``: ``check_vmap_axes``."""
+    def selected(output, input_ids, attention_mask, rows):
+        return label_logits(output, input_ids, attention_mask, rows)
+
+    return torchntk.empirical_ntk_fn(
+        _Positions(model), trace_axes=(), implementation=method,
+        vmap_axes=(0, 0, {"attention_mask": 0, "rows": 0}), output_fn=selected, check_vmap_axes=check,
+    )
+
+
+def extrapolated(model, name: str, vocab: int, total: int, block: int, method: str, dtype) -> None:
+    """The kernel of ``total`` examples written into a memmap by ``batch`` (with a progress file),
+    timed on ``k = 1, 2`` blocks of ``block`` examples and extrapolated as ``T(k) = a k + b k (k +
+    1) / 2`` (each block's examples prepared once; the pairs ``i <= j`` of a symmetric kernel
+    contracted), the model checked on ``k = 3`` before it predicts ``total``."""
+    import tempfile
+
+    import numpy
+
+    ids, mask, where = inputs(name, total, vocab)
+    batched = torchntk.batch(ntk_function(model, int(method[0]), "first" if method.endswith("f") else True),
+                             batch_size=block)
+    numpy_dtype = numpy.float32 if dtype == torch.float32 else numpy.float64
+    with tempfile.TemporaryDirectory() as folder:
+        def run(k: int, tag: str) -> float:
+            n = k * block
+            out = numpy.lib.format.open_memmap(f"{folder}/{tag}.npy", mode="w+", dtype=numpy_dtype, shape=(n, n, 2, 2))
+            start = time.perf_counter()
+            batched(ids[:n], None, out=out, progress_file=f"{folder}/{tag}.json", attention_mask=mask[:n],
+                    rows=where[:n])
+            return time.perf_counter() - start
+
+        run(1, "warm-up")  # plans and checks for the block's shapes
+        one, two = run(1, "one"), run(2, "two")
+        pairs = two - 2 * one  # b
+        per_block = one - pairs  # a
+        predicted3, three = 3 * per_block + 6 * pairs, run(3, "three")
+        blocks = math.ceil(total / block)
+        predicted = blocks * per_block + blocks * (blocks + 1) / 2 * pairs
+        print(f"| {name} | N = {total} by batch(batch_size={block}, out=<memmap>, progress_file=...), method "
+              f"{method} | per block {per_block:.2f} s, per pair {pairs:.3f} s | k = 3: predicted {predicted3:.2f} s, "
+              f"measured {three:.2f} s ({three / predicted3 - 1:+.0%}) | N = {total}: {predicted:.0f} s "
+              f"({predicted / 60:.1f} min) |", flush=True)
 
 
 class _Positions(torch.nn.Module):

@@ -29,9 +29,13 @@ def test_the_cuda_benchmark_runs_on_the_cpu():
 def test_the_workload_benchmark_runs_and_every_method_agrees_with_the_hand_written_loop():
     done = run_python(
         str(ROOT / "benchmarks" / "bench_workloads.py"), "--layers", "1", "--hidden", "32", "--vocab", "100",
-        "--n", "3", "--repeats", "1", "--methods", "hand,1,2,3,0", timeout=600,
+        "--n", "3", "--repeats", "1", "--methods", "hand,1,2,3,0,1f,3f", "--extrapolate", "6", "--block", "2",
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| roberta") or line.startswith("| gpt2")]
-    assert len(rows) == 2 * 4 * 5  # models x parameter sets x methods
+    lines = done.stdout.splitlines()
+    rows = [line.split("|") for line in lines if line.startswith(("| roberta", "| gpt2")) and "batch(" not in line]
+    assert len(rows) == 2 * 4 * 7  # models x parameter sets x methods
     assert all(float(row[-2]) < 1e-3 for row in rows), done.stdout  # relative difference from the hand-written kernel
+    extrapolations = [line for line in lines if "batch(batch_size=2, out=<memmap>" in line]
+    assert len(extrapolations) == 2 * 4 and all("N = 6:" in line for line in extrapolations), done.stdout

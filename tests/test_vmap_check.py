@@ -267,6 +267,60 @@ def test_coupled_outputs_do_not_offer_to_skip_the_check(implementation, device):
     assert "check_vmap_axes=False" not in str(caught.value)
 
 
+_FORWARDS: list = []
+
+
+class _CoupledWhenLarge(nn.Module):
+    """Couples its examples only when some input entry exceeds 10: a later call with other values
+    can break the promise that an earlier call with the same shapes kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        _FORWARDS.append(x.shape)  # torchntk evaluates a private copy of the module: count outside it
+        hidden = self.linear(x)
+        large = (x.abs().amax() > 10).to(hidden.dtype)
+        return hidden - large * hidden.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("implementation", [1, 2, 3, 0], ids=["JC", "NVP", "SD", "AUTO"])
+@X2_GIVEN
+@TRACE
+def test_later_calls_check_their_outputs_in_the_kernels_own_pass(implementation, x2_given, trace_axes, device):
+    """After the first call per shapes the output check is left to the implementation (NOTE:
+    [Checking vmap_axes]): it still runs on every call, and catches coupling that only these
+    values show."""
+    model = _seeded(_CoupledWhenLarge, device)
+    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=implementation)
+    x1, x2 = _inputs(5, 3, 4)
+    x2 = x2 if x2_given else None
+    for _ in range(2):
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=trace_axes))
+    large = x1.clone()
+    large[2, 1] = 50.0
+    with pytest.raises(ValueError, match="differs between the whole batch and a per-example evaluation"):
+        ntk_fn(large, x2)
+
+
+@pytest.mark.parametrize(("implementation", "forwards"), [(1, 2), (3, 2), (0, 2), (2, 3)])
+def test_later_calls_pay_no_forward_pass_for_the_output_check(implementation, forwards, device):
+    """Jacobian contraction and structured derivatives compare the outputs of their own
+    per-example pass: a later call evaluates the model on the whole batch and in that pass only
+    (AUTO picks 1 or 3 here); NTK-vector products make one more forward pass for the check.
+    The count is of ``forward`` calls, each batch traced once under vmap."""
+    model = _seeded(_CoupledWhenLarge, device)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
+    x1, _ = _inputs(5, 3, 4)
+    ntk_fn(x1)
+    _FORWARDS.clear()
+    ntk_fn(x1)
+    assert len(_FORWARDS) >= forwards
+    if implementation != 2:  # its products trace the model once per chunk of x2 entries
+        assert len(_FORWARDS) == forwards
+
+
 def test_differences_near_the_rounding_tolerance_offer_to_skip_the_check(device):
     """float32 outputs are compared to 1e-4 relative; a 3e-4 coupling may be rounding."""
     model = _seeded(lambda: _CentreOverBatch(3e-4), device).float()

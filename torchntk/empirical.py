@@ -103,7 +103,7 @@ def empirical_ntk_fn(
     implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
     *,
     chunk_size: Optional[int] = None,
-    check_vmap_axes: bool = True,
+    check_vmap_axes: Union[bool, str] = True,
     structure_rules: bool = True,
     closed_form_rules: bool = True,
     local_jacobian: str = "auto",
@@ -144,12 +144,18 @@ def empirical_ntk_fn(
             fit in about 32 MB (faster than all at once; see ``docs/design.md``). With
             NTK-vector products x1 is never cut (unless its batch axis is traced or diagonal).
             Default: ``None``.
-        check_vmap_axes: when ``vmap_axes`` is given, compare one per-example forward pass with the
+        check_vmap_axes: when ``vmap_axes`` is given, compare the per-example outputs with the
             whole-batch forward pass on every call, and (once per input shapes and module
             structure) random vector-Jacobian products of two examples per example and as a
             batch, and raise a ValueError naming the cause if they differ (NaN/Inf, unmapped
             keyword arguments, a PyTorch vmap bug, or coupling), so that neither a model that
-            couples examples nor a vmap bug gives silently wrong kernels. Default: ``True``.
+            couples examples nor a vmap bug gives silently wrong kernels. ``"first"``: both
+            checks on the first call per input shapes and module structure only; later calls
+            then skip the whole-batch forward pass as well (faster where the backward passes are
+            short, as for LoRA, BitFit or head parameters; a model whose coupling depends on the
+            values, not on the shapes, is then caught only if the first call shows it).
+            ``False``: no check (later calls skip the whole-batch forward pass too). Default:
+            ``True``.
         structure_rules: implementation 3 (and AUTO) only. ``False`` sends every parameter to the
             Jacobian fallback, which makes implementation 3 compute Jacobian contraction (a test
             oracle). Default: ``True``.
@@ -276,7 +282,8 @@ def empirical_ntk_fn(
 
     def ntk(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], params: Any, kwargs: dict) -> PyTree:
         key = input_shape_key(x1, x2, params, kwargs)
-        return settings.ntk(settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key), key)
+        call = settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key, needs_outputs=False)
+        return settings.ntk(call, key)
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         return settings.called(ntk, x1, x2, params, kwargs)
@@ -368,7 +375,7 @@ def empirical_kernel_fn(
     implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
     *,
     chunk_size: Optional[int] = None,
-    check_vmap_axes: bool = True,
+    check_vmap_axes: Union[bool, str] = True,
     structure_rules: bool = True,
     closed_form_rules: bool = True,
     local_jacobian: str = "auto",

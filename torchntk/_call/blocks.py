@@ -44,6 +44,9 @@ class BlockPlan:
             example and batched over the whole x1 (NTK-vector products) keeps x1 whole.
         run_length: examples per run; ``None`` means no runs. The user's ``chunk_size`` unless the
             implementation has a better default.
+        keep_prepared: prepare every run once and keep it for all its pairs (NOTE: [Working-set
+            runs]), instead of preparing x1's runs again for every run of x2, which bounds memory
+            by two runs' prepared data (the user's ``chunk_size``).
     """
 
     prepare1: Prepare
@@ -52,6 +55,7 @@ class BlockPlan:
     reuse_prepared: bool
     split_x1: bool = True
     run_length: Optional[int] = None
+    keep_prepared: bool = False
 
 
 class Replan(Exception):
@@ -81,6 +85,8 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
         return contract(prepared1, prepared2, [True] * len(call.layouts))
 
     mirrored = call.reuses_x1 and split1  # pairs (i, j) and (j, i) are transposes of each other
+    if plan.keep_prepared:
+        prepare1, prepare2 = _kept(prepare1, prepare2, call.reuses_x1 and reuse_prepared)
 
     # A traced batch axis sums one block per run; float64 keeps that sum exact enough however
     # many runs there are (NOTE: [Accurate contraction] in _layout/kernel_layout.py).
@@ -116,6 +122,23 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
         tuple(k.to(dtype) for k in kernel) if isinstance(kernel, tuple) else kernel.to(dtype)
         for kernel, dtype in zip(kernels, call.dtypes)
     ]
+
+
+def _kept(prepare1: Prepare, prepare2: Prepare, shared: bool) -> tuple[Prepare, Prepare]:
+    """``prepare1`` and ``prepare2`` computing each run once (runs are keyed by where they start
+    and their length); ``shared``: both prepare the same side alike (x2 None)."""
+    kept: dict = {}
+
+    def keeping(prepare: Prepare, name: str) -> Prepare:
+        def prepared(side: Any) -> Any:
+            key = ("x" if shared else name, side.offset, side.batch_size())
+            if key not in kept:
+                kept[key] = prepare(side)
+            return kept[key]
+
+        return prepared
+
+    return keeping(prepare1, "x1"), keeping(prepare2, "x2")
 
 
 def _per_group(call: KernelCall, make: Callable[[], torch.Tensor]) -> Any:

@@ -32,6 +32,33 @@ from .vmap_check import PROBE_EXAMPLES, VmapAxesCheck
 
 
 @dataclass(frozen=True)
+class OutputShapes:
+    """The structure, shapes, dtypes and devices of a call's outputs on x1 and x2 (``second``:
+    None when x2 is None).
+
+    NOTE: [Remembered output shapes]
+    The implementations of the NTK read the whole-batch outputs only for their shapes, dtypes and
+    devices; their values serve the output check of NOTE: [Checking vmap_axes] (and the NNGP).
+    Where no output check runs (``check_vmap_axes`` False, or ``"first"`` after the first call per
+    input shapes and module structure) and only the NTK is computed, a kernel function remembers
+    the outputs' description per input shapes and module structure and later calls stand in for
+    the outputs with :meth:`stand_ins`: tensors of the right shapes that own one element each
+    (expanded), so the whole-batch forward pass, a sizeable part of a kernel whose backward
+    passes stop early (LoRA, BitFit, a head), is not made. Compiled kernels keep the forward pass.
+    """
+
+    first: tuple[Flat, tuple]
+    second: Optional[tuple[Flat, tuple]]
+
+    @staticmethod
+    def stand_ins(described: tuple[Flat, tuple]) -> Flat:
+        flat, leaves = described
+        return replace(flat, leaves=tuple(
+            torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in leaves
+        ))
+
+
+@dataclass(frozen=True)
 class KernelCall:
     """Everything an implementation needs for one kernel evaluation.
 
@@ -50,6 +77,8 @@ class KernelCall:
             each group's parameters in ``model.params`` (a partition of them); implementations then
             return a tuple of one block per group for every output leaf. None without groups.
         group_names: the groups' names, in the order of ``groups``.
+        working_runs: without ``chunk_size``, the examples per run that keep a per-example pass's
+            activations within NOTE: [Working-set runs]'s bound (``_kernel/working_set.py``), or None.
     """
 
     where: str
@@ -65,6 +94,13 @@ class KernelCall:
     vmap_check: Optional[VmapAxesCheck] = None
     groups: Optional[tuple[tuple[int, ...], ...]] = None
     group_names: tuple[str, ...] = ()
+    working_runs: Optional[int] = None
+
+    @property
+    def run_length(self) -> Optional[int]:
+        """Examples per run of a per-example pass: the user's ``chunk_size``, else the working-set
+        bound of NOTE: [Working-set runs] (None: one pass)."""
+        return self.chunk_size if self.chunk_size is not None else self.working_runs
 
     @property
     def reuses_x1(self) -> bool:
@@ -80,6 +116,22 @@ class KernelCall:
         return tuple(
             output.narrow(axis, side.offset, side.batch_size()) for output, axis in zip(outputs, side.out_axes)
         )
+
+    def output_shapes(self) -> "OutputShapes":
+        """What later calls with the same input shapes may stand in for the outputs with (NOTE:
+        [Remembered output shapes])."""
+        def described(flat: Flat, leaves: tuple) -> tuple:
+            return flat, tuple((tuple(leaf.shape), leaf.dtype, leaf.device) for leaf in leaves)
+
+        second = None if self.side2 is None else described(self.output_tree, self.outputs2)
+        return OutputShapes(described(self.output_tree, self.outputs1), second)
+
+    def check_outputs(self, side: Side) -> None:
+        """The deferred output check of ``side`` (a run of x1 or x2) with a forward pass of its
+        own: for implementations whose per-example passes return no outputs, and to explain a
+        failure of those that do. Nothing without a pending check."""
+        if self.vmap_check is not None and side.mapped:
+            self.vmap_check.outputs(side, self.expected_outputs(side), None)
 
     def narrow(self, run1: tuple[int, int], run2: Optional[tuple[int, int]]) -> "KernelCall":
         """The call restricted to a run ``(start, length)`` of x1 and one of x2 (needs vmap_axes).
@@ -155,13 +207,15 @@ def prepare_call(
     example_loop: bool = False,
     output_fn: Optional[OutputFn] = None,
     groups: Optional[ParameterGroups] = None,
+    known_outputs: Optional["OutputShapes"] = None,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side.
 
     ``x1`` and ``x2`` are pytrees of tensors; numpy arrays are rejected, not converted (see
     :func:`~torchntk._utils.checks.input_argument`). ``defer_vmap_check`` leaves the per-example
-    output check of NOTE: [Checking vmap_axes] to an implementation that evaluates the model per
-    example anyway (``KernelCall.vmap_check``); the derivative check on the probe always
+    output check of NOTE: [Checking vmap_axes] to the implementation (``KernelCall.vmap_check``),
+    which compares the outputs of its own per-example pass, on calls without the derivative check
+    (the first call per shapes runs both here, so that their failures are explained in order); the derivative check on the probe always
     runs here. ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the model
     (and the per-example check) on runs of at most this many examples, so that memory never
     scales with the whole batch (``batch`` sets it to its block size). ``for_ntk``: whether the
@@ -201,11 +255,15 @@ def prepare_call(
         if (resolved1 is None) != (resolved2 is None):
             raise ValueError(f"{where}: `vmap_axes` maps the inputs of only one of x1 and x2.")
     run_length = forward_run_length if resolved1 is not None else None
-    with torch.no_grad():
-        with model_failures(model, x1, "x1", where):
-            output1 = _whole_batch(model, x1, kwargs1, resolved1, vmap_axes, run_length, where)
-        with model_failures(model, x2, "x2", where, worked=x1):
-            output2 = output1 if reuse else _whole_batch(model, x2, kwargs2, resolved2, vmap_axes, run_length, where)
+    if known_outputs is not None and (known_outputs.second is None) == reuse:
+        output1 = known_outputs.stand_ins(known_outputs.first)
+        output2 = output1 if reuse else known_outputs.stand_ins(known_outputs.second)
+    else:
+        with torch.no_grad():
+            with model_failures(model, x1, "x1", where):
+                output1 = _whole_batch(model, x1, kwargs1, resolved1, vmap_axes, run_length, where)
+            with model_failures(model, x2, "x2", where, worked=x1):
+                output2 = output1 if reuse else _whole_batch(model, x2, kwargs2, resolved2, vmap_axes, run_length, where)
     _check_outputs(output1, output2, where)
     leaves1, leaves2 = output1.leaves, output2.leaves
     if computes_ntk:
@@ -229,7 +287,9 @@ def prepare_call(
         sides = [(side, leaves) for side, leaves in ((side1, leaves1), (side2, leaves2)) if side is not None]
         for side, leaves in sides:
             check.finite_outputs(side, leaves)
-        if defer_vmap_check:
+        if defer_vmap_check and not check_derivatives:
+            # A call whose shapes passed the checks before: no failure to diagnose is expected, and
+            # the implementation's own pass gives the per-example outputs for free.
             pending = check
         else:
             for side, leaves in sides:

@@ -194,6 +194,15 @@ class Side:
         not mapped (passed to ``jacrev``); mapped sides are chunked by examples instead. ``only``
         restricts the parameters differentiated (``J[k]`` then follows its order).
         """
+        return self._jacobians(chunk_size, only, with_outputs=False)
+
+    def jacobians_and_outputs(self) -> tuple[tuple[tuple[torch.Tensor, ...], ...], tuple[torch.Tensor, ...]]:
+        """:meth:`jacobians` of a mapped side and the per-example outputs of the same pass (the
+        primal values ``jacrev`` computes anyway), for the deferred output check of NOTE:
+        [Checking vmap_axes]."""
+        return self._jacobians(None, None, with_outputs=True)
+
+    def _jacobians(self, chunk_size: Optional[int], only: Optional[tuple[int, ...]], with_outputs: bool) -> Any:
         params = self.model.params
         if only is None:
             chosen, evaluate = params, self.evaluate
@@ -208,7 +217,14 @@ class Side:
 
         if not self.mapped:
             return jacrev(evaluate, chunk_size=chunk_size)(chosen, *self._data())
-        mapped = self._map(jacrev(evaluate, argnums=0), self._in_dims(), self.out_axes)
+        if with_outputs:
+            def with_values(*args: Any) -> tuple:
+                outputs = evaluate(*args)
+                return outputs, tuple(output.detach() for output in outputs)
+
+            mapped = self._map(jacrev(with_values, argnums=0, has_aux=True), self._in_dims(), (self.out_axes,) * 2)
+        else:
+            mapped = self._map(jacrev(evaluate, argnums=0), self._in_dims(), self.out_axes)
         with self._errors():
             return mapped(chosen, *self._data())
 

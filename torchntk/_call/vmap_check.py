@@ -145,9 +145,10 @@ class VmapAxesCheck:
     the derivative of an operation (``nn.PReLU`` in PyTorch 2.x: the forward pass is right, the
     per-example Jacobians are not). Two checks guard it:
 
-    * outputs: the model is evaluated once more per example (under vmap) and compared with the
-      whole-batch outputs; one forward pass, small next to the ``O`` backward passes of a kernel
-      (structured derivatives compare the per-example pass they make anyway);
+    * outputs: the per-example outputs (under vmap) are compared with the whole-batch outputs on
+      every call. Jacobian contraction and structured derivatives compare the outputs of the
+      per-example pass they make anyway (``jacrev``'s primal values, the recorded pass), at no
+      cost; NTK-vector products, and kernels without an NTK, pay one more forward pass;
     * derivatives: on a probe of the first two examples of x1 (of x2 too if x1 has one example),
       ``R = 2`` random vector-Jacobian products are computed per example under vmap, the ``R``
       products batched by an inner vmap exactly as ``jacrev`` batches its basis, and their sum

@@ -27,7 +27,7 @@ import torch
 
 from .._call.blocks import BlockPlan, assemble
 from .._call.kernel_call import KernelCall
-from .._call.per_example import Side
+from .._call.per_example import OutputAxisError, Side
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -40,7 +40,16 @@ def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
     jacobian_chunk = None if call.side1.mapped else call.chunk_size
 
     def prepare(side: Side) -> Jacobians:
-        return side.jacobians(chunk_size=jacobian_chunk)
+        if call.vmap_check is None or not side.mapped:
+            return side.jacobians(chunk_size=jacobian_chunk)
+        # The output check compares the outputs of this very pass (NOTE: [Checking vmap_axes]).
+        try:
+            jacobians, outputs = side.jacobians_and_outputs()
+        except (RuntimeError, OutputAxisError):
+            call.check_outputs(side)  # explains the failure when the model's outputs show why
+            raise
+        call.vmap_check.per_example_outputs(side, call.expected_outputs(side), outputs)
+        return jacobians
 
     # Each parameter's term goes to its group's sum (NOTE: [Parameter groups]); without groups, one sum.
     groups = call.groups if call.groups is not None else (tuple(range(len(call.model.params))),)
@@ -67,7 +76,10 @@ def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
             blocks.append(sums if call.groups is not None else sums[0])
         return blocks
 
-    return BlockPlan(prepare, prepare, contract, reuse_prepared=True, run_length=call.chunk_size)
+    return BlockPlan(
+        prepare, prepare, contract, reuse_prepared=True, run_length=call.run_length,
+        keep_prepared=call.chunk_size is None,
+    )
 
 
 def _flatten_param(jacobian: torch.Tensor, output_ndim: int) -> torch.Tensor:

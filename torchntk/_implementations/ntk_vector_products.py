@@ -75,7 +75,13 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
     groups = call.groups if call.groups is not None else (None,)
     columns = [_Columns(forward_mode) for _ in groups]
 
+    def prepare_x1(side: Side) -> Side:
+        if not call.reuses_x1:  # else prepare_x2 checks x1's examples
+            call.check_outputs(side)
+        return side
+
     def prepare_x2(side: Side) -> Jacobians:
+        call.check_outputs(side)  # the products compute no per-example outputs to compare
         if side.mapped and side.batch_size() <= _MIN_RUN:
             # See NOTE: [Run lengths of NTK-vector products]: rank-2 instead of rank-1 products.
             return jacrev(side.whole_batch())(side.model.params)
@@ -119,7 +125,7 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
         return blocks
 
     return BlockPlan(
-        lambda side: side, prepare_x2, contract, reuse_prepared=False, split_x1=False,
+        prepare_x1, prepare_x2, contract, reuse_prepared=False, split_x1=False,
         run_length=call.chunk_size or _default_run_length(call),
     )
 

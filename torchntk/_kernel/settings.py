@@ -15,7 +15,7 @@ import functools
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -39,6 +39,7 @@ from .._utils.types import Model, NtkImplementation, PyTree
 from .block_source import BlockRequest, BlockSource
 from .captured import CapturedCalls, compile_argument
 from .kernel_function import KernelFnSpec, KernelFunction
+from .working_set import working_set_run_length
 
 KernelFn = Callable[..., PyTree]
 
@@ -91,12 +92,14 @@ class NtkSettings:
     vmap_axes: ParsedVmapAxes
     implementation: NtkImplementation
     chunk_size: Optional[int]
-    check_vmap_axes: bool
+    check_vmap_axes: Union[bool, str]  # True, "first" or False (check_mode_argument)
     options: StructuredOptions
     table: dict  # NOTE: [The implementation table], one per kernel function
     given: NtkOptions  # to build the same kernel function around another copy of the model
     derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
     aliases_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Aliased parameters]
+    output_shapes: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Remembered output shapes]
+    working_runs: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Working-set runs]
     example_loops: ExampleLoops = field(default_factory=ExampleLoops)
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
     groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
@@ -128,7 +131,7 @@ class NtkSettings:
             parse_vmap_axes(given.vmap_axes, where),
             chosen,
             _checks.positive_int_argument(given.chunk_size, "chunk_size", where, none_allowed=True),
-            _checks.bool_argument(given.check_vmap_axes, "check_vmap_axes", where),
+            check_mode_argument(given.check_vmap_axes, where),
             options,
             implementation_table(options),
             given,
@@ -154,6 +157,7 @@ class NtkSettings:
     def prepare(
         self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True,
         computes_ntk: bool = True, forward_run_length: Optional[int] = None, shape_key: Optional[tuple] = None,
+        needs_outputs: bool = True,
     ) -> KernelCall:
         """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK
         (``for_ntk``), or for a batched NNGP (``computes_ntk=False``: the check cannot wait for
@@ -163,26 +167,33 @@ class NtkSettings:
         structure: what it catches (a PyTorch vmap bug, coupling in the backward pass) does not
         depend on the values, and it costs as much as a small kernel (about 4 ms on the benchmark
         MLP); so does NOTE: [Aliased parameters]'s check of a module's parameter references. The
-        output check runs on every call. ``shape_key``: the caller's
-        :func:`input_shape_key` of these arguments, if it has one."""
+        output check runs on every call, unless ``check_vmap_axes="first"``. ``shape_key``: the
+        caller's :func:`input_shape_key` of these arguments, if it has one. ``needs_outputs``:
+        False where only the NTK is computed, whose implementations read the outputs' shapes only
+        (NOTE: [Remembered output shapes])."""
         key = loop_key = None
         if for_ntk and self.maps_examples:
             shape_key = shape_key or input_shape_key(x1, x2, params, kwargs)
             loop_key = shape_key
-            if self.check_vmap_axes:
+            if self.check_vmap_axes or not needs_outputs:
                 key = (shape_key, _structure_key(self.f))
+        checked = key is not None and key in self.derivatives_checked
+        check = self.check_vmap_axes is True or (self.check_vmap_axes == "first" and not checked)
+        known = None
+        if not (needs_outputs or check or self.captured is not None or self.given.compile) and computes_ntk:
+            known = self.output_shapes.get(key)
         aliases = self._alias_checks(key, x1, x2, params, kwargs, shape_key)
 
         def prepare(*, example_loop: bool) -> KernelCall:
             return prepare_call(
                 self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
                 diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
-                check_vmap_axes=self.check_vmap_axes, chunk_size=self.chunk_size,
-                defer_vmap_check=computes_ntk and self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES,
+                check_vmap_axes=check, chunk_size=self.chunk_size,
+                defer_vmap_check=computes_ntk,
                 forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
-                check_derivatives=key is not None and key not in self.derivatives_checked,
+                check_derivatives=key is not None and bool(self.check_vmap_axes) and not checked,
                 example_loop=example_loop, output_fn=self.output_fn,
-                groups=self.groups if for_ntk and computes_ntk else None,
+                groups=self.groups if for_ntk and computes_ntk else None, known_outputs=known,
             )
 
         looped = loop_key is not None and self.example_loops.needed(loop_key)
@@ -195,7 +206,16 @@ class NtkSettings:
                 call = prepare(example_loop=True)  # a model that also fails in the loop raises its own error, unwarned
                 self.example_loops.switch(loop_key, error, where)
         if key is not None:
-            self.derivatives_checked[key] = True
+            if self.check_vmap_axes:
+                self.derivatives_checked[key] = True
+            if known is None and self.check_vmap_axes is not True and call.side1.mapped:
+                self.output_shapes[key] = call.output_shapes()
+        if not needs_outputs and self.chunk_size is None and not self.given.compile and call.side1.mapped:
+            runs_key = call.cache_key(shape_key)
+            runs = self.working_runs.get(runs_key, _UNKNOWN)
+            if runs is _UNKNOWN:
+                runs = self.working_runs[runs_key] = working_set_run_length(call.side1)
+            call = dataclasses.replace(call, working_runs=runs)
         return call
 
     def _alias_checks(
@@ -310,6 +330,17 @@ def structured_options(values: dict, chosen: NtkImplementation, where: str) -> S
             f"(STRUCTURED_DERIVATIVES) or 0 (AUTO), but implementation={int(chosen)} ({chosen.name})."
         )
     return StructuredOptions(**values)
+
+
+_UNKNOWN = object()
+
+
+def check_mode_argument(value: Any, where: str) -> Union[bool, str]:
+    """``check_vmap_axes``: True (outputs on every call), ``"first"`` (everything on the first call
+    per input shapes and module structure) or False."""
+    if value is True or value is False or value == "first":
+        return value
+    raise ValueError(f"{where}: `check_vmap_axes` must be True, 'first' or False, got {_checks.show(value)}.")
 
 
 def _structure_key(f: Model) -> Any:

@@ -114,7 +114,7 @@ def sketched_ntk_features_fn(
         chunk_size: with ``vmap_axes``, the number of examples whose per-example gradients are in
             memory at once (the features do not depend on it). ``None``: as many as fit in about
             256 MB. Ignored without ``vmap_axes``. Default: ``None``.
-        check_vmap_axes: as in :func:`torchntk.empirical_ntk_fn`. Default: ``True``.
+        check_vmap_axes: True or False, as in :func:`torchntk.empirical_ntk_fn`. Default: ``True``.
         output_fn: what to take the kernel of, as in :func:`torchntk.empirical_ntk_fn`.
             Default: ``None``.
 

@@ -299,7 +299,10 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
             tuple(blocks[leaf] for blocks in per_group) if is_needed else None for leaf, is_needed in enumerate(needed)
         ]
 
-    return BlockPlan(prepare1, prepare2, contract, reuse_prepared=True, run_length=call.chunk_size)
+    return BlockPlan(
+        prepare1, prepare2, contract, reuse_prepared=True, run_length=call.run_length,
+        keep_prepared=call.chunk_size is None,
+    )
 
 
 # -- NOTE: [Parameter groups] (``torchntk/_call/groups.py``) ---------------------------------------------

@@ -1,0 +1,38 @@
+"""How many examples one run of a per-example pass holds, so that memory does not grow with N.
+
+NOTE: [Working-set runs]
+Implementations 1 and 3 evaluate the model per example under ``vmap``: one batched pass whose
+saved activations, kept for the backward passes, grow with the examples of the pass. For a
+base-size transformer that is about 30 MB per 32-token example, so N = 64 took 2 GB beside a
+kernel of a few kilobytes, while the Jacobians or factors these passes produce for LoRA or
+BitFit parameters are a small fraction of that. Without a ``chunk_size``, such a kernel function
+therefore cuts a pass whose activations would exceed :data:`WORKING_SET_BYTES` into runs of
+examples (the activations measured by one counted forward pass of one example, once per input
+shapes), and prepares each run once and keeps what it prepared (``BlockPlan.keep_prepared``):
+memory is then the prepared data of all examples, as without runs, plus one run's activations.
+Runs of a few hundred token rows keep the matrix products as efficient as one pass of all
+examples, so the bound costs no time. A ``chunk_size`` given by the user instead bounds the
+prepared data as well, preparing x1's runs again for every run of x2.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .._call.per_example import Side
+from .._implementations.auto import example_activation_bytes
+
+WORKING_SET_BYTES = 512 * 2**20
+"""The activations one run of a per-example pass may hold."""
+
+
+def working_set_run_length(side: Side) -> Optional[int]:
+    """Examples per run for ``side`` (a mapped side), or None when one pass of all its examples
+    stays within :data:`WORKING_SET_BYTES` (or the activations cannot be measured)."""
+    examples = side.batch_size()
+    if examples <= 1:
+        return None
+    per_example = example_activation_bytes(side)
+    if not per_example or per_example * examples <= WORKING_SET_BYTES:
+        return None
+    return max(1, int(WORKING_SET_BYTES // per_example))
