@@ -253,8 +253,9 @@ class _Prices:
 
     def jacobian_contraction(self) -> Estimate:
         calls = self.sweep_ops + _CONTRACTION_OPS * len(self.call.model.params) * len(self.call.layouts)
-        flops = self.sweeps + 2.0 * self.kernel * self.params + self.per_op * calls
-        return Estimate(flops, self.element * self.params * sum(self.entries[: self.sweep_sides]))
+        jacobians = self.params * sum(self.entries[: self.sweep_sides])
+        flops = self.sweeps + 2.0 * self.kernel * self.params + self.per_op * calls + _ELEMENT_FLOPS * jacobians
+        return Estimate(flops, self.element * jacobians)
 
     def ntk_vector_products(self, method: Optional[tuple[str, Optional[str]]]) -> Estimate:
         """Implementation 2 computing its columns by ``method`` (what ``vector_products_method``
@@ -280,7 +281,8 @@ class _Prices:
         contractions = _STRUCTURED_CONTRACTION_WEIGHT * structured.contraction_flops
         # The fallback's Jacobians take backward sweeps of their own, through the whole model.
         fallback_sweeps = self.sweeps / 2 if plan.fallback else 0.0
-        flops = self._structured_passes(joint) + fallback_sweeps + contractions + self.per_op * calls
+        held = _ELEMENT_FLOPS * structured.memory_elements  # NOTE: [What is held is written]
+        flops = self._structured_passes(joint) + fallback_sweeps + contractions + self.per_op * calls + held
         return Estimate(flops, self.element * structured.memory_elements)
 
     def structured_lower_bound(self) -> float:
@@ -454,7 +456,14 @@ the FLOP rate of the per-example backward sweeps of Jacobian contraction (measur
 docs/benchmarks.md and the zoo), so their FLOPs count half."""
 _ELEMENT_FLOPS = 20.0
 """FLOPs per element an op writes: the FLOP formulas cover matrix products and convolutions only,
-while normalisations, activations and softmax move memory at a small fraction of their speed."""
+while normalisations, activations and softmax move memory at a small fraction of their speed.
+
+NOTE: [What is held is written]
+The same price applies to what an implementation holds for its contractions, every element of it
+written once: implementation 1's Jacobians and 3's factors, intermediates and fallback Jacobians
+(their memory estimates). Without it the two tied on a base-size transformer's LoRA and BitFit
+kernels (the same forward and backward passes, within 0.2%), and AUTO picked 3, which held 6-60x
+the memory of 1's Jacobians at N = 64 (3.5 GB on BitFit) for no speed."""
 _PROBE_OPS = 4
 _PROBE_FORWARDS = 3
 """Implementation 3's probe (one recorded forward pass of one example, :func:`structured.probe_plan`)
