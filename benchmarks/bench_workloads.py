@@ -13,9 +13,10 @@ set, stacked, one einsum; skipped, with the memory it would need, where its Jaco
 fit), torchntk's implementations ``1``, ``2``, ``3`` and ``0`` (AUTO, its pick reported), each
 with the default ``check_vmap_axes=True`` or, suffixed ``f``, ``check_vmap_axes="first"``. Each
 is checked against the first method and timed as the median of ``--repeats`` warm calls; peak
-memory is the process' resident-set growth during the method's calls (Linux), so run one method
-per process (``--methods``) for memory figures. ``--extrapolate N`` times the kernel of N examples
-written by ``batch`` into a memmap with a progress file on 1, 2 and 3 blocks and extrapolates.
+memory is the process' resident-set growth during the method's first call (Linux), reported when
+one method runs per process (``--methods``). The methods' warm calls alternate, round by round.
+``--extrapolate N`` times the kernel of N examples written by ``batch`` into a memmap with a
+progress file on 1, 2 and 3 blocks and extrapolates.
 
     python benchmarks/bench_workloads.py --models roberta --sets lora --n 16
     python benchmarks/bench_workloads.py --models roberta --sets lora --n "" --extrapolate 512
@@ -116,17 +117,23 @@ def hand_written(model, ids, mask, where):
     return torch.einsum("nap,mbp->nmab", flat, flat)
 
 
-def measure(call, repeats: int) -> tuple[float, float, object]:
-    """Median seconds of ``repeats`` warm calls, resident-set growth in MB, the last result."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result = call()  # warm-up: plans, checks, caches
-    times = []
+def measure(calls: dict, repeats: int) -> tuple[dict, dict, dict]:
+    """Each call warmed up once (plans, checks, caches), then ``repeats`` rounds timing every call
+    in turn, so that a change of the machine's load falls on all of them alike. Returns the median
+    seconds, the resident-set growth in MB of each call's warm-up (meaningful for the first call
+    of a process only: the peak is the process'), and the kernels."""
+    grown, kernels = {}, {}
+    for method, call in calls.items():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        kernels[method] = call()
+        grown[method] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    times: dict = {method: [] for method in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = call()
-        times.append(time.perf_counter() - start)
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    return statistics.median(times), grown, result
+        for method, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[method].append(time.perf_counter() - start)
+    return {method: statistics.median(values) for method, values in times.items()}, grown, kernels
 
 
 def main() -> None:
@@ -163,7 +170,7 @@ def main() -> None:
             for n in (int(size) for size in args.n.split(",") if size):
                 ids, mask, where = inputs(name, n, args.vocab)
 
-                results, reference = {}, None
+                calls, labels = {}, {}
                 for method in args.methods.split(","):
                     if method == "hand":
                         # its stacked Jacobians and their concatenated copy, (N, O, P) each
@@ -173,21 +180,21 @@ def main() -> None:
                             print(f"| {name} | {choice} | {count:,} | {n} | hand | needs {needed / 2**30:.1f} GiB "
                                   f"of Jacobians, {available / 2**30:.1f} GiB available | | | |", flush=True)
                             continue
-                        call = lambda: hand_written(model, ids, mask, where)  # noqa: E731
+                        calls[method] = lambda: hand_written(model, ids, mask, where)  # noqa: E731
                     else:
                         ntk_fn = ntk_function(model, int(method[0]), "first" if method.endswith("f") else True)
-                        call = lambda ntk_fn=ntk_fn: ntk_fn(ids, None, attention_mask=mask, rows=where)  # noqa: E731
-                    seconds, grown, kernel = measure(call, args.repeats)
-                    if reference is None:
-                        reference = kernel
-                    results[method] = seconds
-                    difference = float((kernel - reference).abs().max() / reference.abs().max())
-                    label = method
-                    if method.startswith("0"):
-                        label = f"{method} (picks {int(ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation)})"
-                    ratio = results["hand"] / seconds if "hand" in results else float("nan")
-                    print(f"| {name} | {choice} | {count:,} | {n} | {label} | {seconds:.3f} | {ratio:.2f} | "
-                          f"{grown:.0f} | {difference:.1e} |", flush=True)
+                        calls[method] = lambda ntk_fn=ntk_fn: ntk_fn(ids, None, attention_mask=mask, rows=where)  # noqa: E731
+                        if method.startswith("0"):
+                            chosen = ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation
+                            labels[method] = f"{method} (picks {int(chosen)})"
+                times, grown, kernels = measure(calls, args.repeats)
+                reference = next(iter(kernels.values()), None)
+                for method, seconds in times.items():
+                    difference = float((kernels[method] - reference).abs().max() / reference.abs().max())
+                    ratio = times["hand"] / seconds if "hand" in times else float("nan")
+                    memory = f"{grown[method]:.0f}" if len(calls) == 1 else "-"
+                    print(f"| {name} | {choice} | {count:,} | {n} | {labels.get(method, method)} | {seconds:.3f} | "
+                          f"{ratio:.2f} | {memory} | {difference:.1e} |", flush=True)
             if args.extrapolate:
                 extrapolated(model, name, args.vocab, args.extrapolate, args.block, args.extrapolate_method, dtype)
 
