@@ -9,9 +9,11 @@ it and has nothing better to offer (the fused CPU attention kernels of
 and forward-mode paths already restrict attention to its MATH kernel where they must). The warning
 then names an operation the user never called and asks them to file an issue with PyTorch, on
 every kernel of such a model. :func:`known_warnings_silenced` ignores exactly those messages for
-the operations of :data:`KNOWN_OPERATIONS`, and only while a kernel function computes (its hook is
-``KernelFunction``, ``_kernel/kernel_function.py``). Every other warning, the model's own included,
-reaches the user unchanged.
+the operations of :data:`KNOWN_OPERATIONS`, and only while torchntk computes: a kernel function's
+call or ``auto_choice`` (``KernelFunction``, ``_kernel/kernel_function.py``, through which every
+kernel passes), and the two entry points that compute without one, sketched features
+(``sketch/__init__.py``) and the NTK-vector products of spectra (``spectra/_operator.py``). Every
+other warning, the model's own included, reaches the user unchanged.
 
 Threads: ``warnings.catch_warnings`` saves and restores the whole process-wide filter list, so two
 threads computing kernels at once (``batch``'s workers, a user's thread pool) would restore each
