@@ -79,6 +79,15 @@ def test_examples_left_out_say_why_and_are_few():
     assert len(left_out) <= MOST_NOT_RUN, [f"{block.name}: {block.not_run}" for block in left_out]
 
 
+def test_the_marker_leaves_out_only_the_block_below_it(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Text.\n\n<!-- not run by the tests: needs 8 GPUs -->\n```python\nrun_on_8_gpus()\n```\n\n"
+                    "```python\nprint(1)\n```\n")
+    marked, plain = fenced_blocks(page)
+    assert (marked.not_run, marked.code, marked.line) == ("needs 8 GPUs", "run_on_8_gpus()\n", 4)
+    assert (plain.not_run, plain.language) == (None, "python")
+
+
 @pytest.mark.parametrize("block", EXAMPLES, ids=[block.name for block in EXAMPLES])
 def test_example_runs(block, tmp_path, monkeypatch):
     for library in sorted(set(OPTIONAL_IMPORT.findall(block.code))):
