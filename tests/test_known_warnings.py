@@ -53,6 +53,14 @@ def _dropped(messages: list[str]) -> set[str]:
     return {message[len(DROP):].split(".")[0] for message in messages if message.startswith(DROP)}
 
 
+@pytest.mark.parametrize("name", ["multihead_attention", "transformer_encoder"])
+def test_the_fast_paths_of_torchs_attention_layers_are_quiet(name):
+    case = getattr(zoo, name)()
+    assert _dropped(_recorded(lambda: torch.func.vmap(case.module)(case.x1)))  # PyTorch warns outside
+    messages = _recorded(lambda: torchntk.empirical_ntk_fn(case.module, vmap_axes=0)(case.x1, case.x2))
+    assert not _dropped(messages), messages
+
+
 @pytest.mark.parametrize("implementation", [0, 1, 2, 3])
 def test_the_attention_fallback_warning_stays_inside_and_the_models_own_warning_does_not(implementation):
     model, x = Attention().eval(), torch.randn(3, 5, 8)

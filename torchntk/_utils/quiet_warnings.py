@@ -4,9 +4,11 @@ NOTE: [Known PyTorch warnings]
 ``torch.func.vmap`` warns "There is a performance drop because we have not yet implemented the
 batching rule for aten::<op>" when an operation has no batching rule and it falls back to a loop
 over the batch. For a few operations torchntk knows that path, computes the right kernel through
-it and has nothing better to offer (the fused CPU attention kernels of
-``scaled_dot_product_attention``, which every Hugging Face BERT or GPT-2 reaches; the structured
-and forward-mode paths already restrict attention to its MATH kernel where they must). The warning
+it and has nothing better to offer: the fused CPU attention kernels of
+``scaled_dot_product_attention``, which every Hugging Face BERT or GPT-2 reaches, and the fast paths
+of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` in eval mode (the structured and
+forward-mode paths already restrict attention to its MATH kernel, and turn the fast paths off,
+where they must; see ``_model/unfused.py``). The warning
 then names an operation the user never called and asks them to file an issue with PyTorch, on
 every kernel of such a model. :func:`known_warnings_silenced` ignores exactly those messages for
 the operations of :data:`KNOWN_OPERATIONS`, and only while torchntk computes: a kernel function's
@@ -40,6 +42,8 @@ from typing import Iterator
 KNOWN_OPERATIONS = (
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_native_multi_head_attention",
+    "_transformer_encoder_layer_fwd",
 )
 """ATen operations whose vmap fallback torchntk takes knowingly (NOTE: [Known PyTorch warnings])."""
 
