@@ -61,7 +61,9 @@ def test_a_user_model_factory(tmp_path, capsys, monkeypatch):
                                        "TypeError: not_a_module() returned int, not an nn.Module\n")
 
 
-_SMALL = "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))\n"
+_SMALL = ("import torch\n"
+          "def make():\n"
+          "    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))\n")
 
 
 @pytest.mark.parametrize(
@@ -107,7 +109,8 @@ def test_a_model_file_is_found_from_the_current_directory(tmp_path, monkeypatch,
 def test_an_output_folder_that_cannot_be_made_is_a_bad_argument(tmp_path, capsys):
     (tmp_path / "taken").write_text("a file, not a folder")
     assert _run(["--model", "mlp", "--n", "2", "--output", str(tmp_path / "taken" / "out")]) == 2
-    assert capsys.readouterr().err.startswith(f"torchntk: error: --output '{tmp_path / 'taken' / 'out'}': cannot create")
+    expected = f"torchntk: error: --output '{tmp_path / 'taken' / 'out'}': cannot create that folder"
+    assert capsys.readouterr().err.startswith(expected)
 
 
 def test_warnings_name_the_command_line_not_runpy(tmp_path):
@@ -152,7 +155,8 @@ def test_without_matplotlib_the_figure_is_skipped(tmp_path, capsys, monkeypatch)
          "give the module's name, not its file: --model my_models:make"),
         (["--model", "models/my_models.py:make", "--input-shape", "3"],
          "--model my_models:make, run from 'models' or add it to PYTHONPATH"),
-        (["--model", "no_such_package_here.models:make", "--input-shape", "3"], "cannot import 'no_such_package_here.models'"),
+        (["--model", "no_such_package_here.models:make", "--input-shape", "3"],
+         "cannot import 'no_such_package_here.models'"),
         (["--model", "torch:randn"], "give the shape of one input example with --input-shape"),
         (["--model", "mlp", "--input-shape", "3,4"], "the built-in mlp takes inputs of shape 64"),
         (["--trace-axes", "x"], "expected comma-separated integers or 'none', got 'x'"),

@@ -96,8 +96,10 @@ def test_example_runs(block, tmp_path, monkeypatch):
     exec(compile(block.code, block.name, "exec"), {"__name__": "__main__"})
 
 
-def _commands(block: Block) -> list[str]:
-    return [line.split("  #")[0].strip() for line in block.code.splitlines() if line.strip() and not line.startswith("#")]
+def _commands(text: str) -> list[str]:
+    """The commands of a shell script or block: no comments, no blank lines."""
+    lines = [line.split("  #")[0].strip() for line in text.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def _section(page: pathlib.Path, title: str) -> list[Block]:
@@ -112,12 +114,12 @@ def _section(page: pathlib.Path, title: str) -> list[Block]:
 def test_the_readme_sets_up_with_one_install_and_one_test_run():
     [setup, *_] = _section(ROOT / "README.md", "Install and test")
     assert setup.language == "bash"
-    assert _commands(setup) == ['pip install -e ".[test]"', "python -m pytest"]
+    assert _commands(setup.code) == ['pip install -e ".[test]"', "python -m pytest"]
 
 
 def test_ci_runs_the_readme_set_up():
     ci = (ROOT / ".ci" / "run").read_text()
-    commands = [line.split("  #")[0].strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    commands = _commands(ci)
     torch_pin = commands.index("python3 -m pip install --quiet torch==2.13.0")
     install = commands.index('python3 -m pip install --quiet -e ".[test]"')
     tests, slow = commands.index("python3 -m pytest"), commands.index("python3 -m pytest -m slow")
@@ -142,7 +144,7 @@ def test_the_user_set_up_has_no_workaround_of_the_tests():
     # there, whose import fails; users install torchvision from their torch's index instead.
     for page in USER_PAGES:
         for block in fenced_blocks(page):
-            for command in _commands(block) if block.language == "bash" else []:
+            for command in _commands(block.code) if block.language == "bash" else []:
                 assert not ("--no-deps" in command and "torchvision" in command), f"{block.name}: {command}"
 
 
