@@ -11,7 +11,7 @@ Three parts (``--parts tiling,mc``, or ``--parts disk``):
   threads; with ``batch_size=0`` that is two row slabs). Reported: the median time, its ratio
   to the unbatched kernel function (target: under 1.3x), the peak RSS growth and
   ``max|K_batched - K| / max|K|``. ``--nt-tiling`` adds neural-tangents' ``nt.batch`` on the
-  same functions and weights as a reference (slow: see the README).
+  same functions and weights as a reference (slow: see benchmarks/README.md).
 * **mc**: Monte Carlo NNGP + NTK (``get=("nngp", "ntk")``) of a one-hidden-layer ReLU MLP in
   NTK parameterisation (``_models.build_ntk_mlp``: 64 -> 512 -> 10, ``W_std=1.5``,
   ``b_std=0.05``, weights and biases N(0, 1) redrawn per sample by ``reset_parameters``),

@@ -14,7 +14,7 @@ picked implementation's steady time. A configuration that raises is reported, no
     python benchmarks/bench_zoo.py                       # all models, full and traced kernels
     python benchmarks/bench_zoo.py --models lstm bert --kernels full --n1 16 --n2 16
 
-The models need torchvision, timm and transformers (see README: test dependencies).
+The models need torchvision, timm and transformers (docs/real_models.md says how to install them).
 """
 
 from __future__ import annotations

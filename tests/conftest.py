@@ -9,7 +9,9 @@ Tests marked ``cpu_only(reason)`` (the command line, docs, several processes, Nu
 CPU-only kernels, a child process's bits) run on the CPU whatever ``--device`` says: for them
 the run device is the CPU, and the terminal summary of a run on another device counts them with
 their reasons. Tests marked ``cuda_only(reason)`` check what exists on CUDA alone (streams' memory
-statistics); other runs skip them, saying so (``pytest -rs`` lists them).
+statistics); other runs skip them, saying so (``pytest -rs`` lists them). Tests that need an
+optional library (torchvision, timm, transformers, peft: ``tests/zoo.py``) are skipped where it does
+not import, and the summary says which and why.
 """
 
 import collections
@@ -22,12 +24,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-# torchvision's PyPI wheel is built against CUDA torch; beside the CPU wheel its import fails while
-# registering its detection ops, and transformers and timm import it. The models use none of those
-# ops (see tests/zoo.py), so the registrations are skipped for every test, docs examples included.
-from tests.zoo import skip_torchvision_op_registrations  # noqa: E402 - needs the repository root on sys.path
+# Only where CI asks for it (TORCHNTK_TEST_STUB_TORCHVISION_OPS=1, see tests/zoo.py): PyPI's
+# CUDA-built torchvision imported beside a CPU torch, for every test, docs examples included.
+from tests import zoo  # noqa: E402 - needs the repository root on sys.path
 
-skip_torchvision_op_registrations()
+zoo.skip_torchvision_op_registrations()
 
 # The test models are tiny: one thread avoids OpenMP start-up and, on a busy 2-core machine,
 # spinning threads that made single small ops a hundred times slower.
@@ -99,12 +100,28 @@ def _marker_reason(item: pytest.Item, marker: pytest.Mark) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    _summarise_optional_libraries(terminalreporter)
     reasons = config.stash.get(_CPU_ONLY_REASONS, None)
     if not reasons:
         return
     device = config.getoption("--device")
     terminalreporter.section(f"tests run on the CPU under --device {device}")
     terminalreporter.write_line(f"{sum(reasons.values())} test(s) ran on the CPU (cpu_only), because:")
+    for reason, count in sorted(reasons.items()):
+        terminalreporter.write_line(f"  {count:5d}  {reason}")
+
+
+def _summarise_optional_libraries(terminalreporter) -> None:
+    """Says which optional libraries did not import and how many tests that skipped, with why."""
+    reasons: collections.Counter = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if reason.startswith(zoo.SKIP_PREFIX):
+            reasons[reason] += 1
+    if not reasons:
+        return
+    terminalreporter.section("tests skipped: optional libraries that do not import")
     for reason, count in sorted(reasons.items()):
         terminalreporter.write_line(f"  {count:5d}  {reason}")
 

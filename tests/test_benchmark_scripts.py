@@ -6,6 +6,7 @@ import pathlib
 
 import pytest
 
+from tests import zoo
 from tests._processes import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -27,6 +28,7 @@ def test_the_cuda_benchmark_runs_on_the_cpu():
 @pytest.mark.slow
 @pytest.mark.cpu_only("runs a benchmark script in a child process, on the CPU")
 def test_the_workload_benchmark_runs_and_every_method_agrees_with_the_hand_written_loop():
+    zoo.import_peft()  # the script's models: skipped, saying why, where they do not import
     done = run_python(
         str(ROOT / "benchmarks" / "bench_workloads.py"), "--layers", "1", "--hidden", "32", "--vocab", "100",
         "--n", "3", "--repeats", "1", "--methods", "hand,1,2,3,0,1f,3f", "--extrapolate", "6", "--block", "2",

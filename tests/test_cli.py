@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import types
@@ -55,8 +56,83 @@ def test_a_user_model_factory(tmp_path, capsys, monkeypatch):
     assert _run(["--model", "my_models:make", "--input-shape", "5", "--n", "3", "--output", str(output)]) == 0
     assert "my_models:make" in capsys.readouterr().out
     assert (output / "ntk_my_models_make.png").exists()
-    assert _run(["--model", "my_models:not_a_module", "--input-shape", "5", "--output", str(output)]) == 2
-    assert "returned int, not an nn.Module" in capsys.readouterr().err
+    assert _run(["--model", "my_models:not_a_module", "--input-shape", "5", "--output", str(output)]) == 3
+    assert capsys.readouterr().err == ("torchntk: model 'my_models:not_a_module', building (the factory call) failed: "
+                                       "TypeError: not_a_module() returned int, not an nn.Module\n")
+
+
+_SMALL = ("import torch\n"
+          "def make():\n"
+          "    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))\n")
+
+
+@pytest.mark.parametrize(
+    "source, step, error",
+    [
+        ("raise RuntimeError('broken at import')\n", "importing '{name}'", "RuntimeError: broken at import"),
+        ("import no_such_dependency_here\n", "importing '{name}'",
+         "ModuleNotFoundError: No module named 'no_such_dependency_here'"),
+        ("def make(:\n", "importing '{name}'", "SyntaxError: "),
+        ("import sys\nsys.exit('parsed its own arguments')\n", "importing '{name}'", "SystemExit: parsed its own"),
+        ("def make():\n    raise ValueError('no weights')\n", "building (the factory call)", "ValueError: no weights"),
+        ("def make():\n    return 'a string'\n", "building (the factory call)",
+         "TypeError: make() returned str, not an nn.Module"),
+        ("import torch\nclass M(torch.nn.Linear):\n    def forward(self, x):\n        raise KeyError('x')\n"
+         "def make():\n    return M(4, 2)\n", "forward pass (before any implementation)", "KeyError: 'x'"),
+    ],
+    ids=["raises-at-import", "missing-dependency", "syntax-error", "exits-at-import", "factory-raises",
+         "not-a-module", "forward-raises"],
+)
+def test_every_failure_of_the_users_model_is_exit_status_3(source, step, error, tmp_path, monkeypatch, capsys, request):
+    name = f"cli_user_model_{request.node.callspec.id.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(source)
+    (tmp_path / "cli_small_model.py").write_text(_SMALL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    arguments = ["--model", f"{name}:make", "--model", "cli_small_model:make", "--input-shape", "4", "--n", "2"]
+    assert _run(arguments + ["--output", str(tmp_path / "out")]) == 3
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"torchntk: model '{name}:make', {step.format(name=name)} failed: {error}"), line
+    results = (tmp_path / "out" / "results.md").read_text()
+    assert f"| {name}:make | {step.format(name=name)} | — | — | — | FAILED |" in results
+    assert results.count("| cli_small_model:make |") == 3  # the other model still ran
+
+
+def test_a_model_file_is_found_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cli_model_here.py").write_text(_SMALL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    assert _run(["--model", "cli_model_here:make", "--input-shape", "4", "--n", "2", "--output", "out"]) == 0
+    assert (tmp_path / "out" / "results.md").exists()
+
+
+def test_an_output_folder_that_cannot_be_made_is_a_bad_argument(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    assert _run(["--model", "mlp", "--n", "2", "--output", str(tmp_path / "taken" / "out")]) == 2
+    expected = f"torchntk: error: --output '{tmp_path / 'taken' / 'out'}': cannot create that folder"
+    assert capsys.readouterr().err.startswith(expected)
+
+
+def test_warnings_name_the_command_line_not_runpy(tmp_path):
+    # vmap cannot index with a boolean mask, so the kernel function loops over the examples and
+    # says so with an ExampleLoopWarning, raised deep in torchntk.
+    (tmp_path / "cli_looped_model.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        return super().forward(x[x > -1e9].reshape(x.shape))\n"
+        "def make():\n"
+        "    return M(4, 2)\n"
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    done = run_python("-m", "torchntk", "--model", "cli_looped_model:make", "--input-shape", "4", "--n", "2",
+                      "--implementation", "1", "--progress", "off", "--output", tmp_path / "out",
+                      timeout=300, env={"PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "Warning:" in line]
+    assert warnings and all("ExampleLoopWarning" in line for line in warnings), done.stderr
+    runs = os.path.join(os.path.dirname(torchntk.__file__), "cli", "_runs.py")
+    assert all(line.startswith(runs + ":") for line in warnings), warnings  # the kernel's call and AUTO's
 
 
 def test_without_matplotlib_the_figure_is_skipped(tmp_path, capsys, monkeypatch):
@@ -74,6 +150,13 @@ def test_without_matplotlib_the_figure_is_skipped(tmp_path, capsys, monkeypatch)
         (["--model", "nonsense"], "--model 'nonsense': expected 'mlp', 'cnn' or 'module:callable'"),
         (["--model", "no_such_module_here:make", "--input-shape", "3"], "cannot import 'no_such_module_here'"),
         (["--model", "torch:no_such_factory", "--input-shape", "3"], "'torch' has no attribute 'no_such_factory'"),
+        (["--model", "torch:float32", "--input-shape", "3"], "'float32' is not callable"),
+        (["--model", "my_models.py:make", "--input-shape", "3"],
+         "give the module's name, not its file: --model my_models:make"),
+        (["--model", "models/my_models.py:make", "--input-shape", "3"],
+         "--model my_models:make, run from 'models' or add it to PYTHONPATH"),
+        (["--model", "no_such_package_here.models:make", "--input-shape", "3"],
+         "cannot import 'no_such_package_here.models'"),
         (["--model", "torch:randn"], "give the shape of one input example with --input-shape"),
         (["--model", "mlp", "--input-shape", "3,4"], "the built-in mlp takes inputs of shape 64"),
         (["--trace-axes", "x"], "expected comma-separated integers or 'none', got 'x'"),
@@ -374,12 +457,14 @@ def test_figure_titles_say_which_kernel(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     from torchntk.cli import _figures
 
-    drawn = []
+    drawn, labels = [], []
     draw = _figures.draw_kernel
 
     def spy(plt, matrix, description):
         figure = draw(plt, matrix, description)
         drawn.append((figure._suptitle.get_text(), figure.axes[0].get_xlabel(), figure.axes[0].get_ylabel()))
+        heatmap, spectrum, colour_bar = figure.axes
+        labels.append((colour_bar.get_ylabel(), spectrum.get_xlabel(), spectrum.get_ylabel()))
         return figure
 
     monkeypatch.setattr(_figures, "draw_kernel", spy)
@@ -392,6 +477,7 @@ def test_figure_titles_say_which_kernel(tmp_path, monkeypatch, capsys):
     assert traced_title == ("empirical NTK of mlp, implementation 1 (Jacobian contraction)\n"
                             "traced (averaged) over output axis 1 (size 10)")
     assert (traced_x, traced_y) == ("x2 example", "x1 example")
+    assert labels == [("kernel entry K(x1, x2)", "index (1 = largest)", "eigenvalue (log scale)")] * 2
 
 
 def test_kernel_descriptions_of_other_outputs():

@@ -3,6 +3,8 @@ example loops]): same kernels as the brute force, one warning, and coupling stil
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 
 import pytest
@@ -121,3 +123,25 @@ def test_map_examples_loop_matches_vmap_on_nested_axes():
     mapped = map_examples(function, in_dims, out_dims, loop=False)(params, pair, scale)
     for key in mapped:
         torch.testing.assert_close(looped[key], mapped[key])
+
+
+def test_the_warning_names_the_line_that_called_torchntk():
+    ntk_fn = torchntk.empirical_ntk_fn(PaddedSum(), vmap_axes=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        ntk_fn(_sequences(4))
+    [loop] = [w for w in caught if issubclass(w.category, torchntk.ExampleLoopWarning)]
+    assert (loop.filename, loop.lineno) == (__file__, line)
+
+
+def test_under_batch_workers_the_warning_names_the_caller_or_torchntk_not_the_thread_machinery():
+    ntk_fn = torchntk.empirical_ntk_fn(PaddedSum(), vmap_axes=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torchntk.batch(ntk_fn, batch_size=2, devices=["cpu", "cpu"])(_sequences(4))
+    loops = [w for w in caught if issubclass(w.category, torchntk.ExampleLoopWarning)]
+    package = os.path.dirname(torchntk.__file__) + os.sep
+    assert loops and all(w.filename == __file__ or w.filename.startswith(package) for w in loops), [
+        (w.filename, w.lineno) for w in loops
+    ]

@@ -1,26 +1,174 @@
-"""Every Python example in README.md and docs/*.md runs."""
+"""The README and docs/*.md as a user reads them: every Python example runs as written, the set-up
+is the two commands CI runs, and the user pages hold no lab notes.
+
+Examples that import an optional model library (torchvision, timm, transformers, peft) run where it
+imports, which ``.ci/run`` makes sure of (``tests/zoo.py``), and are skipped with the reason
+elsewhere. An example that cannot run inside a test (several GPUs, ``torchrun``) says so in its
+page with an HTML comment on the line above its fence, ``<!-- not run by the tests: REASON -->``;
+the tests allow few of them.
+"""
+
+from __future__ import annotations
 
 import pathlib
 import re
+from typing import NamedTuple, Optional
 
 import pytest
+
+from tests import zoo
 
 pytestmark = pytest.mark.cpu_only("runs the README and docs examples as written, on the CPU")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-EXAMPLES = [
-    (page.name, example)
-    for page in PAGES
-    for example in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-]
+USER_PAGES = [page for page in PAGES if page.name != "benchmarks.md"]
+"""Every page but docs/benchmarks.md, the one page of measurements (dates, machines, commands)."""
+
+LANGUAGES = {"python", "bash", "sh", "text", "{eval-rst}", "{toctree}", ""}
+NOT_RUN = re.compile(r"<!-- not run by the tests: (?P<reason>\S.*?) -->")
+MOST_NOT_RUN = 3
+OPTIONAL_IMPORT = re.compile(rf"^\s*(?:import|from)\s+({'|'.join(zoo.OPTIONAL)})\b", re.M)
 
 
-def test_readme_has_examples():
-    assert EXAMPLES
+class Block(NamedTuple):
+    page: str
+    line: int  # of the opening fence, 1-based
+    language: str
+    code: str
+    not_run: Optional[str]  # the reason of a <!-- not run by the tests: ... --> marker
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-@pytest.mark.parametrize("index", range(len(EXAMPLES)), ids=[f"{page}-{i}" for i, (page, _) in enumerate(EXAMPLES)])
-def test_example_runs(index):
-    page, example = EXAMPLES[index]
-    exec(compile(example, f"{page} example {index}", "exec"), {})
+def fenced_blocks(page: pathlib.Path) -> list[Block]:
+    """The fenced code blocks of a Markdown page, in order."""
+    blocks, lines = [], page.read_text().splitlines()
+    index = 0
+    while index < len(lines):
+        opening = lines[index]
+        if not opening.startswith("```"):
+            index += 1
+            continue
+        end = next((j for j in range(index + 1, len(lines)) if lines[j].startswith("```")), None)
+        assert end is not None, f"{page.name}:{index + 1}: a code fence that is never closed"
+        previous = next((lines[j] for j in range(index - 1, -1, -1) if lines[j].strip()), "")
+        marker = NOT_RUN.fullmatch(previous.strip())
+        blocks.append(Block(page.name, index + 1, opening[3:].strip(), "\n".join(lines[index + 1:end]) + "\n",
+                            marker["reason"] if marker else None))
+        index = end + 1
+    return blocks
+
+
+BLOCKS = [block for page in PAGES for block in fenced_blocks(page)]
+EXAMPLES = [block for block in BLOCKS if block.language == "python" and block.not_run is None]
+
+
+def test_every_page_has_examples_and_every_fence_says_its_language():
+    assert {block.page for block in EXAMPLES} >= {"README.md", "quickstart.md", "real_models.md"}
+    # A Python example under another name (py, python3, pycon) would escape the tests.
+    odd = [f"{block.name} ({block.language!r})" for block in BLOCKS if block.language not in LANGUAGES]
+    assert not odd, f"code fences in a language the docs test does not know: {odd}"
+
+
+def test_examples_left_out_say_why_and_are_few():
+    left_out = [block for block in BLOCKS if block.not_run is not None]
+    assert all(block.language == "python" for block in left_out), [block.name for block in left_out]
+    assert len(left_out) <= MOST_NOT_RUN, [f"{block.name}: {block.not_run}" for block in left_out]
+
+
+def test_the_marker_leaves_out_only_the_block_below_it(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Text.\n\n<!-- not run by the tests: needs 8 GPUs -->\n```python\nrun_on_8_gpus()\n```\n\n"
+                    "```python\nprint(1)\n```\n")
+    marked, plain = fenced_blocks(page)
+    assert (marked.not_run, marked.code, marked.line) == ("needs 8 GPUs", "run_on_8_gpus()\n", 4)
+    assert (plain.not_run, plain.language) == (None, "python")
+
+
+@pytest.mark.parametrize("block", EXAMPLES, ids=[block.name for block in EXAMPLES])
+def test_example_runs(block, tmp_path, monkeypatch):
+    for library in sorted(set(OPTIONAL_IMPORT.findall(block.code))):
+        zoo.optional(library)  # skipped, saying why, where the library does not import
+    monkeypatch.chdir(tmp_path)  # what an example writes stays out of the repository
+    exec(compile(block.code, block.name, "exec"), {"__name__": "__main__"})
+
+
+def _commands(text: str) -> list[str]:
+    """The commands of a shell script or block: no comments, no blank lines."""
+    lines = [line.split("  #")[0].strip() for line in text.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _section(page: pathlib.Path, title: str) -> list[Block]:
+    text = page.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    first_line = text[:start].count("\n") + 2
+    last_line = text[:end].count("\n") + 1 if end != -1 else float("inf")
+    return [block for block in fenced_blocks(page) if first_line < block.line < last_line]
+
+
+def test_the_readme_sets_up_with_one_install_and_one_test_run():
+    [setup, *_] = _section(ROOT / "README.md", "Install and test")
+    assert setup.language == "bash"
+    assert _commands(setup.code) == ['pip install -e ".[test]"', "python -m pytest"]
+
+
+def test_ci_runs_the_readme_set_up():
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = _commands(ci)
+    torch_pin = commands.index("python3 -m pip install --quiet torch==2.13.0")
+    install = commands.index('python3 -m pip install --quiet -e ".[test]"')
+    tests, slow = commands.index("python3 -m pytest"), commands.index("python3 -m pytest -m slow")
+    assert torch_pin < install < tests < slow
+    # The zoo's libraries, installed before the tests, and required by them (tests/zoo.py).
+    zoo_install = next(i for i, command in enumerate(commands) if "torchvision" in command and "timm" in command)
+    assert install < zoo_install < tests
+    assert f"export {zoo.REQUIRE_VARIABLE}=1" in commands and f"export {zoo.STUB_VARIABLE}=1" in commands
+
+
+def test_the_torch_that_ci_installs_satisfies_the_requirement():
+    from packaging.requirements import Requirement
+
+    setup = (ROOT / "setup.cfg").read_text()
+    requirements = re.search(r"install_requires =\n((?:    .+\n)+)", setup)[1].split()
+    [torch_requirement] = [Requirement(line) for line in requirements if Requirement(line).name == "torch"]
+    assert torch_requirement.specifier.contains("2.13.0")
+
+
+def test_the_user_set_up_has_no_workaround_of_the_tests():
+    # `pip install --no-deps torchvision` beside a CPU torch puts PyPI's CUDA-built torchvision
+    # there, whose import fails; users install torchvision from their torch's index instead.
+    for page in USER_PAGES:
+        for block in fenced_blocks(page):
+            for command in _commands(block.code) if block.language == "bash" else []:
+                assert not ("--no-deps" in command and "torchvision" in command), f"{block.name}: {command}"
+
+
+LAB_NOTES = {
+    "a date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+    "a time of day": re.compile(r"\b\d\d:\d\d UTC\b"),
+    "a commit hash": re.compile(r"\bcommit [0-9a-f]{7,40}\b|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),
+    "a source note": re.compile(r"NOTE: \["),
+    "an issue number": re.compile(r"\bissue \d+\b", re.I),
+    "session chronology": re.compile(r"later the same day|later that day|earlier run|this session|load average",
+                                     re.I),
+}
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=[page.name for page in USER_PAGES])
+def test_user_pages_hold_no_lab_notes(page):
+    found = [
+        f"{page.name}:{text[:match.start()].count(chr(10)) + 1}: {what} ({match[0]!r})"
+        for text in [page.read_text()]
+        for what, pattern in LAB_NOTES.items()
+        for match in pattern.finditer(text)
+    ]
+    assert not found, "measurements, dates and history belong in docs/benchmarks.md:\n" + "\n".join(found)
+
+
+def test_the_readme_is_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 120

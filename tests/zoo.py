@@ -1,14 +1,26 @@
 """Real architectures as users bring them, built from configs with random weights.
 
-torchvision, timm and transformers are test dependencies only (``.ci/run`` and the README say how
-they are installed). PyPI's torchvision wheel for x86_64 is built against the CUDA build of torch:
-beside the CPU wheel its compiled ops library does not load, and its import then fails while
-registering fake kernels for those ops (``operator torchvision::nms does not exist``). The model
-definitions are pure Python and use none of those ops, so the registrations are skipped (an empty
-``torchvision._meta_registrations`` module) when torch is a CPU build, by
-:func:`skip_torchvision_op_registrations`: ``tests/conftest.py`` calls it for the test run (timm and
-transformers import torchvision themselves) and :func:`import_torchvision` for scripts such as
-``benchmarks/bench_zoo.py``.
+torchvision, timm, transformers and peft are optional: the library needs none of them. Where one
+does not import, the tests that need it are skipped, each with the reason, and the run's summary
+counts them (``tests/conftest.py``). Users install them as ``docs/real_models.md`` says (torchvision
+from the index their torch came from), which leaves every import working.
+
+CI (``.ci/run``) must run every zoo test, on a CPU-only machine that cannot reach PyTorch's own
+index: its pip finds the CPU torch on disk but only PyPI's torchvision, which is built against
+PyPI's CUDA torch. Beside the CPU torch that wheel's compiled ops library does not load, and its
+import then fails while registering fake kernels for those ops (``operator torchvision::nms does
+not exist``); timm and transformers import torchvision and fail with it. The model definitions are
+pure Python and use none of those ops, so CI sets two variables:
+
+* ``TORCHNTK_TEST_STUB_TORCHVISION_OPS=1``: :func:`skip_torchvision_op_registrations` puts an
+  empty ``torchvision._meta_registrations`` module in place (for a CPU torch only), and
+  torchvision then imports; ``tests/conftest.py`` calls it for the test run, docs examples
+  included, and :func:`import_torchvision` for scripts such as ``benchmarks/bench_zoo.py``.
+* ``TORCHNTK_TEST_REQUIRE_ZOO=1``: a library that still does not import fails its tests instead of
+  skipping them.
+
+Neither belongs in a user's set-up: on a machine whose torchvision matches its torch, nothing needs
+stubbing.
 
 Every builder returns ``(module, x1, x2, kwargs, vmap_axes, output_fn)``; ``kwargs`` values are
 ``(for x1, for x2)`` pairs as kernel functions take them. ``reference_module`` turns the same
@@ -18,6 +30,8 @@ arguments cannot differ between x1 and x2.
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 import types
 from typing import Any, Callable, NamedTuple, Optional
@@ -27,41 +41,62 @@ from torch import nn
 
 from torchntk._call.outputs import output_fn_argument
 
+STUB_VARIABLE = "TORCHNTK_TEST_STUB_TORCHVISION_OPS"
+REQUIRE_VARIABLE = "TORCHNTK_TEST_REQUIRE_ZOO"
+SKIP_PREFIX = "optional library"
+"""How the skip reasons of :func:`optional` start, for the run's summary (``tests/conftest.py``)."""
+
+OPTIONAL = ("torchvision", "timm", "transformers", "peft")
+_LOADED_LAZILY = {"transformers": "transformers.modeling_utils", "peft": "transformers.modeling_utils"}
+"""What else to import to know that a library imports: transformers loads its models, whose code is
+what imports torchvision, only when they are used."""
+
 
 def skip_torchvision_op_registrations() -> None:
-    """Lets torchvision's CUDA-built wheel import beside a CPU torch (see the module docstring)."""
-    if torch.version.cuda is None and "torchvision" not in sys.modules:
+    """Lets PyPI's CUDA-built torchvision import beside a CPU torch, where CI asks for it (see the
+    module docstring); does nothing otherwise."""
+    if os.environ.get(STUB_VARIABLE) == "1" and torch.version.cuda is None and "torchvision" not in sys.modules:
         sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 
 
-def import_torchvision():
+def optional(name: str) -> types.ModuleType:
+    """The optional library ``name``; where it does not import, the test is skipped saying why (it
+    fails instead under ``TORCHNTK_TEST_REQUIRE_ZOO=1``), and outside a test ImportError says why.
+    """
     skip_torchvision_op_registrations()
-    import torchvision
+    try:
+        if name in _LOADED_LAZILY:
+            importlib.import_module(_LOADED_LAZILY[name])
+        return importlib.import_module(name)
+    except Exception as error:  # a broken install raises more than ImportError (RuntimeError from torch)
+        reason = (f"{SKIP_PREFIX} {name} does not import ({type(error).__name__}: {' '.join(str(error).split())}); "
+                  "docs/real_models.md says how to install it")
+    if "_pytest" not in sys.modules:  # a script (a benchmark, also one a test started)
+        raise ImportError(reason)
+    import pytest
 
-    return torchvision
+    if os.environ.get(REQUIRE_VARIABLE) == "1":
+        pytest.fail(f"{reason}; {REQUIRE_VARIABLE}=1 requires it", pytrace=False)
+    pytest.skip(reason)
+
+
+def import_torchvision():
+    return optional("torchvision")
 
 
 def import_transformers():
-    import_torchvision()
-    import transformers
-
+    transformers = optional("transformers")
     transformers.utils.logging.set_verbosity_error()
     return transformers
 
 
 def import_peft():
-    """peft, or the test skipped with the reason (``pip install -e ".[test]"`` installs it)."""
-    import pytest
-
     import_transformers()
-    return pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[test]')")
+    return optional("peft")
 
 
 def import_timm():
-    import_torchvision()
-    import timm
-
-    return timm
+    return optional("timm")
 
 
 class Case(NamedTuple):

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._model.fingerprint import structure_fingerprint
 from .._utils.bounded_cache import BoundedCache
 from .._utils.capturing import capturing
-from .._utils.checks import show
+from .._utils.checks import show, user_stacklevel
 from .._utils.precision import requested_mode
 
 _REMEMBERED = 8
@@ -216,7 +216,7 @@ class CapturedCalls:
                         f"{self.where}: compile: {_CAPTURES} captures so far; the arguments change between "
                         f"calls in a way the capture key sees (docs/compile.md lists it: a Python value that "
                         f"varies, an object whose repr changes, new shapes). This is the last capture; calls "
-                        f"with other keys are computed eagerly.", RuntimeWarning, stacklevel=3,
+                        f"with other keys are computed eagerly.", RuntimeWarning, stacklevel=user_stacklevel(),
                     )
                 self._capture(key, flat, unchecked, result)
             return result
@@ -258,7 +258,7 @@ class CapturedCalls:
             except Exception as error:
                 warnings.warn(
                     f"{self.where}: compile: the {self.backend!r} backend failed ({type(error).__name__}: {error}); "
-                    f"the captured graph runs uncompiled.", RuntimeWarning, stacklevel=4,
+                    f"the captured graph runs uncompiled.", RuntimeWarning, stacklevel=user_stacklevel(),
                 )
                 run = graph
                 *outputs, _ = run(*inputs)
@@ -277,7 +277,7 @@ class CapturedCalls:
         warnings.warn(
             f"{self.where}: compile: {reason}; calls with these argument shapes are computed eagerly. "
             f"A model whose operations depend on tensor values or random numbers cannot be captured "
-            f"(docs/compile.md).", RuntimeWarning, stacklevel=4,
+            f"(docs/compile.md).", RuntimeWarning, stacklevel=user_stacklevel(),
         )
 
 

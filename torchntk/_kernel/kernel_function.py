@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from .._utils.precision import kernel_precision
+from .._utils.quiet_warnings import known_warnings_silenced
 from .._utils.types import Model
 
 
@@ -90,7 +91,7 @@ class KernelFunction:
         self.__doc__ = doc
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with kernel_precision():  # NOTE: [Kernel precision]
+        with kernel_precision(), known_warnings_silenced():  # NOTE: [Kernel precision], [Known PyTorch warnings]
             return self._function(*args, **kwargs)
 
     def auto_choice(self, *args: Any, **kwargs: Any) -> Any:
@@ -109,7 +110,8 @@ class KernelFunction:
                 f"auto_choice: this {self.spec.kind!r} kernel function chooses no NTK implementation "
                 f"(empirical_nngp_fn computes no NTK; ask the kernel function given to `batch`)."
             )
-        return self._auto_choice(*args, **kwargs)
+        with known_warnings_silenced():  # NOTE: [Known PyTorch warnings]
+            return self._auto_choice(*args, **kwargs)
 
     def replicate(self, device: torch.device) -> "KernelFunction":
         """The same kernel function around a private copy of the module on ``device``."""

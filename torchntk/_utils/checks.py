@@ -222,11 +222,23 @@ def non_negative_int_argument(value: Any, name: str, where: str, zero_means: str
     return int(value)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The command line calls the library as a user would: its frames are where its warnings belong.
+_COMMAND_LINE = os.path.join(_PACKAGE, "cli") + os.sep
+_THREAD_STARTERS = ("threading", "concurrent.futures")
+
+
 def user_stacklevel() -> int:
-    """The ``stacklevel`` that attributes a warning to the user's line, not to torchntk: the
-    first frame, counted from the caller of ``warnings.warn``, whose file is outside the package."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    """The ``stacklevel`` that attributes a warning to the line that called torchntk: the first
+    frame, counted from the caller of ``warnings.warn``, whose file is outside the package or in
+    its command line (``torchntk/cli``). Without such a frame (the top of the stack, or the start
+    of one of torchntk's worker threads), the outermost frame of torchntk."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame.f_back is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_PACKAGE + os.sep) or path.startswith(_COMMAND_LINE):
+            break
         frame, level = frame.f_back, level + 1
+    if level > 1 and frame.f_globals.get("__name__", "").startswith(_THREAD_STARTERS):
+        return level - 1  # a worker thread of torchntk's (batch): no user line above it
     return level

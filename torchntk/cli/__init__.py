@@ -5,9 +5,11 @@
   neural-tangents when ``jax`` and ``neural_tangents`` are installed.
 * ``torchntk --version``: the installed version (``torchntk.__version__``).
 
-Exit statuses: 0 success; 1 two implementations disagree (the demo); 2 a bad argument, with one
-line on standard error; 3 a model failed in the demo (one line on standard error per failure, the
-other models and implementations still run, ``results.md`` records it). See ``demo.py``.
+Exit statuses: 0 success; 1 two implementations disagree (the demo); 2 a bad command-line
+argument, with one line on standard error; 3 the user's model failed in the demo: its import, its
+factory, the factory's result, its forward pass or an implementation (one line on standard error
+per failure, the other models and implementations still run, ``results.md`` records it). See
+``demo.py``.
 """
 
 from __future__ import annotations

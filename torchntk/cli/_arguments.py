@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NoReturn, Optional
 
 import torch
+
+from ._models import UsageError
 
 OK, DISAGREE, USAGE, MODEL_FAILED = 0, 1, 2, 3
 """Exit statuses: all ran and agree; two implementations disagree; a bad argument (one line on
@@ -86,6 +89,18 @@ def device(text: str) -> torch.device:
     elif chosen.type != "cpu":
         raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda devices are supported")
     return chosen
+
+
+def make_output_folder(path: Path) -> None:
+    """Creates ``--output`` (and its parents) if needed.
+
+    Raises:
+        UsageError: it cannot be created (a file of that name, no permission, ...).
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--output {str(path)!r}: cannot create that folder ({error.strerror or error})") from None
 
 
 def text_table(headers: list[str], body: list[list[str]]) -> str:

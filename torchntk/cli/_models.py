@@ -9,6 +9,8 @@ JAX ``apply(params, x)`` computing the same function with the same weights, whic
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -151,34 +153,85 @@ JAX_LAYOUTS = ("in-out", "out-in")
 structured derivatives analyse best), or torch's ``(out, in)`` used as ``h @ W.T``."""
 
 
+class ModelFailure(Exception):
+    """The user's model failed at ``step`` (importing its module, calling its factory): exit status 3.
+
+    Attributes:
+        step: what was being done, e.g. ``"building (the factory call)"``.
+        error: the exception the user's code raised, or one saying what was wrong with its result.
+    """
+
+    def __init__(self, step: str, error: BaseException):
+        super().__init__(f"{step}: {error}")
+        self.step = step
+        self.error = error
+
+
 def user_model(path: str, input_shape: tuple[int, ...] | None) -> ModelChoice:
     """``module:callable`` -> the module the callable returns (called with no arguments).
 
+    The module is imported here, like ``python -m``: from the current directory or ``sys.path``.
+    A module that raises while it is imported becomes a model whose build raises
+    :class:`ModelFailure`, so that the other models still run.
+
     Raises:
-        UsageError: a malformed path, a module or attribute that cannot be found, a callable
-            that does not return an ``nn.Module``, or no ``--input-shape``.
+        UsageError: a malformed path (with a hint for a file name such as ``my_models.py``), a
+            module that cannot be found, a missing or non-callable attribute, or no ``--input-shape``.
     """
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise UsageError(f"--model {path!r}: expected 'mlp', 'cnn' or 'module:callable' (e.g. 'my_models:make_net')")
+    hint = _file_hint(module_name, attribute)
+    if hint:
+        raise UsageError(f"--model {path!r}: {hint}")
+    if input_shape is None:
+        raise UsageError(f"--model {path!r}: give the shape of one input example with --input-shape (e.g. 3,32,32)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # what `python -m` does; the `torchntk` script does not
     try:
         factory: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UsageError(f"--model {path!r}: cannot import {module_name!r} ({error})") from None
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
+            return _failed(path, input_shape, f"importing {module_name!r}", error)  # what it imports is missing
+        raise UsageError(f"--model {path!r}: cannot import {module_name!r} ({error}); the module must be in the "
+                         "current directory or on PYTHONPATH") from None
+    except (Exception, SystemExit) as error:
+        return _failed(path, input_shape, f"importing {module_name!r}", error)
     for part in attribute.split("."):
         if not hasattr(factory, part):
             raise UsageError(f"--model {path!r}: {module_name!r} has no attribute {attribute!r}")
         factory = getattr(factory, part)
     if not callable(factory):
         raise UsageError(f"--model {path!r}: {attribute!r} is not callable")
-    if input_shape is None:
-        raise UsageError(f"--model {path!r}: give the shape of one input example with --input-shape (e.g. 3,32,32)")
+    step = "building (the factory call)"
 
     def build() -> nn.Module:
-        model = seeded(factory)()
+        try:
+            model = seeded(factory)()
+        except (Exception, SystemExit) as error:
+            raise ModelFailure(step, error) from error
         if not isinstance(model, nn.Module):
-            raise UsageError(f"--model {path!r}: {attribute}() returned {type(model).__name__}, not an nn.Module")
+            raise ModelFailure(step, TypeError(f"{attribute}() returned {type(model).__name__}, not an nn.Module"))
         return model
+
+    return ModelChoice(path, build, input_shape, f"{path}()")
+
+
+def _file_hint(module_name: str, attribute: str) -> str:
+    """What to write instead of a file name or path in ``--model``, or ``""``."""
+    if not (module_name.endswith(".py") or "/" in module_name or os.sep in module_name):
+        return ""
+    folder, file = os.path.split(module_name)
+    stem = file[:-3] if file.endswith(".py") else file
+    where = f", run from {folder!r} or add it to PYTHONPATH" if folder else ""
+    return f"give the module's name, not its file: --model {stem}:{attribute}{where}"
+
+
+def _failed(path: str, input_shape: tuple[int, ...], step: str, error: BaseException) -> ModelChoice:
+    """A model whose build raises ``error`` at ``step`` (recorded as the model's failure)."""
+
+    def build() -> nn.Module:
+        raise ModelFailure(step, error)
 
     return ModelChoice(path, build, input_shape, f"{path}()")
 

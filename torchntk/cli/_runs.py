@@ -2,12 +2,14 @@
 
 NOTE: [Model failures]
 The demo runs models users bring, and those fail in ways that say nothing about the other models
-or implementations: a factory that raises, a forward pass that raises, a forward pass that
-PyTorch cannot vmap (implementations differ in how they differentiate, so one may fail where
-another works). Any exception there is caught and recorded as a :class:`Failure` (one line on
-standard error, a row of the table) and the demo goes on; the exit status says a model failed.
-Bad arguments are not model failures: the output axes are checked against the forward pass's
-output before any kernel is computed, so that an axis out of range is still exit status 2.
+or implementations: a module that raises while it is imported, a factory that raises or returns
+something other than an ``nn.Module``, a forward pass that raises, a forward pass that PyTorch
+cannot vmap (implementations differ in how they differentiate, so one may fail where another
+works). Any exception there is caught and recorded as a :class:`Failure` (one line on standard
+error, a row of the table) and the demo goes on; the exit status (3) says a model failed. Bad
+arguments are not model failures: a module or attribute that cannot be found is exit status 2
+before anything runs, and the output axes are checked against the forward pass's output before
+any kernel is computed, so that an axis out of range is still exit status 2.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torchntk
 from .._layout.kernel_layout import make_layout
 from ._figures import KernelDescription
 from ._inputs import Inputs, InputSpec, KeywordInputs
-from ._models import ModelChoice, UsageError
+from ._models import ModelChoice, ModelFailure, UsageError
 from ._timing import timed_calls
 
 IMPLEMENTATION_NAMES = {
@@ -110,16 +112,17 @@ def run_model(choice: ModelChoice, spec: InputSpec, settings: Settings, advance:
     ``advance(step)`` is called after each implementation and after AUTO (the progress bar).
 
     Raises:
-        UsageError: ``--trace-axes`` or ``--vmap-axes`` out of range for the model's output,
-            or a factory that does not return an ``nn.Module``. Every other exception of the
-            model is recorded in the result (NOTE: [Model failures]).
+        UsageError: ``--trace-axes`` or ``--vmap-axes`` out of range for the model's output.
+            Every exception of the model (its import, its factory, what the factory returns, its
+            forward pass, each implementation) is recorded in the result (NOTE: [Model failures]).
     """
     run = ModelRun()
     x = spec.make(settings.n, settings.dtype, settings.device)
     try:
         model = choice.build().to(device=settings.device, dtype=settings.dtype)
-    except UsageError:
-        raise
+    except ModelFailure as failure:
+        run.fail(choice.name, failure.step, failure.error)
+        return run
     except Exception as error:
         run.fail(choice.name, "building (the factory call)", error)
         return run

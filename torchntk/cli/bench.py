@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
             compile_argument(arguments.compile, "torchntk bench")
         except ValueError as error:
             raise UsageError(f"--compile {arguments.compile!r}: {str(error).split('`compile` ', 1)[-1]}") from None
-    arguments.output.mkdir(parents=True, exist_ok=True)
+    _arguments.make_output_folder(arguments.output)
     progress = {"auto": None, "on": False, "off": True}[arguments.progress]
     steps = tqdm(total=len(models) * len(arguments.sizes) * len(arguments.implementations), disable=progress,
                  desc="torchntk bench", leave=False)

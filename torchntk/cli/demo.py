@@ -12,11 +12,13 @@ Models of your own come from ``--model module:factory``. Those taking token ids 
 differentiated, so integer inputs need nothing more.
 
 Exit status: 0 when every implementation ran and they agree; 1 when two implementations disagree
-(beyond 1e-4 relative in float32, 1e-9 in float64); 2 for a bad argument (one line on standard
-error, nothing computed); 3 when a model failed: its factory, its forward pass or one
-implementation raised. That prints one line on standard error naming the model, the step and the
-error, and the demo goes on with the other implementations and models and still writes
-``results.md``, with the failure in the table. 3 outranks 1.
+(beyond 1e-4 relative in float32, 1e-9 in float64); 2 for a bad command-line argument (one line on
+standard error, nothing computed), a ``--model`` module or factory that cannot be found included;
+3 when a model failed: its module raised while imported, its factory raised or returned something
+other than an ``nn.Module``, its forward pass or one implementation raised. That prints one line
+on standard error naming the model, the step and the error, and the demo goes on with the other
+implementations and models and still writes ``results.md``, with the failure in the table. 3
+outranks 1.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ __all__ = ["main", "parser"]
 _EPILOG = """exit status:
   0  every implementation ran and they agree
   1  two implementations disagree
-  2  a bad argument (one line on standard error)
-  3  a model failed (its factory, forward pass or an implementation raised): one line on
-     standard error per failure; the other implementations and models still run and
-     results.md records the failure. 3 outranks 1.
+  2  a bad argument (one line on standard error), e.g. a --model module that is not found
+  3  a model failed (its module's import, its factory, what the factory returned, its
+     forward pass or an implementation): one line on standard error per failure; the other
+     implementations and models still run and results.md records the failure. 3 outranks 1.
 
 a language model taking token ids and an attention mask, from my_lm.py's make_model():
   torchntk --model my_lm:make_model --input-shape 16 --input-dtype long --vocab-size 1000 \\
@@ -110,7 +112,7 @@ def main(argv: list[str]) -> int:
     dtype = torch.float64 if arguments.float64 else torch.float32
     settings = Settings(arguments.n, arguments.trace_axes, arguments.vmap_axes, implementations, dtype,
                         arguments.device, arguments.repeats)
-    arguments.output.mkdir(parents=True, exist_ok=True)
+    _arguments.make_output_folder(arguments.output)
     progress = {"auto": None, "on": False, "off": True}[arguments.progress]
     steps = tqdm(total=len(choices) * (len(implementations) + 1), disable=progress, desc="torchntk", leave=False)
 

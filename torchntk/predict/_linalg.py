@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._utils.checks import user_stacklevel
+
 JITTERS = (0.0, 1e-10, 1e-8, 1e-6)
 """Multiples of the mean diagonal tried in turn when a Cholesky factorisation fails."""
 
@@ -45,7 +47,7 @@ class Cholesky:
                     warnings.warn(
                         f"{where}: `{name}` is not numerically positive definite; added {jitter:g} x its mean "
                         f"diagonal to the diagonal to factorise it. Pass diag_reg > 0 to regularise on purpose.",
-                        stacklevel=4,
+                        stacklevel=user_stacklevel(),
                     )
                 return cls(factor)
         raise ValueError(

@@ -36,6 +36,7 @@ from .._layout.kernel_layout import make_layout
 from .._utils import checks as _checks
 from .._utils.checks import show
 from .._utils.precision import kernel_precision
+from .._utils.quiet_warnings import known_warnings_silenced
 from .._utils.tree import is_all_none
 from .._utils.types import Axes, Model, PyTree, VMapAxes
 from ._features import SketchOptions, sketch
@@ -151,7 +152,8 @@ def sketched_ntk_features_fn(
                                   output_fn, where)
 
     def features_fn(x: PyTree, params: Any = None, **kwargs: Any) -> PyTree:
-        with kernel_precision():  # NOTE: [Kernel precision]
+        # Not a KernelFunction, so it enters what KernelFunction.__call__ does itself.
+        with kernel_precision(), known_warnings_silenced():  # NOTE: [Kernel precision], [Known PyTorch warnings]
             features, output_tree, _ = settings.features(x, params, kwargs, "features_fn")
         return output_tree.rebuild(features)
 

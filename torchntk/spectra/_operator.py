@@ -33,6 +33,7 @@ from .._call.vmap_axes import split_kwargs
 from .._layout.kernel_layout import canonical_axes
 from .._model.functional import functional_model
 from .._utils import checks as _checks
+from .._utils.quiet_warnings import known_warnings_silenced
 from .._utils.tree import describe
 from ..empirical import empirical_ntk_vp_fn
 
@@ -97,7 +98,8 @@ class NtkOperator:
         # A function f(params, x) drawing random numbers gets other numbers per cotangent; the
         # symmetry check of the Lanczos projection then reports it (NOTE: [Block Lanczos by
         # Rayleigh-Ritz]) instead of vmap's error about randomness flags.
-        return vmap(self.product, chunk_size=self.chunk_size, randomness="different")(cotangents)
+        with known_warnings_silenced():  # NOTE: [Known PyTorch warnings]
+            return vmap(self.product, chunk_size=self.chunk_size, randomness="different")(cotangents)
 
 
 def ntk_operator(
