@@ -18,14 +18,16 @@ one method runs per process (``--methods``). The methods' warm calls alternate, 
 ``--extrapolate N`` times the kernel of N examples written by ``batch`` into a memmap with a
 progress file on 1, 2 and 3 blocks and extrapolates.
 
-    python benchmarks/bench_workloads.py --models roberta --sets lora --n 16
-    python benchmarks/bench_workloads.py --models roberta --sets lora --n "" --extrapolate 512
+    python benchmarks/bench_workloads.py     # the whole grid, N = 512 extrapolated: hours on 2 cores
+    python benchmarks/bench_workloads.py --models roberta --sets lora --n 16 --dtypes float32 --extrapolate 0
+    python benchmarks/bench_workloads.py --models roberta --sets lora --n "" --dtypes float32
     python benchmarks/bench_workloads.py --layers 2 --hidden 64 --vocab 500 --n 4   # a quick check
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import resource
@@ -140,63 +142,64 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="roberta,gpt2", help="comma list of roberta, gpt2")
     parser.add_argument("--sets", default="lora,bitfit,head,all", help="comma list of lora, bitfit, head, all")
-    parser.add_argument("--n", default="16", help="comma list of numbers of examples")
+    parser.add_argument("--n", default="16,64", help="comma list of numbers of examples")
     parser.add_argument("--methods", default="hand,1,3,0,1f,3f,0f",
                         help="comma list of hand, 1, 2, 3, 0 (AUTO); a suffix f: check_vmap_axes='first'")
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--dtypes", default="float32,float64", help="comma list of float32, float64")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--extrapolate", type=int, default=0,
+    parser.add_argument("--extrapolate", type=int, default=512,
                         help="N of a kernel written by batch into a memmap, timed on 1-3 blocks and extrapolated")
     parser.add_argument("--block", type=int, default=32, help="batch_size of --extrapolate")
     parser.add_argument("--extrapolate-method", default="0f", help="method of --extrapolate (as in --methods)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     warnings.filterwarnings("ignore", category=UserWarning)  # PyTorch's vmap performance notes
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}, {TOKENS} tokens, "
+    print(f"torch {torch.__version__}, {args.threads} threads, {TOKENS} tokens, "
           f"{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, median of {args.repeats}")
-    print("| model | set | parameters | N | method | seconds | hand / method | RSS growth MB | rel. diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name in args.models.split(","):
-        for choice in args.sets.split(","):
-            torch.manual_seed(0)
-            base, head = build(name, args.layers, args.hidden, args.vocab)
-            model = parameter_set(base.to(dtype), name, choice, head)
-            count = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            for n in (int(size) for size in args.n.split(",") if size):
-                ids, mask, where = inputs(name, n, args.vocab)
+    print("| model | set | dtype | parameters | N | method | seconds | hand / method | RSS growth MB | rel. diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, choice, dtype_name in itertools.product(*(args.models.split(","), args.sets.split(","),
+                                                         args.dtypes.split(","))):
+        dtype = getattr(torch, dtype_name)
+        torch.manual_seed(0)
+        base, head = build(name, args.layers, args.hidden, args.vocab)
+        model = parameter_set(base.to(dtype), name, choice, head)
+        count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        for n in (int(size) for size in args.n.split(",") if size):
+            ids, mask, where = inputs(name, n, args.vocab)
 
-                calls, labels = {}, {}
-                for method in args.methods.split(","):
-                    if method == "hand":
-                        # its stacked Jacobians and their concatenated copy, (N, O, P) each
-                        needed = 2 * n * len(LABELS) * count * dtype.itemsize
-                        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-                        if needed > 0.8 * available:
-                            print(f"| {name} | {choice} | {count:,} | {n} | hand | needs {needed / 2**30:.1f} GiB "
-                                  f"of Jacobians, {available / 2**30:.1f} GiB available | | | |", flush=True)
-                            continue
-                        calls[method] = lambda: hand_written(model, ids, mask, where)  # noqa: E731
-                    else:
-                        ntk_fn = ntk_function(model, int(method[0]), "first" if method.endswith("f") else True)
-                        calls[method] = lambda ntk_fn=ntk_fn: ntk_fn(ids, None, attention_mask=mask, rows=where)  # noqa: E731
-                        if method.startswith("0"):
-                            chosen = ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation
-                            labels[method] = f"{method} (picks {int(chosen)})"
-                times, grown, kernels = measure(calls, args.repeats)
-                reference = next(iter(kernels.values()), None)
-                for method, seconds in times.items():
-                    difference = float((kernels[method] - reference).abs().max() / reference.abs().max())
-                    ratio = times["hand"] / seconds if "hand" in times else float("nan")
-                    memory = f"{grown[method]:.0f}" if len(calls) == 1 else "-"
-                    print(f"| {name} | {choice} | {count:,} | {n} | {labels.get(method, method)} | {seconds:.3f} | "
-                          f"{ratio:.2f} | {memory} | {difference:.1e} |", flush=True)
-            if args.extrapolate:
-                extrapolated(model, name, args.vocab, args.extrapolate, args.block, args.extrapolate_method, dtype)
+            calls, labels = {}, {}
+            for method in args.methods.split(","):
+                if method == "hand":
+                    # its stacked Jacobians and their concatenated copy, (N, O, P) each
+                    needed = 2 * n * len(LABELS) * count * dtype.itemsize
+                    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+                    if needed > 0.8 * available:
+                        print(f"| {name} | {choice} | {dtype_name} | {count:,} | {n} | hand | needs "
+                              f"{needed / 2**30:.1f} GiB of Jacobians, {available / 2**30:.1f} GiB available | | | |",
+                              flush=True)
+                        continue
+                    calls[method] = lambda: hand_written(model, ids, mask, where)  # noqa: E731
+                else:
+                    ntk_fn = ntk_function(model, int(method[0]), "first" if method.endswith("f") else True)
+                    calls[method] = lambda ntk_fn=ntk_fn: ntk_fn(ids, None, attention_mask=mask, rows=where)  # noqa: E731
+                    if method.startswith("0"):
+                        chosen = ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation
+                        labels[method] = f"{method} (picks {int(chosen)})"
+            times, grown, kernels = measure(calls, args.repeats)
+            reference = next(iter(kernels.values()), None)
+            for method, seconds in times.items():
+                difference = float((kernels[method] - reference).abs().max() / reference.abs().max())
+                ratio = times["hand"] / seconds if "hand" in times else float("nan")
+                memory = f"{grown[method]:.0f}" if len(calls) == 1 else "-"
+                print(f"| {name} | {choice} | {dtype_name} | {count:,} | {n} | {labels.get(method, method)} | "
+                      f"{seconds:.3f} | {ratio:.2f} | {memory} | {difference:.1e} |", flush=True)
+        if args.extrapolate:
+            extrapolated(model, name, args.vocab, args.extrapolate, args.block, args.extrapolate_method, dtype)
 
 
 def ntk_function(model, method: int, check=True):
