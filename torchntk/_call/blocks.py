@@ -44,6 +44,9 @@ class BlockPlan:
             example and batched over the whole x1 (NTK-vector products) keeps x1 whole.
         run_length: examples per run; ``None`` means no runs. The user's ``chunk_size`` unless the
             implementation has a better default.
+        implementation: which implementation made the plan (an ``NtkImplementation``), and
+        structured: implementation 3's plan of its parameters: what the memory model needs to
+            price the plan's runs (NOTE: [Memory plans]); None where unknown.
     """
 
     prepare1: Prepare
@@ -52,6 +55,8 @@ class BlockPlan:
     reuse_prepared: bool
     split_x1: bool = True
     run_length: Optional[int] = None
+    implementation: Any = None
+    structured: Any = None
 
 
 class Replan(Exception):
@@ -92,7 +97,11 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
         ))
         for shape, dtype, output, kind in zip(call.kernel_shapes(), call.dtypes, call.outputs1, batch_kinds)
     ]
+    # A run's prepared data is dropped before the next run is prepared: rebinding the name only
+    # after the new data exists would hold three runs at the peak, not two (NOTE: [Memory plans]).
+    prepared1 = prepared2 = blocks = None
     for j, (start2, length2) in enumerate(runs2):
+        prepared1 = prepared2 = None
         prepared2 = prepare2(side2.narrow(start2, length2))
         for i, (start1, length1) in enumerate(runs1):
             if mirrored and i > j:
@@ -100,6 +109,7 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
             needed = [kind == "kept" or i == j for kind in batch_kinds]
             if not any(needed):
                 continue
+            prepared1 = blocks = None
             if mirrored and reuse_prepared and i == j:
                 prepared1 = prepared2
             else:
