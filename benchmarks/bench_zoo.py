@@ -84,7 +84,7 @@ def choice_cost(case: zoo.Case, trace_axes: tuple, repeats: int) -> float:
     function of implementation 3 would). The median of ``repeats`` such choices."""
     spent: list[float] = []
 
-    def timed_choose(call, plans):
+    def timed_choose(call, plans, *args, **kwargs):
         planning = [0.0]
 
         def timed(make):
@@ -98,7 +98,7 @@ def choice_cost(case: zoo.Case, trace_axes: tuple, repeats: int) -> float:
             return run
 
         start = time.perf_counter()
-        choice = choose(call, auto_module.StructuredPlans(timed(plans.unchecked), timed(plans.checked)))
+        choice = choose(call, auto_module.StructuredPlans(timed(plans.unchecked), timed(plans.checked)), *args, **kwargs)
         reused = planning[0] if choice.implementation == torchntk.NtkImplementation.STRUCTURED_DERIVATIVES else 0.0
         spent.append(time.perf_counter() - start - reused)
         return choice

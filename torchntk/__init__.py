@@ -5,6 +5,8 @@ from ._call.example_loop import ExampleLoopWarning as ExampleLoopWarning
 from ._implementations.choice import AutoChoice as AutoChoice
 from ._implementations.choice import Estimate as Estimate
 from ._kernel.kernel_function import KernelFunction as KernelFunction
+from ._memory import KernelMemoryError as KernelMemoryError
+from ._memory import MemoryPlanWarning as MemoryPlanWarning
 from ._utils.exports import published
 from ._utils.precision import precision as precision
 from ._utils.types import NtkImplementation as NtkImplementation
@@ -42,6 +44,8 @@ __all__ = [
     "Estimate",
     "ExampleLoopWarning",
     "KernelFunction",
+    "KernelMemoryError",
+    "MemoryPlanWarning",
     "precision",
     # batching and Monte Carlo
     "batch",

@@ -111,6 +111,7 @@ def empirical_ntk_fn(
     output_fn: Optional[Callable[..., PyTree]] = None,
     groups: Optional[Mapping[str, Any]] = None,
     compile: Union[bool, str] = False,
+    memory: Union[None, int, float, str] = None,
 ) -> KernelFunction:
     """Returns a function computing the empirical neural tangent kernel of ``f``.
 
@@ -200,6 +201,14 @@ def empirical_ntk_fn(
             RuntimeWarning says why; their calls stay eager). A model whose forward pass depends on
             Python state outside the module (a global variable) must not use it. ``batch`` computes
             its blocks eagerly. Default: ``False``.
+        memory: the memory budget of a call: bytes (an int or float), a string such as ``"8GB"`` or
+            ``"512MiB"``, ``math.inf`` (no planning) or None, which means half of the available RAM
+            (``MemAvailable``) on the CPU, 80% of the free memory of a CUDA device, measured at each
+            call (``docs/batching.md``, "Memory plans"). After validating a call, and before any
+            derivative is taken, the result alone must fit (else ``KernelMemoryError``); if the
+            implementation's estimated peak with ``chunk_size`` exceeds the budget, the largest
+            ``chunk_size`` that fits is used instead (a ``MemoryPlanWarning`` says so, once); AUTO
+            picks the fastest plan that fits. Default: ``None``.
 
     Returns:
         ``ntk_fn(x1, x2=None, params=None, **kwargs)``, with a method
@@ -239,6 +248,11 @@ def empirical_ntk_fn(
             ValueError names that input with its shapes and dtypes and ends with PyTorch's message;
             it is also a RuntimeError, as PyTorch's was.
         RuntimeError: implementation 3 on a model whose operations change between evaluations.
+        KernelMemoryError: (a MemoryError) at call time, before any derivative is taken: the kernel
+            alone, or the smallest plan, exceeds ``memory``; or an allocation failed during the
+            computation anyway (the plan attempted is named; the CUDA cache is released). The
+            message names the bytes, the budget and the ways out. ``memory`` that is not an amount
+            of memory is a TypeError or ValueError at build time.
 
     Example:
         >>> import torch, torchntk
@@ -276,13 +290,13 @@ def empirical_ntk_fn(
         trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
         chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, structure_rules=structure_rules,
         closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify, output_fn=output_fn,
-        groups=groups, compile=compile,
+        groups=groups, compile=compile, memory=memory,
     )
     settings = NtkSettings.validate(f, given, where="empirical_ntk_fn")
 
     def ntk(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], params: Any, kwargs: dict) -> PyTree:
         key = input_shape_key(x1, x2, params, kwargs)
-        call = settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key, needs_outputs=False)
+        call = settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key, needs_outputs=False, admit=True)
         return settings.ntk(call, key)
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
@@ -383,11 +397,13 @@ def empirical_kernel_fn(
     output_fn: Optional[Callable[..., PyTree]] = None,
     groups: Optional[Mapping[str, Any]] = None,
     compile: Union[bool, str] = False,
+    memory: Union[None, int, float, str] = None,
 ) -> KernelFunction:
     """Returns a function computing the empirical NNGP and/or NTK of ``f`` in one call.
 
     Arguments are those of :func:`empirical_ntk_fn`; ``vmap_axes``, ``implementation``,
-    ``chunk_size``, ``check_vmap_axes`` and ``groups`` only affect the NTK. The model's forward pass
+    ``chunk_size``, ``check_vmap_axes``, ``groups`` and ``memory`` only affect the NTK (the NNGP, the
+    size of the outputs, is neither planned nor refused). The model's forward pass
     is shared between the two kernels. With ``compile``, each ``get`` has graphs of its own.
 
     Returns:
@@ -421,14 +437,16 @@ def empirical_kernel_fn(
         trace_axes=trace_axes, diagonal_axes=diagonal_axes, vmap_axes=vmap_axes, implementation=implementation,
         chunk_size=chunk_size, check_vmap_axes=check_vmap_axes, structure_rules=structure_rules,
         closed_form_rules=closed_form_rules, local_jacobian=local_jacobian, verify=verify, output_fn=output_fn,
-        groups=groups, compile=compile,
+        groups=groups, compile=compile, memory=memory,
     )
     settings = NtkSettings.validate(f, given, where="empirical_kernel_fn")
 
     def requested(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], get: Any, params: Any, kwargs: dict) -> Any:
         names, bare = canonical_get(get, "kernel_fn")
         key = input_shape_key(x1, x2, params, kwargs)
-        call = settings.prepare(x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names, shape_key=key)
+        call = settings.prepare(
+            x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names, shape_key=key, admit="ntk" in names
+        )
         kernels = {}
         if "nngp" in names:
             kernels["nngp"] = call.normalise(nngp(call), dtypes=call.output_dtypes)

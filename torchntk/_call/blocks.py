@@ -47,6 +47,9 @@ class BlockPlan:
         keep_prepared: prepare every run once and keep it for all its pairs (NOTE: [Working-set
             runs]), instead of preparing x1's runs again for every run of x2, which bounds memory
             by two runs' prepared data (the user's ``chunk_size``).
+        implementation: which implementation made the plan (an ``NtkImplementation``), and
+        structured: implementation 3's plan of its parameters: what the memory model needs to
+            price the plan's runs (NOTE: [Memory plans]); None where unknown.
     """
 
     prepare1: Prepare
@@ -56,6 +59,8 @@ class BlockPlan:
     split_x1: bool = True
     run_length: Optional[int] = None
     keep_prepared: bool = False
+    implementation: Any = None
+    structured: Any = None
 
 
 class Replan(Exception):
@@ -98,7 +103,11 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
         ))
         for shape, dtype, output, kind in zip(call.kernel_shapes(), call.dtypes, call.outputs1, batch_kinds)
     ]
+    # A run's prepared data is dropped before the next run is prepared: rebinding the name only
+    # after the new data exists would hold three runs at the peak, not two (NOTE: [Memory plans]).
+    prepared1 = prepared2 = blocks = None
     for j, (start2, length2) in enumerate(runs2):
+        prepared1 = prepared2 = None
         prepared2 = prepare2(side2.narrow(start2, length2))
         for i, (start1, length1) in enumerate(runs1):
             if mirrored and i > j:
@@ -106,6 +115,7 @@ def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
             needed = [kind == "kept" or i == j for kind in batch_kinds]
             if not any(needed):
                 continue
+            prepared1 = blocks = None
             if mirrored and reuse_prepared and i == j:
                 prepared1 = prepared2
             else:

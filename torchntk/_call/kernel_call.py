@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from .._model.functional import (
     reject_vmap_with_coupling,
     warn_training_mode,
 )
+from .._utils.capturing import is_capturing
 from .._utils.checks import input_argument, leaves_with_names, show
 from .._utils.tree import Flat, describe, is_all_none
 from .groups import GroupKernels, ParameterGroups
@@ -180,11 +181,21 @@ class KernelCall:
             size = layout.trace_size(output.shape)
             if isinstance(kernel, tuple):
                 results.append(GroupKernels(
-                    (name, (block / size).to(dtype).contiguous()) for name, block in zip(self.group_names, kernel)
+                    (name, _normalised(block, size, dtype)) for name, block in zip(self.group_names, kernel)
                 ))
             else:
-                results.append((kernel / size).to(dtype).contiguous())
+                results.append(_normalised(kernel, size, dtype))
         return self.output_tree.rebuild(results)
+
+
+def _normalised(kernel: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``kernel / size`` in ``dtype``, contiguous. The implementations' kernels are fresh tensors of
+    the call, so one already in ``dtype`` and contiguous is divided in place: a kernel close to the
+    memory budget then needs no second copy (NOTE: [Memory plans]). Not while a call is captured
+    into a graph, which keeps its operations functional."""
+    if kernel.dtype == dtype and kernel.is_contiguous() and not is_capturing() and kernel._base is None:
+        return kernel if size == 1 else kernel.div_(size)
+    return (kernel / size).to(dtype).contiguous()
 
 
 def prepare_call(
@@ -208,6 +219,7 @@ def prepare_call(
     output_fn: Optional[OutputFn] = None,
     groups: Optional[ParameterGroups] = None,
     known_outputs: Optional["OutputShapes"] = None,
+    admit: Optional[Admit] = None,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side.
 
@@ -226,6 +238,10 @@ def prepare_call(
     instead of vmap (NOTE: [Example loops]). ``output_fn``: what the kernel is taken of, from
     :func:`~torchntk._call.outputs.output_fn_argument` (NOTE: [Selected outputs]). ``groups``: split the
     NTK by parameter groups (NOTE: [Parameter groups]); only the grouped parameters are differentiated.
+    ``admit(kernel_shapes, dtypes, device)``: called with the NTK's shapes and dtypes before the model runs on
+    more than one example when a side has over ``EARLY_ADMISSION`` examples mapped by ``vmap_axes``
+    (the shapes then come from one example per side), so that a kernel too large for its memory is
+    refused before the forward passes over the whole batch (NOTE: [Memory plans]); it raises to refuse.
 
     Raises:
         TypeError: outputs that are not tensors; bad ``params``; numpy inputs; for the NTK,
@@ -259,6 +275,9 @@ def prepare_call(
         output1 = known_outputs.stand_ins(known_outputs.first)
         output2 = output1 if reuse else known_outputs.stand_ins(known_outputs.second)
     else:
+        if admit is not None and resolved1 is not None:
+            _admit_early(model, (x1, kwargs1, resolved1), None if reuse else (x2, kwargs2, resolved2), vmap_axes,
+                         trace_axes, diagonal_axes, where, admit)
         with torch.no_grad():
             with model_failures(model, x1, "x1", where):
                 output1 = _whole_batch(model, x1, kwargs1, resolved1, vmap_axes, run_length, where)
@@ -305,6 +324,46 @@ def prepare_call(
         where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending,
         index_groups, groups.names if groups is not None else (),
     )
+
+
+Admit = Callable[[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...], torch.device], None]
+
+EARLY_ADMISSION = 1024
+"""Examples on a side above which a call's NTK is admitted from one example's outputs, before the
+forward passes over the whole batch (which took 2.5 s for 20,000 examples of the benchmark MLP)."""
+
+
+def _admit_early(model, first: tuple, second: Optional[tuple], vmap_axes, trace_axes, diagonal_axes, where: str,
+                 admit: Admit) -> None:
+    """``admit`` with the kernel shapes from one example of each side (see :func:`prepare_call`).
+    Anything unusual (a model failing on one example, shapes that do not fit) is left to the full
+    validation, which says what is wrong."""
+    sides = [first] + ([second] if second is not None else [])
+    sizes = []
+    for x, kwargs, resolved in sides:
+        side = Side.build(model, x, kwargs, resolved, (), where, "x")
+        sizes.append(side.batch_size())
+    if max(sizes) <= EARLY_ADMISSION or min(sizes) == 0:
+        return
+    try:
+        outputs = []
+        for (x, kwargs, resolved), size in zip(sides, sizes):
+            run = Side.build(model, x, kwargs, resolved, (), where, "x").narrow(0, 1)
+            run_kwargs = {key: flat.rebuild(flat.leaves) for key, flat in run.kwargs.items()}
+            with torch.no_grad():
+                outputs.append(Flat.of(model.apply(model.params, run.x.rebuild(run.x.leaves), run_kwargs)))
+        out_axes = resolve_outputs(vmap_axes, outputs[0].rebuild(outputs[0].leaves), where)
+        shapes, dtypes = [], []
+        for index, (one, axis) in enumerate(zip(outputs[0].leaves, out_axes)):
+            two = outputs[-1].leaves[index]
+            whole1 = one.shape[:axis] + (sizes[0],) + one.shape[axis + 1:]
+            whole2 = two.shape[:axis] + (sizes[-1],) + two.shape[axis + 1:]
+            layout = make_layout(one.ndim, trace_axes, diagonal_axes, where, "the output")
+            shapes.append(layout.kernel_shape(whole1, whole2))
+            dtypes.append(torch.promote_types(one.dtype, model.param_dtype))
+    except Exception:  # noqa: BLE001 - the full validation explains it
+        return
+    admit(tuple(shapes), tuple(dtypes), outputs[0].leaves[0].device)
 
 
 def _whole_batch(model, x, kwargs, resolved, vmap_axes, run_length: Optional[int], where: str) -> Flat:

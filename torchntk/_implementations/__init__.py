@@ -22,6 +22,8 @@ builds a fresh table for every kernel function.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional, Protocol
 
@@ -33,6 +35,7 @@ from .._utils.types import NtkImplementation
 from .auto import AutoSelector
 from .choice import AutoChoice
 from .jacobian_contraction import jacobian_contraction_blocks, jacobian_contraction_ntk
+from .memory import MemoryPlan, MemoryPlanner, result_refusal
 from .ntk_vector_products import ntk_vector_products_blocks, ntk_vector_products_ntk
 from .structured import StructuredDerivatives, StructuredOptions
 
@@ -63,7 +66,7 @@ class _Stateless:
     def blocks(
         self, call: KernelCall, key: Hashable, thorough: bool = False, block: Optional[tuple] = None
     ) -> BlockPlan:
-        return self.plan(call)
+        return dataclasses.replace(self.plan(call), implementation=self.implementation)
 
     def choice(self, call: KernelCall, key: Hashable) -> AutoChoice:
         return AutoChoice(self.implementation)
@@ -85,5 +88,34 @@ def implementation_table(options: StructuredOptions) -> dict[NtkImplementation, 
         NtkImplementation.NTK_VECTOR_PRODUCTS: NTK_VECTOR_PRODUCTS,
         NtkImplementation.STRUCTURED_DERIVATIVES: StructuredDerivatives(options),
     }
-    table[NtkImplementation.AUTO] = AutoSelector(table)
+    table[NtkImplementation.AUTO] = AutoSelector(table, MemoryPlanner())
     return table
+
+
+def memory_plan(
+    table: dict[NtkImplementation, Any], implementation: NtkImplementation, call: KernelCall, key: Hashable,
+    budget: float,
+) -> MemoryPlan:
+    """How ``call`` runs within ``budget`` bytes with ``implementation`` of ``table`` (AUTO: the
+    implementation and ``chunk_size`` it picks). See NOTE: [Memory plans].
+
+    Raises:
+        KernelMemoryError: the result alone, or the smallest plan, exceeds the budget (before
+            anything is computed).
+    """
+    if math.isfinite(budget):
+        refusal = result_refusal(call, budget)
+        if refusal is not None:
+            raise refusal
+    selector = table[NtkImplementation.AUTO]
+    if implementation == NtkImplementation.AUTO:
+        return selector.plan(call, key, budget)
+    structured = None
+    if implementation == NtkImplementation.STRUCTURED_DERIVATIVES and math.isfinite(budget):
+        structured = table[implementation].plan(call, key)
+    return selector.planner.plan(call, key, implementation, budget, structured)
+
+
+def memory_planner(table: dict[NtkImplementation, Any]) -> MemoryPlanner:
+    """The :class:`MemoryPlanner` of a kernel function's table."""
+    return table[NtkImplementation.AUTO].planner

@@ -82,9 +82,9 @@ one piece of reasoning, calibrated together.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
@@ -94,10 +94,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from .._call.kernel_call import KernelCall
+from .._memory import KernelMemoryError, default_budget, format_bytes
 from .._model.unfused import forward_mode_kernels
 from .._utils.bounded_cache import BoundedCache
 from .._utils.types import NtkImplementation
 from .choice import AutoChoice, Estimate
+from .memory import PLAN_ADVICE, MemoryPlan, MemoryPlanner, run_count
 from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
 from .structured._cost import structured_cost
 from .structured._joint import gradients_per_example, joinable
@@ -119,7 +121,10 @@ class StructuredPlans:
     checked: Callable[[], Plan]
 
 
-def choose(call: KernelCall, plans: StructuredPlans) -> AutoChoice:
+def choose(
+    call: KernelCall, plans: StructuredPlans, budget: Optional[float] = None, planner: Optional[MemoryPlanner] = None,
+    key: Hashable = None,
+) -> AutoChoice:
     """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that can run and fits.
 
     Never raises for the model's sake: see NOTE: [AUTO's feasibility filter]. Probes only what can
@@ -129,8 +134,12 @@ def choose(call: KernelCall, plans: StructuredPlans) -> AutoChoice:
         call: the validated kernel call.
         plans: implementation 3's plans for ``call`` (made, or returned from the cache, only when 3
             is priced; checked only when 3 is picked).
+        budget: the memory budget in bytes; None: the default for the call's device.
+        planner, key: the kernel function's :class:`MemoryPlanner` and the call's shape key, under
+            which it caches the call's sizes (None: a planner of this choice alone).
     """
-    budget = _memory_budget(call.outputs1[0].device)
+    budget = _memory_budget(call.outputs1[0].device) if budget is None else budget
+    planner = MemoryPlanner() if planner is None else planner
     try:
         prices = _Prices(call)
     except Exception as error:  # noqa: BLE001 - the most general implementation runs unpriced
@@ -140,9 +149,11 @@ def choose(call: KernelCall, plans: StructuredPlans) -> AutoChoice:
     excluded: dict[NtkImplementation, str] = {}
     unprobed: dict[NtkImplementation, str] = {}
 
-    def price(implementation: NtkImplementation, estimate: Callable[[], Estimate]) -> None:
+    def price(implementation: NtkImplementation, estimate: Callable[[], Estimate], structured: Any = None) -> None:
         try:
-            estimates[implementation] = estimate()
+            priced = estimate()
+            # NOTE: [Memory plans]: the memory model's peak, chunked to fit the budget when it must be
+            estimates[implementation] = _planned(call, key, planner, prices, implementation, priced, budget, structured)
         except Exception as error:  # noqa: BLE001 - a failure excludes the candidate, never the call
             estimates.pop(implementation, None)
             excluded[implementation] = f"{type(error).__name__}: {error}"
@@ -164,11 +175,11 @@ def choose(call: KernelCall, plans: StructuredPlans) -> AutoChoice:
     if reason is None:
         try:
             plan = plans.unchecked()
-            price(_STRUCTURED, lambda: prices.structured_derivatives(plan))
+            price(_STRUCTURED, lambda: prices.structured_derivatives(plan), plan)
             if _STRUCTURED in estimates and (_PROBE_EVERYTHING or _pick(estimates, budget) == _STRUCTURED):
                 checked = plans.checked()
                 if checked.fallback != plan.fallback:  # the check demoted parameters: 3 costs more
-                    price(_STRUCTURED, lambda: prices.structured_derivatives(checked))
+                    price(_STRUCTURED, lambda: prices.structured_derivatives(checked), checked)
                 plan = checked
         except Exception as error:  # noqa: BLE001 - excludes implementation 3, like a pricing error
             estimates.pop(_STRUCTURED, None)
@@ -192,6 +203,44 @@ def _pick(estimates: dict[NtkImplementation, Estimate], budget: float) -> Option
     if not fitting:
         return min(estimates, key=lambda key: (estimates[key].memory_bytes, int(key)))
     return min(fitting, key=lambda key: (fitting[key].flops, int(key)))
+
+
+def _planned(
+    call: KernelCall, key: Hashable, planner: MemoryPlanner, prices: "_Prices", implementation: NtkImplementation,
+    estimate: Estimate, budget: float, structured: Any,
+) -> Estimate:
+    """``estimate`` with the memory model's peak of the call as given (NOTE: [Memory plans]); over
+    ``budget``, the plan of the largest ``chunk_size`` that fits instead, its FLOPs raised by the
+    derivatives its blocks prepare again. A plan that cannot fit keeps its smallest peak (above the
+    budget, so that :func:`_pick` drops it); a failure of the memory model keeps ``estimate``."""
+    try:
+        peak = planner.peak(call, key, implementation, call.chunk_size, structured)
+        if peak.planned <= budget or not math.isfinite(budget):
+            return dataclasses.replace(estimate, memory_bytes=peak.planned)
+        plan = planner.plan(call, key, implementation, budget, structured)
+    except KernelMemoryError as refusal:
+        return dataclasses.replace(estimate, memory_bytes=refusal.needed_bytes or math.inf)
+    except Exception:  # noqa: BLE001 - an estimate only: the FLOP model's figure stays
+        return estimate
+    runs1, runs2 = run_count(planner.sizes(call, key), implementation, plan.chunk_size)
+    flops = estimate.flops + _recomputed(prices, implementation, runs1, runs2, call.reuses_x1)
+    return dataclasses.replace(estimate, flops=flops, memory_bytes=plan.peak.planned, chunk_size=plan.chunk_size)
+
+
+def _recomputed(prices: "_Prices", implementation: NtkImplementation, runs1: int, runs2: int, mirrored: bool) -> float:
+    """What cutting x1 into ``runs1`` runs and x2 into ``runs2`` adds to an estimate (NOTE: [Blocks of
+    examples]): x1's runs are prepared again for every run of x2 (with x2 None, for every pair of runs
+    on and above the diagonal), each preparation a sweep over its examples plus its ATen calls, and
+    every block is a contraction of its own. NTK-vector products keep x1 whole: nothing is repeated."""
+    if implementation == _PRODUCTS or runs1 * runs2 == 1:
+        return 0.0
+    preparations = runs1 * (runs1 - 1) / 2 if mirrored else runs1 * runs2 - runs1
+    blocks = runs1 * (runs1 + 1) / 2 if mirrored else runs1 * runs2
+    weight_gradients = 2.0 if implementation == _JACOBIAN else 1.0  # 3's sweeps stop at the ops' outputs
+    sweep = weight_gradients * prices.basis[0] * prices.forward[0] / runs1
+    calls = _SWEEP_OPS * prices.per_example_ops[0]
+    contraction_calls = _CONTRACTION_OPS * len(prices.call.model.params) * len(prices.call.layouts)
+    return preparations * (sweep + prices.per_op * calls) + (blocks - 1) * prices.per_op * contraction_calls
 
 
 def _why_not_plan(prices: "_Prices", best: Estimate, budget: float) -> Optional[str]:
@@ -484,13 +533,8 @@ def _op_call_flops(device: torch.device) -> float:
 
 
 def _memory_budget(device: torch.device) -> float:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return 0.8 * free
-    try:
-        return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return math.inf
+    """The budget of a choice made without one (``auto_choice``, ``batch``'s blocks): NOTE: [Memory budgets]."""
+    return default_budget(device)
 
 
 class AutoSelector:
@@ -500,19 +544,57 @@ class AutoSelector:
     structured derivatives are priced from, and then compute with, the same cached plan.
     """
 
-    def __init__(self, table: dict[NtkImplementation, Any]):
+    def __init__(self, table: dict[NtkImplementation, Any], planner: Optional[MemoryPlanner] = None):
         self._table = table
         self._choices = BoundedCache(_REMEMBERED_CHOICES)
+        self.planner = MemoryPlanner() if planner is None else planner
 
-    def choice(self, call: KernelCall, key: Hashable) -> AutoChoice:
+    def choice(self, call: KernelCall, key: Hashable, budget: Optional[float] = None) -> AutoChoice:
+        """The cached choice for ``key``; made anew when the cached plan exceeds ``budget`` (a default
+        budget follows the free memory, which changes between calls)."""
         cache_key = call.cache_key(key)
         choice = self._choices.get(cache_key)
-        if choice is None:
+        if choice is None or (budget is not None and not _fits(choice, budget)):
             structured = self._table[_STRUCTURED]
             plans = StructuredPlans(lambda: structured.unchecked_plan(call, key), lambda: structured.plan(call, key))
-            choice = choose(call, plans)
+            choice = choose(call, plans, budget, self.planner, key)
             self._choices[cache_key] = choice
         return choice
+
+    def plan(self, call: KernelCall, key: Hashable, budget: float) -> MemoryPlan:
+        """The plan of the implementation AUTO picks within ``budget`` (NOTE: [Memory plans]).
+
+        Raises:
+            KernelMemoryError: no candidate's plan fits.
+        """
+        choice = self.choice(call, key, budget)
+        estimate = choice.estimates.get(choice.implementation)
+        if estimate is None:  # not priced (the cost model failed): plan it as a fixed implementation
+            return self.planner.plan(call, key, choice.implementation, budget, self._structured_plan(choice, call, key))
+        if math.isfinite(budget) and estimate.memory_bytes > budget:
+            needs = ", ".join(
+                f"{int(implementation)} needs {format_bytes(value.memory_bytes)}"
+                for implementation, value in sorted(choice.estimates.items())
+            )
+            raise KernelMemoryError(
+                f"{call.where}: implementation 0 (AUTO): no implementation fits the memory budget of "
+                f"{format_bytes(budget)} even with one example per block ({needs}). {PLAN_ADVICE}",
+                min(value.memory_bytes for value in choice.estimates.values()), budget,
+            )
+        if not math.isfinite(budget):
+            return MemoryPlan(choice.implementation, estimate.chunk_size or call.chunk_size, None, budget)
+        structured = self._structured_plan(choice, call, key)
+        chunk = estimate.chunk_size if estimate.chunk_size is not None else call.chunk_size
+        peak = self.planner.peak(call, key, choice.implementation, chunk, structured)
+        replaced = None
+        if chunk != call.chunk_size:
+            replaced = self.planner.peak(call, key, choice.implementation, call.chunk_size, structured)
+        return MemoryPlan(choice.implementation, chunk, peak, budget, replaced)
+
+    def _structured_plan(self, choice: AutoChoice, call: KernelCall, key: Hashable) -> Any:
+        if choice.implementation != _STRUCTURED:
+            return None
+        return self._table[_STRUCTURED].plan(call, key)
 
     def kernels(self, call: KernelCall, key: Hashable) -> Any:
         return self._table[self.choice(call, key).implementation].kernels(call, key)
@@ -526,6 +608,12 @@ class AutoSelector:
             choice_key = (key, block)
         chosen = self.choice(first, choice_key).implementation
         return self._table[chosen].blocks(call, key, thorough, block)
+
+
+def _fits(choice: AutoChoice, budget: float) -> bool:
+    """Whether the plan ``choice`` picked fits ``budget`` (an unpriced pick is planned at the call)."""
+    estimate = choice.estimates.get(choice.implementation)
+    return estimate is None or estimate.memory_bytes <= budget
 
 
 _REMEMBERED_CHOICES = 64

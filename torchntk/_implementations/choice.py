@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .._utils.types import NtkImplementation
 
@@ -17,16 +18,23 @@ class Estimate:
     """The cost model's view of one implementation: FLOPs and peak extra memory in bytes.
 
     Attributes:
-        flops: estimated multiply-add FLOPs.
-        memory_bytes: estimated peak extra memory in bytes.
+        flops: estimated multiply-add FLOPs (of the plan with ``chunk_size``, whose blocks prepare
+            some derivatives again).
+        memory_bytes: the memory model's peak of the computation in bytes, beyond what the call's
+            validation left (``docs/batching.md``, "Memory plans"): of the call as given, or, when
+            that exceeds the budget, of the plan with ``chunk_size``; above the budget when no
+            ``chunk_size`` fits.
         note: how the implementation would run when not in its usual way, else ``""``; e.g.
             ``"double VJP: no forward-mode derivative for aten::_weight_norm_interface"`` for
             implementation 2 on a model PyTorch cannot run forward mode through.
+        chunk_size: the ``chunk_size`` this candidate would run with to fit the budget, or None when
+            it runs as the kernel function was built.
     """
 
     flops: float
     memory_bytes: float
     note: str = ""
+    chunk_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,9 @@ class AutoChoice:
         implementation: the implementation used.
         estimates: the cost model's estimate per candidate (empty when ``implementation`` was
             fixed by the caller rather than chosen).
-        memory_budget_bytes: candidates estimated above this were dropped (unless none fit).
+        memory_budget_bytes: the memory budget of the choice (NOTE: [Memory budgets]): candidates
+            whose plan exceeds it were dropped (unless none fits: the call then raises
+            ``KernelMemoryError``).
         fallback_parameters: ``{parameter name: reason}`` for every parameter whose share of the
             kernel structured derivatives take from the Jacobian fallback (full per-parameter
             Jacobians, exact but slower) instead of their rules: an operation without a rule
@@ -63,3 +73,9 @@ class AutoChoice:
     fallback_parameters: dict = field(default_factory=dict)
     excluded: dict = field(default_factory=dict)
     unprobed: dict = field(default_factory=dict)
+
+    @property
+    def chunk_size(self) -> Optional[int]:
+        """The ``chunk_size`` the picked implementation runs with to fit the budget (None: as built)."""
+        estimate = self.estimates.get(self.implementation)
+        return None if estimate is None else estimate.chunk_size

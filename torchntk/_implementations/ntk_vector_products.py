@@ -126,7 +126,7 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
 
     return BlockPlan(
         prepare_x1, prepare_x2, contract, reuse_prepared=False, split_x1=False,
-        run_length=call.chunk_size or _default_run_length(call),
+        run_length=call.chunk_size or default_run_length(call),
     )
 
 
@@ -159,7 +159,7 @@ def _even_chunks(count: int) -> int:
     return max(1, math.ceil(count / chunks))
 
 
-def _default_run_length(call: KernelCall) -> Optional[int]:
+def default_run_length(call: KernelCall) -> Optional[int]:
     if not call.side1.mapped:
         return None
     side2 = call.side2 if call.side2 is not None else call.side1

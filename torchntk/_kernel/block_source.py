@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -49,6 +49,8 @@ class BlockSource:
         names, bare: the kernels in the result and whether it is one bare kernel (see ``get``).
         thread_safe: whether two threads may prepare or contract at once (see
             ``KernelFnSpec.thread_safe``).
+        span_memory: ``length -> bytes``: the memory model's peak of preparing and contracting a
+            pair of spans of ``length`` examples (NOTE: [Memory plans]); None where unknown.
     """
 
     call: KernelCall
@@ -56,6 +58,7 @@ class BlockSource:
     names: tuple[str, ...]
     bare: bool
     thread_safe: bool
+    span_memory: Optional[Callable[[int], float]] = None
 
     @property
     def reuses_x1(self) -> bool:

@@ -25,9 +25,18 @@ from .._call.kernel_call import KernelCall, prepare_call
 from .._call.outputs import output_fn_argument
 from .._call.per_example import VmapLimitation
 from .._call.vmap_axes import ParsedVmapAxes, parse_vmap_axes
-from .._implementations import implementation_table
+from .._implementations import implementation_table, memory_plan, memory_planner
+from .._implementations.memory import OUT_OF_MEMORY_ADVICE, kernel_refusal, with_chunk
 from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
+from .._memory import (
+    KernelMemoryError,
+    WouldChunk,
+    chunking_allowed,
+    memory_argument,
+    out_of_memory_boundary,
+    resolve_budget,
+)
 from .._model.aliases import alias_checks
 from .._model.fingerprint import structure_fingerprint
 from .._model.torch_errors import explained
@@ -42,6 +51,10 @@ from .kernel_function import KernelFnSpec, KernelFunction
 from .working_set import working_set_run_length
 
 KernelFn = Callable[..., PyTree]
+
+VALIDATION_RUN = 1024
+"""Examples per forward pass of a kernel call's validation when its budget is planned (NOTE: [Memory
+plans]): the passes over the whole batch then hold at most this many examples' activations."""
 
 _CHECKED_SHAPES = 64
 """Input shapes (and module structures) whose derivatives were checked, kept per kernel function."""
@@ -73,6 +86,7 @@ class NtkOptions:
     output_fn: Any
     groups: Any
     compile: Any
+    memory: Any = None
 
     def as_keywords(self) -> dict[str, Any]:
         """The builder's keyword arguments (the values themselves, not copies)."""
@@ -104,6 +118,7 @@ class NtkSettings:
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
     groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
     captured: Optional[CapturedCalls] = None  # NOTE: [Captured kernels]; None: every call eager
+    memory: Optional[float] = None  # NOTE: [Memory budgets]; None: the default, a share of the free memory
 
     @classmethod
     def validate(cls, f: Model, given: NtkOptions, *, where: str) -> "NtkSettings":
@@ -138,6 +153,7 @@ class NtkSettings:
             output_fn=output_fn_argument(given.output_fn, where),
             groups=parsed_groups,
             captured=None if backend is None else CapturedCalls(backend, f, where),
+            memory=memory_argument(given.memory, where),
         )
 
     def called(self, compute: Callable[..., Any], *arguments: Any) -> Any:
@@ -157,7 +173,7 @@ class NtkSettings:
     def prepare(
         self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True,
         computes_ntk: bool = True, forward_run_length: Optional[int] = None, shape_key: Optional[tuple] = None,
-        needs_outputs: bool = True,
+        needs_outputs: bool = True, admit: bool = False,
     ) -> KernelCall:
         """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK
         (``for_ntk``), or for a batched NNGP (``computes_ntk=False``: the check cannot wait for
@@ -170,7 +186,9 @@ class NtkSettings:
         output check runs on every call, unless ``check_vmap_axes="first"``. ``shape_key``: the
         caller's :func:`input_shape_key` of these arguments, if it has one. ``needs_outputs``:
         False where only the NTK is computed, whose implementations read the outputs' shapes only
-        (NOTE: [Remembered output shapes])."""
+        (NOTE: [Remembered output shapes]). ``admit``: refuse an NTK too large for the memory
+        budget before the forward passes over a large batch (NOTE: [Memory plans]); those passes
+        then run on ``VALIDATION_RUN`` examples at a time."""
         key = loop_key = None
         if for_ntk and self.maps_examples:
             shape_key = shape_key or input_shape_key(x1, x2, params, kwargs)
@@ -184,6 +202,10 @@ class NtkSettings:
             known = self.output_shapes.get(key)
         aliases = self._alias_checks(key, x1, x2, params, kwargs, shape_key)
 
+        early = self._admission(where) if admit and for_ntk and computes_ntk else None
+        if early is not None and forward_run_length is None:
+            forward_run_length = VALIDATION_RUN
+
         def prepare(*, example_loop: bool) -> KernelCall:
             return prepare_call(
                 self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
@@ -193,7 +215,7 @@ class NtkSettings:
                 forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
                 check_derivatives=key is not None and bool(self.check_vmap_axes) and not checked,
                 example_loop=example_loop, output_fn=self.output_fn,
-                groups=self.groups if for_ntk and computes_ntk else None, known_outputs=known,
+                groups=self.groups if for_ntk and computes_ntk else None, known_outputs=known, admit=early,
             )
 
         looped = loop_key is not None and self.example_loops.needed(loop_key)
@@ -217,6 +239,20 @@ class NtkSettings:
                 runs = self.working_runs[runs_key] = working_set_run_length(call.side1)
             call = dataclasses.replace(call, working_runs=runs)
         return call
+
+    def _admission(self, where: str) -> Optional[Callable[..., None]]:
+        """``admit(shapes, dtypes, device)`` for :func:`prepare_call`: raises the refusal of a kernel
+        larger than the budget; None with an unlimited budget."""
+        if self.memory is not None and not math.isfinite(self.memory):
+            return None
+        groups = len(self.groups.names) if self.groups is not None else 1
+
+        def admit(shapes: tuple, dtypes: tuple, device: torch.device) -> None:
+            refusal = kernel_refusal(shapes, dtypes, groups, resolve_budget(self.memory, device), where)
+            if refusal is not None:
+                raise refusal
+
+        return admit
 
     def _alias_checks(
         self, key: Optional[tuple], x1: Any, x2: Any, params: Any, kwargs: dict, shape_key: Optional[tuple]
@@ -265,7 +301,16 @@ class NtkSettings:
             n2 = n1 if call.reuses_x1 else call.side2.batch_size()
             block = (min(n1, request.block_size or n1), min(n2, request.block_size or n2))
             plan = self.table[self.implementation].blocks(call, ("blocks", shape_key), request.thorough, block)
-        return BlockSource(call, plan, names, bare=bare, thread_safe=self.thread_safe)
+        span_memory = None
+        if plan is not None and plan.implementation is not None:
+            planner, implementation, structured = memory_planner(self.table), plan.implementation, plan.structured
+
+            def span_memory(length: int) -> float:
+                """NOTE: [Memory plans]: two spans of ``length`` prepared and contracted (no result)."""
+                peak = planner.peak(call, ("blocks", shape_key), implementation, length, structured, cut=True)
+                return peak.derivatives
+
+        return BlockSource(call, plan, names, bare=bare, thread_safe=self.thread_safe, span_memory=span_memory)
 
     @property
     def maps_examples(self) -> bool:
@@ -280,19 +325,52 @@ class NtkSettings:
         return not (forward_mode or local)
 
     def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
+        if self.implementation == NtkImplementation.AUTO:
+            return self.table[self.implementation].choice(call, key, self.budget(call))
         return self.table[self.implementation].choice(call, key)
+
+    def budget(self, call: KernelCall) -> float:
+        """The call's memory budget in bytes (NOTE: [Memory budgets])."""
+        return resolve_budget(self.memory, call.outputs1[0].device)
 
     def ntk(self, call: KernelCall, key: tuple) -> PyTree:
         shapes = call.kernel_shapes()
         if all(math.prod(shape) == 0 for shape in shapes):
             # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
-            zeros = [torch.zeros(shape, device=out.device) for shape, out in zip(shapes, call.outputs1)]
-            if call.groups is not None:
-                zeros = [tuple(kernel for _ in call.groups) for kernel in zeros]
+            groups = len(call.groups) if call.groups is not None else None
+            zeros = [
+                torch.zeros(shape, device=out.device) if groups is None
+                else tuple(torch.zeros(shape, device=out.device) for _ in range(groups))
+                for shape, out in zip(shapes, call.outputs1)
+            ]
             return call.normalise(zeros)
-        implementation = self.table[self.implementation]
-        with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
-            return call.normalise(self.computed(call, key, lambda call: implementation.kernels(call, key)))
+        budget = self.budget(call)
+        attempted: list = []
+
+        def planned(call: KernelCall) -> Any:
+            # NOTE: [Memory plans]: refused, or given a chunk_size, before any derivative is taken
+            # (inside `computed`: implementation 3's plan may need the example loop too)
+            try:
+                plan = memory_plan(self.table, self.implementation, call, key, budget)
+            except KernelMemoryError as refusal:
+                if chunking_allowed() or refusal.kernel_alone:
+                    raise
+                raise WouldChunk() from None  # NOTE: [Budgets of callers]: the caller cuts x1 too
+            if plan.chosen and not chunking_allowed():
+                raise WouldChunk()
+            memory_planner(self.table).notify(plan, call)
+            attempted.append(plan)
+            return self.table[plan.implementation].kernels(with_chunk(call, plan), key)
+
+        def compute() -> PyTree:
+            with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
+                return call.normalise(self.computed(call, key, planned))
+
+        def described() -> str:
+            return attempted[-1].describe() if attempted else f"implementation {int(self.implementation)}"
+
+        # NOTE: [Out of memory at the kernel boundary]
+        return out_of_memory_boundary(compute, call.where, described, OUT_OF_MEMORY_ADVICE, call.outputs1[0].device)
 
     def publish(
         self, kernel_fn: KernelFn, kind: str, builder: Callable[..., KernelFn], open_blocks: Callable[..., Any],
@@ -310,7 +388,9 @@ class NtkSettings:
             key = input_shape_key(x1, x2, params, kwargs)
             return self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key), key)
 
-        return KernelFunction(kernel_fn, spec, doc, auto_choice)
+        published = KernelFunction(kernel_fn, spec, doc, auto_choice)
+        published._settings = self  # for the memory model's tests and benchmarks (tests/_memory_grid.py)
+        return published
 
 
 def structured_options(values: dict, chosen: NtkImplementation, where: str) -> StructuredOptions:

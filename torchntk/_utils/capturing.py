@@ -26,6 +26,11 @@ def capturing() -> Iterator[None]:
         _CAPTURING.active = False
 
 
+def is_capturing() -> bool:
+    """Whether this thread is inside :func:`capturing`."""
+    return bool(getattr(_CAPTURING, "active", False))
+
+
 @contextlib.contextmanager
 def structural() -> Iterator[None]:
     """Marks torchntk's own reads of tensors that hold only positions derived from shapes (the

@@ -245,7 +245,10 @@ class StructuredDerivatives:
 
             return run
 
-        return dataclasses.replace(blocks, prepare1=guarded(blocks.prepare1), prepare2=guarded(blocks.prepare2))
+        return dataclasses.replace(
+            blocks, prepare1=guarded(blocks.prepare1), prepare2=guarded(blocks.prepare2),
+            implementation=NtkImplementation.STRUCTURED_DERIVATIVES, structured=plan,
+        )
 
 
 def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> BlockPlan:

@@ -34,12 +34,17 @@ class StructuredCost:
         fallback_params: parameter entries whose Jacobians are contracted directly.
         contractions: einsum calls: pair contractions and Jacobians formed (AUTO prices each
             call's overhead).
+        held_elements: what the memory model counts (NOTE: [Memory plans]): ``memory_elements``
+            with the factors, Jacobians and fallback of x2 None held once, not per side.
+        largest_elements: the largest pair intermediate among them.
     """
 
     contraction_flops: float
     memory_elements: float
     fallback_params: int
     contractions: int = 0
+    held_elements: float = 0.0
+    largest_elements: float = 0.0
 
 
 def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
@@ -56,7 +61,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     pays = merge_pays(call.layouts[0], None if out_axes is None else out_axes[0])
     uses1, uses2 = (merged_uses(side_uses, out_axes is not None, pays) for side_uses in (uses[0], uses[-1]))
     param_sizes = [param.numel() for param in call.model.params]
-    flops = memory = 0.0
+    flops = memory = largest_intermediate = formed = 0.0
     contractions = 0
     for leaf, (layout, kernel_shape) in enumerate(zip(call.layouts, call.kernel_shapes())):
         out_axis = None if out_axes is None else out_axes[leaf]
@@ -73,6 +78,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
                     cost, largest = pair_cost(equation, tuple(tuple(t.shape) for t in tensors))
                     flops += cost
                     memory = max(memory, largest)
+                    largest_intermediate = max(largest_intermediate, largest)
                     continue
                 size = param_sizes[first.role.unit[0]]
                 for use in (first, second):
@@ -81,8 +87,10 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
                         contractions += 1
                         flops += _jacobian_cost(use, leaf, layout, out_axis)
                         memory += math.prod(use.gradients[leaf].shape[: layout.ndim]) * size
+                        formed += math.prod(use.gradients[leaf].shape[: layout.ndim]) * size
                 flops += 2.0 * kernel * size
-    memory += sum(t.numel() for side_uses in (uses1, uses2) for use in side_uses for t in _tensors(use))
+    factors = [sum(t.numel() for use in side_uses for t in _tensors(use)) for side_uses in (uses1, uses2)]
+    memory += sum(factors)
     fallback = sum(param_sizes[index] for index in plan.fallback)
     kernel = sum(
         math.prod(shape) * layout.trace_size(output.shape)
@@ -90,7 +98,11 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     )
     flops += 2.0 * kernel * fallback
     memory += fallback * sum(o.numel() for o in call.outputs1 + call.outputs2)
-    return StructuredCost(flops, memory, fallback, contractions)
+    # With x2 None the two sides above are one: its factors, Jacobians and fallback are held once.
+    once = call.side2 is None
+    held = largest_intermediate + (formed / 2 if once else formed) + factors[0] + (0 if once else factors[1])
+    held += fallback * sum(o.numel() for o in call.outputs1 + (() if once else call.outputs2))
+    return StructuredCost(flops, memory, fallback, contractions, held, largest_intermediate)
 
 
 def _jacobian_cost(use: Use, leaf: int, layout, out_axis) -> float:

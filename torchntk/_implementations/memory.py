@@ -1,0 +1,599 @@
+"""The memory model: the peak bytes of one kernel call, per implementation, layout and ``chunk_size``.
+
+NOTE: [Memory plans]
+Every NTK call is planned within its budget (NOTE: [Memory budgets] in ``_memory/budget.py``)
+after its validation (one forward pass per side, which the budget does not plan) and before any
+derivative is taken:
+
+1. the result alone, every output leaf's kernel (``N1 N2 O1 O2`` entries for a full kernel,
+   times the parameter groups), must fit, or the call is refused at once with a
+   :class:`~torchntk._memory.KernelMemoryError` naming the bytes, the budget and the ways out;
+2. the implementation's peak at the ``chunk_size`` given (None: its default) is estimated by the
+   model below; if it exceeds the budget, the largest ``chunk_size`` whose peak fits is used (with
+   ``vmap_axes``: examples per run, the runs then balanced; without: vectors differentiated at
+   once), and :class:`~torchntk._memory.MemoryPlanWarning` says so once per kernel function;
+   when none fits, the call is refused, naming the smallest plan's peak;
+3. AUTO (``_implementations/auto.py``) prices every candidate's plan this way, the chunked ones
+   with the extra derivative passes their blocks cost, and picks the cheapest plan that fits.
+
+The model. Sizes come from the call (``N`` examples per side, ``O`` output entries per example,
+``P`` parameter entries, the kernel's entries, the dtypes) and from one forward pass of one
+example counted by :class:`_ElementCounter` (once per input shapes): ``A``, the elements its
+operations write (what autograd keeps for the backward pass, an upper bound), ``A_max``, the
+largest of them, and the parameters used more than once (whose gradients autograd sums). Without
+``vmap_axes`` the whole batch is one example and ``O`` counts all its output entries. A run of
+``n`` examples then holds, in bytes (``e``: the element size):
+
+* its Jacobians (implementation 1; implementation 2's x2 vectors): ``n O P e``, plus for each
+  parameter used more than once a second copy of its part (the sum autograd forms), and a second
+  copy of everything when examples are mapped by a loop (the per-example results are stacked);
+* a reverse sweep: ``n A e`` kept for the backward pass and ``BACKWARD_LIVE n V A_max e`` for the
+  ``V`` cotangents pushed at once (``O``; without ``vmap_axes``, ``chunk_size`` of them);
+* structured derivatives' factors and pair intermediates: ``e`` times
+  ``structured._cost.StructuredCost.memory_elements`` of the narrowed call, plus the sweep;
+* NTK-vector products' forward-mode pass over all of x1 with ``t`` tangents (at most 24):
+  ``FORWARD_LIVE (1 + t) N1 A_max e``, and its columns, ``3`` copies of ``N1 n O1 O2`` entries
+  (the full block, permuted, then reduced to the layout);
+* a block's contraction: ``CONTRACTION_BYTES`` per entry of the block (the float64 sums of NOTE:
+  [Accurate contraction] and the product);
+
+and the call holds the preallocated kernel when it is assembled from several blocks. The peak is
+the largest of: preparing x2's run; preparing x1's run while x2's is held; contracting both. The
+validation before (the forward passes and checks) is modelled as ``VALIDATION_LIVE N A_max e``
+plus the outputs, and reported with the rest; it is not planned. The constants were fitted on the
+grid of ``tests/test_memory.py`` (an MLP, a CNN, a transformer block and an LSTM, every
+implementation, traced and full kernels, x2 given and None; measured as the growth of the
+process's peak resident memory); ``docs/batching.md`` ("Memory plans") records predicted against
+measured peaks.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._call.kernel_call import KernelCall
+from .._call.per_example import Side
+from .._layout.runs import runs
+from .._layout.tiles import Placement
+from .._memory import KernelMemoryError, MemoryPlanWarning, format_bytes
+from .._model.aliases import storage_key
+from .._model.unfused import forward_mode_kernels
+from .._utils.bounded_cache import BoundedCache
+from .._utils.checks import user_stacklevel
+from .._utils.threads import FORWARD_MODE_LOCK
+from .._utils.types import NtkImplementation
+from .ntk_vector_products import default_run_length
+from .structured._cost import structured_cost
+
+_JACOBIAN = NtkImplementation.JACOBIAN_CONTRACTION
+_PRODUCTS = NtkImplementation.NTK_VECTOR_PRODUCTS
+_STRUCTURED = NtkImplementation.STRUCTURED_DERIVATIVES
+
+BACKWARD_LIVE = 3.0
+"""Activation-sized tensors per cotangent a backward pass holds at once (the gradient arriving, the
+one leaving, an operation's temporary)."""
+FORWARD_LIVE = 3.0
+"""Activation-sized tensors a pass without a tape holds at once (input, output, a temporary)."""
+VALIDATION_LIVE = 4.0
+"""Activation-sized tensors per example of the validation's forward passes (whole batch and per
+example, compared)."""
+CONTRACTION_BYTES = 20
+"""Bytes per entry of a block's contraction: a float64 sum, a float64 term and the product."""
+INTERMEDIATE_COPIES = 1.5
+"""Structured derivatives' largest pair intermediate counts this many times (the einsum's operands
+of the next step are permuted copies of it, part of the time)."""
+TANGENTS_AT_ONCE = 24
+"""NTK-vector products push at most this many tangents through one forward-mode pass
+(``ntk_vector_products.TANGENTS_PER_PASS``)."""
+
+
+# -- what one forward pass of one example writes -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Activations:
+    """One counted forward pass (of one example when mapped, else of the whole batch).
+
+    Attributes:
+        written: elements written by operations that are not views.
+        largest: the largest such result, in elements.
+        reused: indices of the parameters consumed by more than one operation.
+    """
+
+    written: float
+    largest: float
+    reused: tuple[int, ...] = ()
+
+
+class _ElementCounter(TorchDispatchMode):
+    """Counts what each ATen call writes and which parameters it consumes (by storage)."""
+
+    def __init__(self, params: tuple) -> None:
+        super().__init__()
+        self.written = 0
+        self.largest = 0
+        self._storages = {storage_key(param): index for index, param in enumerate(params)}
+        self._storages.pop(None, None)
+        self.uses = [0] * len(params)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if func._overloadpacket in _IGNORED or func.is_view:
+            return result
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and self._storages:
+                index = self._storages.get(storage_key(leaf))
+                if index is not None:
+                    self.uses[index] += 1
+        for leaf in pytree.tree_leaves(result):
+            if isinstance(leaf, torch.Tensor):
+                self.written += leaf.numel()
+                self.largest = max(self.largest, leaf.numel())
+        return result
+
+
+_IGNORED = frozenset({torch.ops.aten.detach, torch.ops.aten.clone, torch.ops.aten._to_copy, torch.ops.aten.lift_fresh})
+"""Copies of parameters and inputs the functional model makes: not the model's activations."""
+
+
+def count_activations(side: Side) -> Optional[Activations]:
+    """The :class:`Activations` of ``side`` (its first example when mapped), or None when the
+    counter cannot run the model (the model then uses the outputs' sizes alone)."""
+    example = side.narrow(0, 1) if side.mapped and side.batch_size() > 1 else side
+    params = side.model.params
+    counter = _ElementCounter(params)
+    try:
+        # The lock: forward_mode_kernels sets process-wide flags (NOTE: [Threads]).
+        with FORWARD_MODE_LOCK, torch.no_grad(), forward_mode_kernels(bool(side.model.fused)), counter:
+            example.whole_batch()(params)
+    except Exception:  # noqa: BLE001 - an estimate only; the implementation reports the model's error
+        return None
+    reused = tuple(index for index, uses in enumerate(counter.uses) if uses > 1)
+    return Activations(float(counter.written), float(counter.largest), reused)
+
+
+# -- the sizes of a call ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _SideSizes:
+    examples: int  # N (1 for a whole batch)
+    outputs: float  # O: output entries per example (all of them for a whole batch)
+    activations: Activations
+    loop: bool
+
+
+@dataclass(frozen=True)
+class CallSizes:
+    """What the model needs of one call, measured once per input shapes (:meth:`MemoryPlanner.sizes`)."""
+
+    mapped: bool
+    reuses_x1: bool
+    element: int
+    params: int
+    param_sizes: tuple[int, ...]
+    side1: _SideSizes
+    side2: _SideSizes
+    kinds: tuple[str, ...]  # per kernel leaf: "kept", "diagonal", "trace" (the batch axis), or "whole"
+    kernel_entries: tuple[float, ...]  # per kernel leaf, all groups
+    kernel_bytes: tuple[int, ...]  # bytes per kernel entry per leaf
+    output_bytes: float  # the whole-batch outputs the call holds
+
+    def block_entries(self, n1: int, n2: int) -> float:
+        """Kernel entries of the block of ``n1`` x1 and ``n2`` x2 examples."""
+        total = 0.0
+        big1, big2 = self.side1.examples, self.side2.examples
+        for kind, entries in zip(self.kinds, self.kernel_entries):
+            if kind == "kept":
+                total += entries * n1 * n2 / max(1, big1 * big2)
+            elif kind == "diagonal":
+                total += entries * min(n1, n2) / max(1, big1)
+            else:
+                total += entries
+        return total
+
+    @property
+    def result_bytes(self) -> float:
+        return sum(entries * size for entries, size in zip(self.kernel_entries, self.kernel_bytes))
+
+    def cut(self, implementation: NtkImplementation) -> bool:
+        """Whether ``chunk_size`` cuts x1 too (NTK-vector products keep x1 whole unless its batch
+        axis is traced or diagonal)."""
+        return implementation != _PRODUCTS or any(kind in ("diagonal", "trace") for kind in self.kinds)
+
+
+def call_sizes(call: KernelCall) -> CallSizes:
+    """The sizes of ``call`` (one counted forward pass per side with its own per-example shapes)."""
+    params = call.model.params
+    element = max(params[0].element_size(), max(output.element_size() for output in call.outputs1))
+    mapped = call.side1.mapped
+    sides = []
+    counted: dict = {}
+    pairs = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
+    for side, outputs in pairs:
+        examples = side.batch_size() if mapped else 1
+        shapes = _example_shapes(side)
+        if shapes not in counted or shapes is None:
+            counted[shapes] = count_activations(side)
+        activations = counted[shapes]
+        entries = sum(output.numel() for output in outputs)
+        per_example = entries / max(1, examples)
+        if activations is None:  # the counter failed: the outputs are the only sizes known
+            activations = Activations(per_example, per_example)
+        sides.append(_SideSizes(examples, per_example, activations, bool(side.loop)))
+    if len(sides) == 1:
+        sides.append(sides[0])
+    groups = len(call.groups) if call.groups is not None else 1
+    kinds, entries, sizes = [], [], []
+    for shape, layout, output, dtype in zip(call.kernel_shapes(), call.layouts, call.outputs1, call.dtypes):
+        kinds.append(Placement.of(layout, call.side1.out_axes[len(kinds)]).kind if mapped else "whole")
+        entries.append(float(math.prod(shape)) * groups)
+        sizes.append(torch.empty((), dtype=dtype).element_size())
+    output_bytes = sum(o.numel() * o.element_size() for o in call.outputs1)
+    if call.side2 is not None:
+        output_bytes += sum(o.numel() * o.element_size() for o in call.outputs2)
+    return CallSizes(
+        mapped, call.side2 is None, element, sum(p.numel() for p in params), tuple(p.numel() for p in params),
+        sides[0], sides[1], tuple(kinds), tuple(entries), tuple(sizes), float(output_bytes),
+    )
+
+
+def _example_shapes(side: Side) -> Optional[tuple]:
+    if not side.mapped or side.batch_size() == 0:
+        return None
+    example = side.narrow(0, 1)
+    leaves = list(example.x.leaves) + [leaf for flat in example.kwargs.values() for leaf in flat.leaves]
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves)
+
+
+# -- the peaks -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A modelled peak, in bytes, and its parts (for messages and ``docs/batching.md``)."""
+
+    total: float
+    result: float  # the kernel preallocated for assembling blocks (0 for one block)
+    derivatives: float  # the largest phase of preparing and contracting runs
+    validation: float  # the forward passes and checks before the plan
+
+    @property
+    def planned(self) -> float:
+        """What the plan controls: the peak after validation."""
+        return self.result + self.derivatives
+
+
+StructuredMemory = Callable[[int, int], float]
+"""``(n1, n2) -> elements`` of structured derivatives' factors and intermediates for runs of those
+lengths (``StructuredCost.memory_elements`` of the narrowed call)."""
+
+
+def peak_bytes(
+    sizes: CallSizes, implementation: NtkImplementation, chunk: Optional[int],
+    structured: Optional[StructuredMemory] = None, default_run: Optional[int] = None, cut: bool = False,
+) -> Peak:
+    """The modelled peak of a call of ``implementation`` with ``chunk_size=chunk`` (NOTE: [Memory plans]).
+
+    ``structured``: implementation 3's factor memory (required for it); ``default_run``: the run
+    length implementation 2 uses when ``chunk`` is None; ``cut``: runs of ``chunk`` examples on
+    both sides whatever the implementation (``batch``'s spans).
+    """
+    e = sizes.element
+    one, two = sizes.side1, sizes.side2
+    validation = sizes.output_bytes + VALIDATION_LIVE * e * max(
+        one.examples * one.activations.largest, two.examples * two.activations.largest
+    )
+    if sizes.mapped:
+        n2 = min(two.examples, chunk or (default_run if implementation == _PRODUCTS else None) or two.examples)
+        n1 = min(one.examples, chunk or one.examples) if cut or sizes.cut(implementation) else one.examples
+        vectors1, vectors2 = one.outputs, two.outputs
+        assembled = n1 < one.examples or n2 < two.examples
+    else:
+        n1 = n2 = 1
+        vectors1 = min(one.outputs, chunk or one.outputs)
+        vectors2 = min(two.outputs, chunk or two.outputs)
+        assembled = False
+    result = sizes.result_bytes if assembled else 0.0
+    block = CONTRACTION_BYTES * sizes.block_entries(n1, n2)
+    shared = sizes.reuses_x1 and n1 >= one.examples  # one run prepared once serves both sides
+
+    def sweep(side: _SideSizes, n: int, vectors: float) -> float:
+        return e * n * (side.activations.written + BACKWARD_LIVE * vectors * side.activations.largest)
+
+    def jacobians(side: _SideSizes, n: int) -> float:
+        reused = sum(sizes.param_sizes[index] for index in side.activations.reused)
+        held = e * n * side.outputs * (sizes.params + reused)
+        return 2 * held if side.loop else held
+
+    if implementation == _JACOBIAN:
+        held2 = jacobians(two, n2)
+        phases = [held2 + sweep(two, n2, vectors2)]
+        if not shared:
+            phases.append(held2 + jacobians(one, n1) + sweep(one, n1, vectors1))
+        phases.append(held2 + (0 if shared else jacobians(one, n1)) + block)
+        derivatives = max(phases)
+    elif implementation == _STRUCTURED:
+        if structured is None:
+            raise ValueError("the memory of structured derivatives needs their factor sizes")
+        factors = e * structured(n1, n2)
+        passes = n1 + n2 if not (sizes.reuses_x1 or assembled) else max(n1, n2)  # one pass for both sides
+        side = one if one.activations.written >= two.activations.written else two
+        derivatives = factors + block + sweep(side, passes, max(vectors1, vectors2))
+    elif implementation == _PRODUCTS:
+        # x2's vectors are formed (two copies while the basis is stacked), then pushed through
+        # forward-mode passes over all of x1, each giving full columns before the layout reduces them.
+        vectors = e * n2 * two.outputs * sizes.params
+        columns = n2 * vectors2 if sizes.mapped else vectors2
+        tangents = min(TANGENTS_AT_ONCE, columns)
+        forward = FORWARD_LIVE * e * (1 + tangents) * n1 * one.activations.largest
+        products = 2 * sizes.kernel_bytes[0] * columns * n1 * one.outputs
+        derivatives = max(2 * vectors + sweep(two, n2, vectors2), vectors + forward + products)
+    else:
+        raise ValueError(f"no memory model for implementation {implementation!r}")
+    planned = result + derivatives
+    return Peak(max(planned, validation), result, derivatives, validation)
+
+
+# -- plans ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one call runs within its budget.
+
+    Attributes:
+        implementation: the implementation that computes it.
+        chunk_size: the ``chunk_size`` it runs with (the caller's, or one chosen to fit).
+        peak: the modelled peak of that plan (None when nothing was planned: an unlimited budget).
+        budget: the budget in bytes (``inf``: nothing was planned).
+        replaced: when the plan chose ``chunk_size``, the modelled peak of the call as given.
+    """
+
+    implementation: NtkImplementation
+    chunk_size: Optional[int]
+    peak: Optional[Peak]
+    budget: float
+    replaced: Optional[Peak] = None
+
+    @property
+    def chosen(self) -> bool:
+        """Whether the plan chose ``chunk_size`` (the caller's did not fit)."""
+        return self.replaced is not None
+
+    def describe(self) -> str:
+        """``implementation 1 (chunk_size=512; an estimated peak of 1.2 GB, budget 2 GB)``."""
+        chunk = f"chunk_size={self.chunk_size}" if self.chunk_size is not None else "no chunk_size"
+        estimate = "" if self.peak is None else f"; an estimated peak of {format_bytes(self.peak.total)}"
+        return f"implementation {int(self.implementation)} ({chunk}{estimate}, budget {format_bytes(self.budget)})"
+
+
+def largest_chunk(total: int, fits: Callable[[int], bool]) -> Optional[int]:
+    """The largest ``c`` in ``1..total`` with ``fits(c)`` (``fits`` monotone), balanced: as many runs
+    as ``c`` makes, their lengths as equal as they can be. None when even 1 does not fit.
+
+    Example:
+        >>> largest_chunk(100, lambda c: c <= 40), largest_chunk(100, lambda c: c <= 0)
+        (34, None)
+    """
+    if not fits(1):
+        return None
+    low, high = 1, max(1, total)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    count = math.ceil(total / low)
+    return math.ceil(total / count)
+
+
+def run_count(sizes: CallSizes, implementation: NtkImplementation, chunk: Optional[int]) -> tuple[int, int]:
+    """How many runs of x1 and of x2 ``chunk`` makes (1 and 1 without ``vmap_axes``)."""
+    if not sizes.mapped or chunk is None:
+        return 1, 1
+    first = len(runs(sizes.side1.examples, chunk)) if sizes.cut(implementation) else 1
+    return first, len(runs(sizes.side2.examples, chunk))
+
+
+def result_bytes(shapes: Any, dtypes: Any, groups: int = 1) -> float:
+    """The bytes of an NTK: one kernel of each shape and dtype per output leaf, per parameter group."""
+    return float(sum(
+        math.prod(shape) * torch.empty((), dtype=dtype).element_size() * groups for shape, dtype in zip(shapes, dtypes)
+    ))
+
+
+def result_refusal(call: KernelCall, budget: float) -> Optional[KernelMemoryError]:
+    """The error for a call whose result alone exceeds ``budget``, or None (computes nothing)."""
+    groups = len(call.groups) if call.groups is not None else 1
+    return kernel_refusal(call.kernel_shapes(), call.dtypes, groups, budget, call.where)
+
+
+def kernel_refusal(shapes: Any, dtypes: Any, groups: int, budget: float, where: str) -> Optional[KernelMemoryError]:
+    """The error for kernels of these shapes and dtypes (per group) that alone exceed ``budget``, or None."""
+    needed = result_bytes(shapes, dtypes, groups)
+    if needed <= budget:
+        return None
+    described = ", ".join("x".join(map(str, shape)) for shape in shapes)
+    per_group = f" for each of {groups} parameter groups" if groups > 1 else ""
+    names = ", ".join(sorted({str(dtype).replace("torch.", "") for dtype in dtypes}))
+    return KernelMemoryError(
+        f"{where}: the kernel alone takes {format_bytes(needed)} (shape {described}{per_group}, {names}), more "
+        f"than the memory budget of {format_bytes(budget)}. {RESULT_ADVICE}",
+        needed, budget, kernel_alone=True,
+    )
+
+
+RESULT_ADVICE = (
+    "Ways out: write it to disk block by block with torchntk.batch(kernel_fn, out=np.lib.format.open_memmap(...)); "
+    "trace more output axes (trace_axes: a full kernel holds O1 x O2 entries per pair of examples); keep fewer "
+    "outputs (output_fn=...) or examples; or allow more memory (memory=..., e.g. memory='64GB')."
+)
+PLAN_ADVICE = (
+    "Ways out: allow more memory (memory=...); another implementation (3 holds no per-parameter Jacobians; 0 picks "
+    "the fastest that fits); fewer parameters (params=...) or outputs (trace_axes, output_fn); or "
+    "torchntk.batch(kernel_fn, batch_size='auto'), which also cuts x1 and can write the kernel to disk (out=...)."
+)
+
+
+def plan_advice(sizes: CallSizes, implementation: NtkImplementation) -> str:
+    """What to do about a call none of whose plans fit: :data:`PLAN_ADVICE`, led by what this call lacks."""
+    if not sizes.mapped:
+        return "Pass vmap_axes if the examples are independent: blocks of examples then bound the memory. " + PLAN_ADVICE
+    if implementation == _PRODUCTS and not sizes.cut(implementation):
+        return (
+            "Implementation 2 pushes all of x1 through each forward-mode pass (chunk_size cuts x2 only). " + PLAN_ADVICE
+        )
+    return PLAN_ADVICE
+
+
+OUT_OF_MEMORY_ADVICE = (
+    "The plan is an estimate and other processes take memory too: pass a smaller memory= (the plan then cuts the "
+    "work into smaller blocks) or chunk_size, or compute the kernel with torchntk.batch(kernel_fn, out=...)."
+)
+
+
+def plan_refusal(
+    peak: Peak, sizes: CallSizes, implementation: NtkImplementation, budget: float, where: str
+) -> KernelMemoryError:
+    """The error for a call whose smallest plan (``peak``) exceeds ``budget``."""
+    smallest = "one example per block" if sizes.mapped else "one output entry differentiated at a time"
+    return KernelMemoryError(
+        f"{where}: implementation {int(implementation)} needs about {format_bytes(peak.planned)} even with "
+        f"{smallest} (the kernel {format_bytes(peak.result)}, the derivatives {format_bytes(peak.derivatives)}), "
+        f"more than the memory budget of {format_bytes(budget)}. {plan_advice(sizes, implementation)}",
+        peak.planned, budget,
+    )
+
+
+class MemoryPlanner:
+    """The sizes and modelled peaks of calls (cached per input shapes) and the plans made from them,
+    for one kernel function (NOTE: [Memory plans]). Thread-safe: its caches are."""
+
+    def __init__(self) -> None:
+        self._sizes = BoundedCache(_REMEMBERED)
+        self._peaks = BoundedCache(_REMEMBERED * 8)
+        self._warned = False
+
+    @staticmethod
+    def _key(call: KernelCall, key: Hashable) -> Optional[Hashable]:
+        cache_key = call.cache_key(key)
+        return None if cache_key is None else (cache_key, call.side1.loop)
+
+    def sizes(self, call: KernelCall, key: Hashable) -> CallSizes:
+        cache_key = self._key(call, key)
+        found = self._sizes.get(cache_key) if cache_key is not None else None
+        if found is None:
+            found = call_sizes(call)
+            if cache_key is not None:
+                self._sizes[cache_key] = found
+        return found
+
+    def peak(
+        self, call: KernelCall, key: Hashable, implementation: NtkImplementation, chunk: Optional[int],
+        structured_plan: Any = None, cut: bool = False,
+    ) -> Peak:
+        """The modelled peak of ``call`` run by ``implementation`` with ``chunk_size=chunk``;
+        ``structured_plan``: implementation 3's plan (required for it); ``cut``: see :func:`peak_bytes`."""
+        cache_key = self._key(call, key)
+        peak_key = None if cache_key is None else (cache_key, implementation, chunk, id(structured_plan), cut)
+        found = self._peaks.get(peak_key) if peak_key is not None else None
+        if found is None:
+            structured = None if structured_plan is None else structured_memory(call, structured_plan)
+            default_run = default_run_length(call) if implementation == _PRODUCTS else None
+            found = peak_bytes(self.sizes(call, key), implementation, chunk, structured, default_run, cut)
+            if peak_key is not None:
+                self._peaks[peak_key] = found
+        return found
+
+    def plan(
+        self, call: KernelCall, key: Hashable, implementation: NtkImplementation, budget: float,
+        structured_plan: Any = None,
+    ) -> MemoryPlan:
+        """The plan of ``call`` with ``implementation`` within ``budget`` bytes: its ``chunk_size``
+        if that fits, else the largest that does.
+
+        Raises:
+            KernelMemoryError: the result alone, or the smallest plan, exceeds the budget.
+        """
+        if not math.isfinite(budget):
+            return MemoryPlan(implementation, call.chunk_size, None, budget)
+        refusal = result_refusal(call, budget)
+        if refusal is not None:
+            raise refusal
+        sizes = self.sizes(call, key)
+
+        def peak(chunk: Optional[int]) -> Peak:
+            return self.peak(call, key, implementation, chunk, structured_plan)
+
+        given = peak(call.chunk_size)
+        if given.planned <= budget:
+            return MemoryPlan(implementation, call.chunk_size, given, budget)
+        total = chunk_limit(sizes)
+        limit = min(total, call.chunk_size) if call.chunk_size is not None else total
+        chosen = largest_chunk(limit, lambda chunk: peak(chunk).planned <= budget)
+        if chosen is None:
+            raise plan_refusal(peak(1), sizes, implementation, budget, call.where)
+        return MemoryPlan(implementation, chosen, peak(chosen), budget, replaced=given)
+
+    def notify(self, plan: MemoryPlan, call: KernelCall) -> None:
+        """The once-per-kernel-function :class:`MemoryPlanWarning` of a chosen ``chunk_size``."""
+        if not plan.chosen or self._warned:
+            return
+        self._warned = True
+        unit = "examples of x1 and x2 per block" if call.side1.mapped else "output entries differentiated at once"
+        given = "no chunk_size" if call.chunk_size is None else f"chunk_size={call.chunk_size}"
+        warnings.warn(
+            f"{call.where}: with {given}, implementation {int(plan.implementation)} would need about "
+            f"{format_bytes(plan.replaced.planned)}, more than the memory budget of {format_bytes(plan.budget)}; "
+            f"computing it with chunk_size={plan.chunk_size} ({unit}, an estimated peak of "
+            f"{format_bytes(plan.peak.total if plan.peak else math.nan)}) instead. Pass chunk_size or memory= to "
+            f"choose yourself. Shown once per kernel function.",
+            MemoryPlanWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+def chunk_limit(sizes: CallSizes) -> int:
+    """The largest ``chunk_size`` that means anything: all examples of the larger side, or all
+    output entries without ``vmap_axes``."""
+    if sizes.mapped:
+        return max(sizes.side1.examples, sizes.side2.examples)
+    return int(max(sizes.side1.outputs, sizes.side2.outputs))
+
+
+def structured_memory(call: KernelCall, plan: Any) -> StructuredMemory:
+    """Implementation 3's factor and intermediate elements for runs of ``n1`` and ``n2`` examples,
+    priced on the call narrowed to them (``structured._cost``), each size once."""
+    found: dict[tuple[int, int], float] = {}
+    n1 = call.side1.batch_size() if call.side1.mapped else 1
+    n2 = n1 if call.side2 is None else (call.side2.batch_size() if call.side2.mapped else 1)
+
+    def elements(length1: int, length2: int) -> float:
+        if (length1, length2) not in found:
+            narrowed = call
+            if call.side1.mapped and (length1 < n1 or length2 < n2):
+                same = call.side2 is None and length1 == length2
+                narrowed = call.narrow((0, length1), None if same else (0, length2))
+            cost = structured_cost(narrowed, plan)
+            # An einsum step's operands are often reshaped copies: the largest intermediate counts more.
+            found[length1, length2] = cost.held_elements + (INTERMEDIATE_COPIES - 1) * cost.largest_elements
+        return found[length1, length2]
+
+    return elements
+
+
+_REMEMBERED = 64
+
+
+def with_chunk(call: KernelCall, plan: MemoryPlan) -> KernelCall:
+    """``call`` running with the plan's ``chunk_size``."""
+    return call if plan.chunk_size == call.chunk_size else replace(call, chunk_size=plan.chunk_size)
