@@ -109,7 +109,7 @@ def plan_spans(
     Example:
         >>> plan = plan_spans(100, 100, 1e6, lambda length: 4e6 * length, 250e6, longest=100, mirrored=False)
         >>> plan.span, plan.cache >= 100 * 1e6       # every x2 span cached: each example prepared once
-        (16, True)
+        (32, True)
     """
     longest = max(1, min(longest, max(n1, n2)))
     candidates = sorted({longest} | {2**k for k in range(64) if 2**k < longest}, reverse=True)
