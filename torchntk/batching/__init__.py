@@ -42,7 +42,7 @@ from .._utils.types import PyTree
 from ..distributed import DEFAULT_TIMEOUT, KernelShard, all_reduce_sum, checkpoint, failure_guard, world
 from ._devices import asynchronous_copy, device_count_argument, devices_argument, move, pinned, resolve
 from ._disk import ProgressRecord, assign_whole, fingerprint, match_out, out_leaves
-from ._jobs import Job, by_entries, run_blocks, run_spans
+from ._jobs import SPAN_ENTRIES, Job, by_entries, run_blocks, run_spans
 from ._output import batch_axis_kinds
 from ._plan import SpanPlan, plan_spans, worker_budget
 
@@ -310,7 +310,7 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: 
     plain = out is None and not settings.shard
     if plain and settings.batch_size == 0 and len(devices) == 1 and world_size == 1:
         return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
-    if plain and settings.auto and len(devices) == 1 and world_size == 1:
+    if plain and settings.auto and len(devices) == 1 and world_size == 1 and _pairs(x1, x2) <= SPAN_ENTRIES:
         try:  # NOTE: [Automatic tiling], step 1
             with caller_plans(resolve_budget(settings.memory, devices[0]), chunking=False):
                 return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
@@ -350,6 +350,16 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: 
     if world_size > 1:  # blocks are disjoint, so the sum over ranks assembles the kernel
         leaves = all_reduce_sum(leaves, timeout=settings.timeout)
     return tree.rebuild(leaves)
+
+
+def _pairs(x1: Any, x2: Any) -> int:
+    """Pairs of examples, from the leading axis of the first tensor of each input: whether one call
+    of the kernel function is worth trying (NOTE: [Automatic tiling], step 1; a guess is enough)."""
+    sizes = []
+    for x in (x1, x1 if is_all_none(x2) else x2):
+        leaves = [leaf for leaf in Flat.of(x).leaves if isinstance(leaf, torch.Tensor) and leaf.ndim]
+        sizes.append(leaves[0].shape[0] if leaves else 1)
+    return sizes[0] * sizes[1]
 
 
 def _empty(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: Any, n1: int) -> PyTree:
