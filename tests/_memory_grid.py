@@ -6,7 +6,9 @@ How the peak is measured (CPU). Each grid runs in a child process of its own
 maps every allocation of 64 kB or more on its own and unmaps it when it is freed, so the process's
 resident memory follows the tensors alive (without it, freed memory stays in malloc's heap and a
 later call reuses it unseen). For every configuration the child calls the kernel function once
-(plans, caches and imports settle), collects garbage, resets the kernel's record of the peak
+(plans, caches and imports settle), collects garbage, hands malloc's free memory back to the
+system (``malloc_trim``: memory freed by threads' arenas stays otherwise, and a 1 GB configuration
+hid the next one's growth), resets the kernel's record of the peak
 resident set (``/proc/self/clear_refs``, value 5, Linux 4.0 or later), calls it again and reads
 ``VmHWM - VmRSS``-before from ``/proc/self/status``: the growth of the peak over the call, the
 result included. That is what the operating system charges the process, page by page; it misses
@@ -22,6 +24,7 @@ child would read ``torch.cuda.max_memory_allocated`` (``measure_cuda``); no GPU 
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -77,6 +80,15 @@ def _status(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
+def _trim() -> None:
+    """Returns malloc's free memory to the system (``malloc_trim``), so that the next call's growth
+    is not hidden by memory an earlier configuration freed into malloc's heap."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
@@ -112,16 +124,21 @@ def measure(config: dict) -> dict:
     generator = torch.Generator().manual_seed(1)
     x1 = torch.randn(config["n1"], *shape, generator=generator)
     x2 = None if config.get("n2") is None else torch.randn(config["n2"], *shape, generator=generator)
+    batched = config.get("batch")
     ntk_fn = torchntk.empirical_ntk_fn(
         model, trace_axes=tuple(config["trace_axes"]), vmap_axes=config.get("vmap_axes", 0),
-        implementation=config["implementation"], memory=config.get("memory"), chunk_size=config.get("chunk_size"),
+        implementation=config["implementation"], memory=None if batched else config.get("memory"),
+        chunk_size=config.get("chunk_size"),
     )
+    if batched:  # batch(batch_size="auto") within the budget; its plan is the span plan, not the model's peak
+        ntk_fn = torchntk.batch(ntk_fn, memory=config.get("memory"), **(batched if isinstance(batched, dict) else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         first = ntk_fn(x1, x2)
         del first
-        row = dict(config, **predicted(ntk_fn, x1, x2))
+        row = dict(config, **({"predicted": None} if batched else predicted(ntk_fn, x1, x2)))
         gc.collect()
+        _trim()
         base = _status("VmRSS")
         _reset_peak()
         start = time.perf_counter()

@@ -339,10 +339,7 @@ def _admit_early(model, first: tuple, second: Optional[tuple], vmap_axes, trace_
     Anything unusual (a model failing on one example, shapes that do not fit) is left to the full
     validation, which says what is wrong."""
     sides = [first] + ([second] if second is not None else [])
-    sizes = []
-    for x, kwargs, resolved in sides:
-        side = Side.build(model, x, kwargs, resolved, (), where, "x")
-        sizes.append(side.batch_size())
+    sizes = [_examples(x, kwargs, resolved) for x, kwargs, resolved in sides]
     if max(sizes) <= EARLY_ADMISSION or min(sizes) == 0:
         return
     try:
@@ -366,9 +363,21 @@ def _admit_early(model, first: tuple, second: Optional[tuple], vmap_axes, trace_
     admit(tuple(shapes), tuple(dtypes), outputs[0].leaves[0].device)
 
 
+def _examples(x: Any, kwargs: Mapping[str, Any], resolved) -> int:
+    """The examples ``vmap_axes`` (``resolved``) maps in ``x`` and ``kwargs`` (0 if none)."""
+    for leaf, axis in zip(Flat.of(x).leaves, resolved.x_axes):
+        if axis is not None:
+            return leaf.shape[axis]
+    for key, axes in (resolved.kwarg_axes or {}).items():
+        for leaf, axis in zip(Flat.of(kwargs[key]).leaves, axes):
+            if axis is not None:
+                return leaf.shape[axis]
+    return 0
+
+
 def _whole_batch(model, x, kwargs, resolved, vmap_axes, run_length: Optional[int], where: str) -> Flat:
     """The model's output on a whole batch; with a run length, by runs concatenated on the batch axes."""
-    if run_length is None:
+    if run_length is None or _examples(x, kwargs, resolved) <= run_length:
         return Flat.of(model.apply(model.params, x, kwargs))
     side = Side.build(model, x, kwargs, resolved, (), where, "x")
     parts = []

@@ -103,12 +103,11 @@ def memory_plan(
         KernelMemoryError: the result alone, or the smallest plan, exceeds the budget (before
             anything is computed).
     """
-    if math.isfinite(budget):
-        refusal = result_refusal(call, budget)
-        if refusal is not None:
-            raise refusal
     selector = table[NtkImplementation.AUTO]
     if implementation == NtkImplementation.AUTO:
+        refusal = result_refusal(call, budget) if math.isfinite(budget) else None
+        if refusal is not None:  # before choosing, which probes the model
+            raise refusal
         return selector.plan(call, key, budget)
     structured = None
     if implementation == NtkImplementation.STRUCTURED_DERIVATIVES and math.isfinite(budget):

@@ -235,7 +235,7 @@ def call_sizes(call: KernelCall) -> CallSizes:
     for shape, layout, output, dtype in zip(call.kernel_shapes(), call.layouts, call.outputs1, call.dtypes):
         kinds.append(Placement.of(layout, call.side1.out_axes[len(kinds)]).kind if mapped else "whole")
         entries.append(float(math.prod(shape)) * groups)
-        sizes.append(torch.empty((), dtype=dtype).element_size())
+        sizes.append(dtype.itemsize)
     output_bytes = sum(o.numel() * o.element_size() for o in call.outputs1)
     if call.side2 is not None:
         output_bytes += sum(o.numel() * o.element_size() for o in call.outputs2)
@@ -328,14 +328,14 @@ def peak_bytes(
         side = one if one.activations.written >= two.activations.written else two
         derivatives = factors + block + sweep(side, passes, max(vectors1, vectors2))
     elif implementation == _PRODUCTS:
-        # x2's vectors are formed (two copies while the basis is stacked), then pushed through
-        # forward-mode passes over all of x1, each giving full columns before the layout reduces them.
+        # x2's vectors are formed, then pushed through forward-mode passes over all of x1, each
+        # giving full columns before the layout reduces them.
         vectors = e * n2 * two.outputs * sizes.params
         columns = n2 * vectors2 if sizes.mapped else vectors2
         tangents = min(TANGENTS_AT_ONCE, columns)
         forward = FORWARD_LIVE * e * (1 + tangents) * n1 * one.activations.largest
         products = 2 * sizes.kernel_bytes[0] * columns * n1 * one.outputs
-        derivatives = max(2 * vectors + sweep(two, n2, vectors2), vectors + forward + products)
+        derivatives = vectors + max(sweep(two, n2, vectors2), forward + products)
     else:
         raise ValueError(f"no memory model for implementation {implementation!r}")
     planned = result + derivatives
@@ -406,9 +406,7 @@ def run_count(sizes: CallSizes, implementation: NtkImplementation, chunk: Option
 
 def result_bytes(shapes: Any, dtypes: Any, groups: int = 1) -> float:
     """The bytes of an NTK: one kernel of each shape and dtype per output leaf, per parameter group."""
-    return float(sum(
-        math.prod(shape) * torch.empty((), dtype=dtype).element_size() * groups for shape, dtype in zip(shapes, dtypes)
-    ))
+    return float(sum(math.prod(shape) * dtype.itemsize * groups for shape, dtype in zip(shapes, dtypes)))
 
 
 def result_refusal(call: KernelCall, budget: float) -> Optional[KernelMemoryError]:

@@ -27,6 +27,7 @@ import numbers
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -103,7 +104,21 @@ def available_bytes(device: torch.device) -> float:
     return _cpu_available()
 
 
+_READ_EVERY = 0.05
+"""Seconds a reading of the CPU's available memory is reused: kernel calls of a few milliseconds in
+a loop would otherwise spend a tenth of their time reading ``/proc/meminfo``."""
+_LAST_READING: list = [-math.inf, math.inf]
+
+
 def _cpu_available() -> float:
+    now = time.monotonic()
+    if now - _LAST_READING[0] < _READ_EVERY:
+        return _LAST_READING[1]
+    _LAST_READING[:] = [now, _read_cpu_available()]
+    return _LAST_READING[1]
+
+
+def _read_cpu_available() -> float:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:

@@ -19,24 +19,32 @@ each rank may keep only its rows (NOTE: [Row shards] in ``_layout/runs.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .._call.blocks import Replan
-from .._kernel.block_source import BlockRequest
+from .._implementations.memory import result_bytes
+from .._kernel.block_source import BlockRequest, BlockSource
 from .._kernel.kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
+from .._kernel.settings import FORWARD_RUN
+from .._memory import WouldChunk, caller_plans, memory_argument, resolve_budget
 from .._model.fingerprint import structure_fingerprint
 from .._utils import checks as _checks
+from .._utils.threads import serialised
 from .._utils.tree import Flat, is_all_none
 from .._utils.types import PyTree
 from ..distributed import DEFAULT_TIMEOUT, KernelShard, all_reduce_sum, checkpoint, failure_guard, world
 from ._devices import asynchronous_copy, device_count_argument, devices_argument, move, pinned, resolve
 from ._disk import ProgressRecord, assign_whole, fingerprint, match_out, out_leaves
-from ._jobs import Job, run_blocks, run_spans
+from ._jobs import SPAN_ENTRIES, Job, by_entries, run_blocks, run_spans
+from ._output import batch_axis_kinds
+from ._plan import SpanPlan, plan_spans, worker_budget
 
 __all__ = ["batch"]
 
@@ -51,7 +59,7 @@ class _Empty:
 
 def batch(
     kernel_fn: Callable[..., PyTree],
-    batch_size: int = 0,
+    batch_size: Union[int, str] = "auto",
     device_count: int = -1,
     store_on_device: bool = True,
     *,
@@ -59,7 +67,8 @@ def batch(
     progress: bool = False,
     distributed: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
-    cache_bytes: int = DEFAULT_CACHE_BYTES,
+    cache_bytes: Optional[int] = None,
+    memory: Union[None, int, float, str] = None,
 ) -> KernelFunction:
     """Returns ``kernel_fn`` computed block by block, on one or several devices.
 
@@ -70,11 +79,14 @@ def batch(
             example's derivatives are prepared about once (see ``cache_bytes``); without, the
             kernel function is called per block and inputs are cut along axis 0 of every leaf,
             which must then be the batch axis of the inputs and of the outputs.
-        batch_size: at most this many examples of x1 and of x2 per block; ``0`` means one block
+        batch_size: ``"auto"``: blocks and cache chosen within ``memory`` (one call of
+            ``kernel_fn`` when that fits; NOTE: [Automatic tiling] in ``batching/_plan.py``); an
+            int: at most this many examples of x1 and of x2 per block, ``0`` meaning one block
             (or one share per device when there are several). Need not divide the batch sizes.
             With ``vmap_axes`` it is the unit of the tiling: the work runs on spans of whole
             blocks, as many as ``cache_bytes`` allows (``cache_bytes=0``: one block per span).
-            Default: ``0``.
+            Default: ``"auto"``, which never needs a guess: an int that is too large runs out of
+            memory, one too small is slow.
         device_count: ``-1``: every CUDA device (the inputs' device when there is none); ``0``:
             the inputs' device only; ``k``: the first ``k`` CUDA devices. Default: ``-1``.
         store_on_device: keep the result on the first device (``True``) or in host memory
@@ -98,7 +110,12 @@ def batch(
             at once in half of it, and prepared x2 spans are kept for reuse in the other half.
             ``0`` prepares every block on its own (peak memory set by ``batch_size`` alone, as
             in neural-tangents, but each example's derivatives are recomputed for every block).
-            Default: 1 GiB.
+            None: 1 GiB with an int ``batch_size``; with ``"auto"``, what the budget leaves (an
+            int then caps it). Default: None.
+        memory: the memory budget of each device, as for :func:`~torchntk.empirical_ntk_fn`
+            (bytes, ``"8GB"``, ``math.inf``, or None: half the available RAM, 80% of a GPU's free
+            memory, measured at each call). ``"auto"`` plans within it; the kernel functions
+            ``batch`` calls plan within their worker's share of it. Default: None.
 
     Returns:
         A function with ``kernel_fn``'s signature and results, and two more keyword arguments:
@@ -113,7 +130,11 @@ def batch(
         TypeError: a ``kernel_fn`` not from this library; arguments of the wrong type; at call
             time, a keyword argument of ``batch`` itself (``progress=True``) that the model does
             not name.
-        ValueError: a negative ``batch_size`` or ``cache_bytes``, a ``device_count`` below -1 or above the CUDA
+        KernelMemoryError: (a MemoryError) at call time, before the work: the result alone (without
+            ``out``) exceeds the budget of the device that keeps it, or one example's spans exceed
+            a worker's share; the message says what to do (``out=``, ``memory=``, ...).
+        ValueError: a negative ``batch_size`` or ``cache_bytes``, a string ``batch_size`` other than
+            ``"auto"``, a ``memory`` that is no amount of memory, a ``device_count`` below -1 or above the CUDA
             devices present, a device that does not exist, both ``devices`` and
             ``device_count``; at call time, input leaves with different batch sizes, a traced or
             diagonal batch axis with x1 and x2 of different sizes, tensor 2-tuples whose halves
@@ -137,7 +158,14 @@ def batch(
             f"{where}: `kernel_fn` must be a kernel function of torchntk (empirical_ntk_fn, "
             f"empirical_nngp_fn or empirical_kernel_fn), got {_checks.show(kernel_fn)}."
         )
-    batch_size = _checks.non_negative_int_argument(batch_size, "batch_size", where, zero_means="one block")
+    if isinstance(batch_size, str):
+        if batch_size != "auto":
+            raise ValueError(f"{where}: `batch_size` must be 'auto' or a non-negative int, got {_checks.show(batch_size)}.")
+    else:
+        batch_size = _checks.non_negative_int_argument(batch_size, "batch_size", where, zero_means="one block")
+    budget = memory_argument(memory, where)
+    if cache_bytes is not None:
+        _checks.non_negative_int_argument(cache_bytes, "cache_bytes", where, zero_means="no cache")
     count = device_count_argument(device_count, where)
     chosen = devices_argument(devices, where)
     if chosen is not None and count != -1:
@@ -145,13 +173,14 @@ def batch(
     if distributed not in ("auto", "off", "shard"):
         raise ValueError(f"{where}: `distributed` must be 'auto', 'shard' or 'off', got {_checks.show(distributed)}.")
     plan = _Settings(
-        kernel_fn, spec, int(batch_size), count, chosen,
+        kernel_fn, spec, batch_size if batch_size == "auto" else int(batch_size), count, chosen,
         _checks.bool_argument(store_on_device, "store_on_device", where),
         _checks.bool_argument(progress, "progress", where),
         distributed != "off",
         _checks.timeout_argument(timeout, where),
-        _checks.non_negative_int_argument(cache_bytes, "cache_bytes", where, zero_means="no cache"),
+        cache_bytes if cache_bytes is not None else (None if batch_size == "auto" else DEFAULT_CACHE_BYTES),
         distributed == "shard",
+        memory=budget,
     )
 
     def batched(
@@ -164,7 +193,7 @@ def batch(
     def rebuild(model: Any) -> KernelFunction:
         return batch(
             spec.rebuild(model), batch_size, device_count, store_on_device, devices=devices, progress=progress,
-            distributed=distributed, timeout=timeout, cache_bytes=cache_bytes,
+            distributed=distributed, timeout=timeout, cache_bytes=cache_bytes, memory=memory,
         )
 
     batched_spec = KernelFnSpec(
@@ -210,17 +239,22 @@ def _names_keyword(model: Any, name: str) -> bool:
 class _Settings:
     kernel_fn: Callable[..., PyTree]
     spec: KernelFnSpec
-    batch_size: int
+    batch_size: Union[int, str]  # or "auto" (NOTE: [Automatic tiling])
     device_count: int
     devices: Optional[tuple[torch.device, ...]]
     store_on_device: bool
     progress: bool
     share_blocks: bool
     timeout: float
-    cache_bytes: float
+    cache_bytes: Optional[float]  # None with "auto": what the budget leaves
     shard: bool = False
+    memory: Optional[float] = None  # NOTE: [Memory budgets], per device
     replicas: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def auto(self) -> bool:
+        return self.batch_size == "auto"
 
     def functions(self, devices: tuple[torch.device, ...]) -> list[Callable[..., PyTree]]:
         """One kernel function per device: the original on the model's own device (every worker
@@ -276,6 +310,12 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: 
     plain = out is None and not settings.shard
     if plain and settings.batch_size == 0 and len(devices) == 1 and world_size == 1:
         return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
+    if plain and settings.auto and len(devices) == 1 and world_size == 1 and _pairs(x1, x2) <= SPAN_ENTRIES:
+        try:  # NOTE: [Automatic tiling], step 1
+            with caller_plans(resolve_budget(settings.memory, devices[0]), chunking=False):
+                return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
+        except WouldChunk:
+            pass  # planned below, by spans
     record = None
     if progress_file is not None:
         shard = [rank, world_size] if settings.shard else None
@@ -287,8 +327,8 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: 
     functions = settings.functions(devices)
     store_device = devices[0] if settings.store_on_device else torch.device("cpu")
     pin = store_device.type == "cpu" and any(device.type == "cuda" for device in devices)
-    job = Job(settings.spec, functions, devices, settings.batch_size, settings.progress, store_device, pin, rank,
-              world_size, settings.shard, out, record)
+    job = Job(settings.spec, functions, devices, 0 if settings.auto else settings.batch_size, settings.progress,
+              store_device, pin, rank, world_size, settings.shard, out, record)
     guard = failure_guard(timeout=settings.timeout) if world_size > 1 else contextlib.nullcontext()
     with guard:  # an exception here reaches the other ranks at their all-reduce (or checkpoint)
         computed = _by_spans(settings, job, x1, x2, args, kwargs)
@@ -310,6 +350,16 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: 
     if world_size > 1:  # blocks are disjoint, so the sum over ranks assembles the kernel
         leaves = all_reduce_sum(leaves, timeout=settings.timeout)
     return tree.rebuild(leaves)
+
+
+def _pairs(x1: Any, x2: Any) -> int:
+    """Pairs of examples, from the leading axis of the first tensor of each input: whether one call
+    of the kernel function is worth trying (NOTE: [Automatic tiling], step 1; a guess is enough)."""
+    sizes = []
+    for x in (x1, x1 if is_all_none(x2) else x2):
+        leaves = [leaf for leaf in Flat.of(x).leaves if isinstance(leaf, torch.Tensor) and leaf.ndim]
+        sizes.append(leaves[0].shape[0] if leaves else 1)
+    return sizes[0] * sizes[1]
 
 
 def _empty(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: Any, n1: int) -> PyTree:
@@ -336,8 +386,12 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
     if settings.spec.open_blocks is None:
         return None
 
+    # With "auto" the blocks are not known yet: the forward passes run on FORWARD_RUN examples and
+    # AUTO chooses for blocks of as many (NOTE: [Automatic tiling]).
+    requested = FORWARD_RUN if settings.auto else (settings.batch_size or None)
+
     def open_source(function: Callable, device: torch.device, thorough: bool):
-        request = BlockRequest(settings.batch_size or None, thorough)
+        request = BlockRequest(requested, thorough)
         moved = move((x1, x2, args, kwargs), device, source_kept=True)  # on the worker's own stream
         return spec_of(function).open_blocks(request, moved[0], moved[1], *moved[2], **moved[3])
 
@@ -347,13 +401,54 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
             return None
         if 0 in first.sizes():
             return _Empty(first.sizes()[0])
+        planned = None
+        if settings.auto:
+            plan = _span_plan(settings, job, first)
+            job = dataclasses.replace(job, block_size=plan.span)
+            planned = (plan.span, plan.cache)
         try:
             return run_spans(
-                job, first, lambda function, device: open_source(function, device, thorough), settings.cache_bytes
+                job, first, lambda function, device: open_source(function, device, thorough),
+                settings.cache_bytes or 0, planned,
             )
         except Replan:  # a span met operations the quick plan did not foresee: plan from every example
             continue
     raise AssertionError("a thorough plan cannot ask for another plan")
+
+
+def _span_plan(settings: _Settings, job: Job, first: BlockSource) -> SpanPlan:
+    """NOTE: [Automatic tiling], steps 2 and 3, for ``job``'s workers, the same on every rank."""
+    n1, n2 = first.sizes()
+    keeps_result = job.out is None
+    result = _result_bytes(first, job.rows(n1), n1) if keeps_result else 0.0
+    budget = worker_budget(settings.memory, job.devices, result, job.store_device)
+    with serialised(first.thread_safe):
+        per_example = max(first.prepare(1, (0, 1)).nbytes, first.prepare(2, (0, 1)).nbytes)
+    span_memory = first.span_memory or (lambda length: 3.0 * length * per_example)
+    workers = len(job.devices) * (1 if job.shard else job.world_size)
+    longest = min(max(n1, n2), max(1, math.ceil((job.rows(n1)[1] - job.rows(n1)[0]) / workers)))
+    if batch_axis_kinds(first.leaf_layouts(), job.spec.trace_axes, job.spec.diagonal_axes) == "kept":
+        longest = min(longest, by_entries(first, n1, n2, 1))
+    plan = plan_spans(n1, n2, per_example, span_memory, budget, longest=longest, mirrored=first.reuses_x1,
+                      cache_limit=settings.cache_bytes)
+    if job.world_size > 1:  # every rank must tile alike: the smallest plan of all
+        spans = torch.zeros(job.world_size, dtype=torch.float64)
+        caches = torch.zeros(job.world_size, dtype=torch.float64)
+        spans[job.rank], caches[job.rank] = plan.span, plan.cache
+        spans, caches = all_reduce_sum((spans, caches), timeout=settings.timeout)
+        plan = dataclasses.replace(plan, span=int(spans.min()), cache=float(caches.min()))
+    return plan
+
+
+def _result_bytes(source: BlockSource, rows: tuple[int, int], n1: int) -> float:
+    """The bytes of the result ``batch`` allocates: every leaf, this rank's rows of it in shard mode."""
+    call = source.call
+    total = 0.0
+    for name in source.names:
+        groups = call.kernels_of(name)
+        dtypes = call.dtypes if name == "ntk" else call.output_dtypes
+        total += result_bytes(call.kernel_shapes(), dtypes, groups)
+    return total * (rows[1] - rows[0]) / max(1, n1)
 
 
 def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwargs: dict):
@@ -366,11 +461,17 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
     # Moved here, in the calling thread, on the streams every worker's stream starts after.
     moved_args = {device: move(args, device, source_kept=True) for device in set(job.devices)}
 
+    # NOTE: [Automatic tiling], step 4: one share of the rows per worker, planned by the kernel function
+    shares = None
+    if settings.auto:
+        shares = {device: resolve_budget(settings.memory, device) / job.devices.count(device) for device in job.devices}
+
     def compute(function: Callable, device: torch.device, run1, run2) -> PyTree:
         one = _slice(flat1, *run1, device)
         two = None if run2 is None else _slice(flat2, *run2, device)
         cut = {key: _cut(key, value, run1, run2 or run1, n1, n2, device) for key, value in kwargs.items()}
-        return function(one, two, *moved_args[device], **cut)  # takes the forward-mode lock itself
+        with contextlib.nullcontext() if shares is None else caller_plans(shares[device]):
+            return function(one, two, *moved_args[device], **cut)  # takes the forward-mode lock itself
 
     return run_blocks(job, n1, n2, x2 is None, compute)
 

@@ -164,7 +164,7 @@ kernel, and square spans of 2048 examples for a kernel with one entry per pair o
 Gram matrices are then large enough to run at the matrix-product peak)."""
 
 
-def _by_entries(source: BlockSource, n1: int, n2: int, unit: int) -> float:
+def by_entries(source: BlockSource, n1: int, n2: int, unit: int) -> float:
     """The longest span (whole units) whose square pair holds at most :data:`SPAN_ENTRIES` entries.
 
     A pair's block and the contraction's intermediates grow with the square of the span, and a
@@ -178,9 +178,14 @@ def _by_entries(source: BlockSource, n1: int, n2: int, unit: int) -> float:
 
 
 def run_spans(
-    job: Job, first: BlockSource, open_source: Callable[[Callable, torch.device], BlockSource], cache_bytes: float
+    job: Job, first: BlockSource, open_source: Callable[[Callable, torch.device], BlockSource], cache_bytes: float,
+    planned: Optional[tuple[int, float]] = None,
 ) -> tuple[Flat, KernelOutput]:
     """Computes the kernel from prepared spans; ``first`` is the first device's source.
+
+    ``planned``: ``(span, cache)`` from NOTE: [Automatic tiling]: spans of at most ``span``
+    examples (the unit, ``job.block_size``) and ``cache`` bytes of prepared spans per worker,
+    instead of spans and cache from ``cache_bytes``.
 
     Returns the result's tree and the filled output (this rank's blocks only).
     """
@@ -191,14 +196,16 @@ def run_spans(
     per_example = probe.nbytes / max(1, probe.run[1])
     half = cache_bytes / 2
     by_memory = max(unit, int(half // per_example) // unit * unit) if per_example else math.inf
+    if planned is not None:
+        by_memory, half = planned
     kind = batch_axis_kinds(first.leaf_layouts(), job.spec.trace_axes, job.spec.diagonal_axes)
     job.check_pairs(kind, n1, n2)
     mirrored = first.reuses_x1
     rows = job.rows(n1)
     share = math.ceil(job.share(rows) / unit) * unit
-    by_entries = _by_entries(first, n1, n2, unit) if kind == "kept" else math.inf
-    length2 = min(by_memory, by_entries, math.ceil(n2 / unit) * unit)
-    tiling = tile(n1, n2, rows, min(by_memory, by_entries, share), length2, kind, mirrored)
+    entry_limit = by_entries(first, n1, n2, unit) if kind == "kept" else math.inf
+    length2 = min(by_memory, entry_limit, math.ceil(n2 / unit) * unit)
+    tiling = tile(n1, n2, rows, min(by_memory, entry_limit, share), length2, kind, mirrored)
     same_spans = mirrored or kind != "kept"
 
     workers = [_SpanWorker(lambda: first, half)]

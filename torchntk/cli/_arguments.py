@@ -77,6 +77,16 @@ def optional_int(text: str) -> Optional[int]:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
+def memory(text: str) -> float:
+    """``"8GB"``, ``"512MiB"``, ``"2e9"`` or ``"unlimited"``: the ``memory=`` budget of the kernel functions."""
+    from .._memory import memory_argument
+
+    try:
+        return memory_argument(text, "--memory")
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected an amount of memory such as 8GB or 512MiB, got {text!r}") from None
+
+
 def device(text: str) -> torch.device:
     try:
         chosen = torch.device(text)

@@ -51,6 +51,7 @@ class Settings:
     dtype: torch.dtype
     device: torch.device
     repeats: int
+    memory: Optional[float] = None  # --memory: the kernel functions' budget
 
     @property
     def tolerance(self) -> float:
@@ -184,7 +185,8 @@ def _check_output(output: Any, settings: Settings) -> tuple[int, ...]:
 
 def _kernel(model: torch.nn.Module, x: Inputs, implementation: int, settings: Settings) -> tuple[Any, float]:
     ntk_fn = torchntk.empirical_ntk_fn(
-        model, trace_axes=settings.trace_axes, vmap_axes=settings.vmap_axes, implementation=implementation
+        model, trace_axes=settings.trace_axes, vmap_axes=settings.vmap_axes, implementation=implementation,
+        memory=settings.memory,
     )
     kernel, times = timed_calls(lambda: ntk_fn(x), settings.repeats, settings.device)
     return kernel, min(times)
@@ -192,7 +194,8 @@ def _kernel(model: torch.nn.Module, x: Inputs, implementation: int, settings: Se
 
 def _auto(model: torch.nn.Module, x: Inputs, settings: Settings) -> str:
     """What AUTO picks, or why it could not say (a note, not a failure: no kernel is computed)."""
-    auto = torchntk.empirical_ntk_fn(model, trace_axes=settings.trace_axes, vmap_axes=settings.vmap_axes, implementation=0)
+    auto = torchntk.empirical_ntk_fn(model, trace_axes=settings.trace_axes, vmap_axes=settings.vmap_axes, implementation=0,
+                                     memory=settings.memory)
     try:
         chosen = int(auto.auto_choice(x).implementation)
     except Exception as error:

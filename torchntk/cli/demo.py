@@ -88,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
                         help="batch axis of inputs and outputs, or 'none' if the model couples examples (default 0)")
     parser.add_argument("--device", type=_arguments.device, default=torch.device("cpu"),
                         help="e.g. cpu, cuda, cuda:1 (default cpu)")
+    parser.add_argument("--memory", type=_arguments.memory, default=None, metavar="BYTES",
+                        help="memory budget of each kernel, e.g. 8GB or 512MiB: larger kernels are computed in "
+                             "blocks, or refused (default: half the available RAM, 80%% of a GPU's free memory)")
     parser.add_argument("--float64", action="store_true", help="compute in float64 (default float32)")
     parser.add_argument("--repeats", type=_arguments.positive_int, default=1,
                         help="timed calls per implementation after a warm-up call; the fastest is reported (default 1)")
@@ -111,7 +114,7 @@ def main(argv: list[str]) -> int:
     implementations = (1, 2, 3) if arguments.implementation == "all" else (int(arguments.implementation),)
     dtype = torch.float64 if arguments.float64 else torch.float32
     settings = Settings(arguments.n, arguments.trace_axes, arguments.vmap_axes, implementations, dtype,
-                        arguments.device, arguments.repeats)
+                        arguments.device, arguments.repeats, arguments.memory)
     _arguments.make_output_folder(arguments.output)
     progress = {"auto": None, "on": False, "off": True}[arguments.progress]
     steps = tqdm(total=len(choices) * (len(implementations) + 1), disable=progress, desc="torchntk", leave=False)
