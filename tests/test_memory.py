@@ -36,9 +36,9 @@ PREDICTION_FACTOR = 2.0
 PREDICTION_SLACK = 16e6
 """... or within this many bytes of it (small peaks: the resident set grows by pages and by what
 the allocator maps at once)."""
-BUDGET_SLACK = (1.35, 16e6)
-"""A planned call's measured peak stays under ``1.35 * budget + 16 MB`` (docs/batching.md): the model
-underestimated measured peaks by up to 1/0.76 on the grid."""
+BUDGET_SLACK = (1.4, 16e6)
+"""A planned call's measured peak stays under ``1.4 * budget + 16 MB`` (docs/batching.md): the model
+underestimated measured peaks by up to 1/0.73 on the grid."""
 
 
 def _mlp(width: int = 32, outputs: int = 4) -> nn.Module:
@@ -300,6 +300,18 @@ def test_batch_auto_equals_the_kernel_within_any_budget(implementation, devices,
         torch.testing.assert_close(batched(x1), symmetric, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("trace_axes, diagonal_axes", [((-1,), ()), ((), ()), ((), (0,)), ((0,), ()), ((), (1,))])
+def test_batch_auto_tiles_every_layout_within_a_tight_budget(trace_axes, diagonal_axes):
+    model = _mlp(width=32, outputs=3)
+    x1, x2 = _x(21), _x(21, seed=2)
+    kernel_fn = torchntk.empirical_kernel_fn(model, trace_axes, diagonal_axes, vmap_axes=0, implementation=1)
+    expected = kernel_fn(x1, x2, ("ntk", "nngp"))
+    batched = torchntk.batch(kernel_fn, memory=200_000, devices=["cpu", "cpu"])
+    actual = batched(x1, x2, ("ntk", "nngp"))
+    for name in ("ntk", "nngp"):
+        torch.testing.assert_close(getattr(actual, name), getattr(expected, name), rtol=1e-5, atol=1e-6)
+
+
 def test_batch_auto_with_room_for_everything_is_one_call_of_the_kernel_function(monkeypatch):
     ntk_fn = torchntk.empirical_ntk_fn(_mlp(), vmap_axes=0, implementation=3)
     calls = []
@@ -342,10 +354,14 @@ def test_batch_size_is_auto_or_a_non_negative_int(value):
         torchntk.batch(torchntk.empirical_ntk_fn(_mlp(), vmap_axes=0), batch_size=value)
 
 
-def test_plan_spans_prefers_spans_whose_x2_stays_cached():
-    plan = torchntk.batching._plan.plan_spans(
-        1000, 1000, 1e6, lambda length: 3e6 * length, 2.5e9, longest=1000, mirrored=True)
-    assert plan.cache >= 1000 * 1e6 and plan.peak <= 2.5e9  # every example prepared once
+def test_plan_spans_takes_long_spans_that_keep_x2_cached_and_stays_within_the_budget():
+    plan_spans = torchntk.batching._plan.plan_spans
+    roomy = plan_spans(1000, 1000, 1e6, lambda length: 3e6 * length, 10e9, longest=1000, mirrored=False)
+    assert roomy.span == 1000 and roomy.cache >= 1000 * 1e6  # one pair, every example prepared once
+    tight = plan_spans(1000, 1000, 1e6, lambda length: 3e6 * length, 1.2e9, longest=1000, mirrored=False)
+    assert tight.span < 1000 and tight.peak <= 1.2e9
+    caching = plan_spans(1000, 1000, 1e6, lambda length: 3e6 * length, 2e9, longest=128, mirrored=False)
+    assert caching.span == 128 and caching.cache >= 1000 * 1e6  # spans capped: x2 kept whole in the cache
     with pytest.raises(torchntk.KernelMemoryError, match="spans of one example needs about 3 MB"):
         torchntk.batching._plan.plan_spans(10, 10, 1e6, lambda length: 3e6 * length, 1e6, longest=10, mirrored=True)
 

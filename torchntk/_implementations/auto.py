@@ -209,11 +209,18 @@ def _planned(
     call: KernelCall, key: Hashable, planner: MemoryPlanner, prices: "_Prices", implementation: NtkImplementation,
     estimate: Estimate, budget: float, structured: Any,
 ) -> Estimate:
-    """``estimate`` with the memory model's peak of the call as given (NOTE: [Memory plans]); over
-    ``budget``, the plan of the largest ``chunk_size`` that fits instead, its FLOPs raised by the
-    derivatives its blocks prepare again. A plan that cannot fit keeps its smallest peak (above the
-    budget, so that :func:`_pick` drops it); a failure of the memory model keeps ``estimate``."""
+    """``estimate`` with the memory model's peak of the call as given (NOTE: [Memory plans]), or an
+    upper bound of it that fits ``budget``; over ``budget``, the plan of the largest ``chunk_size``
+    that fits instead, its FLOPs raised by the derivatives its blocks prepare again. A plan that
+    cannot fit keeps its smallest peak (above the budget, so that :func:`_pick` drops it); a
+    failure of the memory model keeps ``estimate``."""
     try:
+        # AUTO's own count bounds the elements one example writes (each costs _ELEMENT_FLOPS of its
+        # work): a candidate whose bounded peak fits needs no counted pass of its own.
+        written = prices.example_work / _ELEMENT_FLOPS if prices.example_work > 2.0 * prices.params else 0.0
+        bound = planner.bounded_peak(call, implementation, written, structured)
+        if bound is not None and bound.planned <= budget:
+            return dataclasses.replace(estimate, memory_bytes=bound.planned)
         peak = planner.peak(call, key, implementation, call.chunk_size, structured)
         if peak.planned <= budget or not math.isfinite(budget):
             return dataclasses.replace(estimate, memory_bytes=peak.planned)

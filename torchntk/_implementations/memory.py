@@ -30,18 +30,21 @@ largest of them, and the parameters used more than once (whose gradients autogra
 * a reverse sweep: ``n A e`` kept for the backward pass and ``BACKWARD_LIVE n V A_max e`` for the
   ``V`` cotangents pushed at once (``O``; without ``vmap_axes``, ``chunk_size`` of them);
 * structured derivatives' factors and pair intermediates: ``e`` times
-  ``structured._cost.StructuredCost.memory_elements`` of the narrowed call, plus the sweep;
+  ``structured._cost.StructuredCost.held_elements`` of the call narrowed to the runs, the largest
+  pair intermediate counted ``INTERMEDIATE_COPIES`` times, plus the sweep (over both sides'
+  examples when one pass serves both);
 * NTK-vector products' forward-mode pass over all of x1 with ``t`` tangents (at most 24):
-  ``FORWARD_LIVE (1 + t) N1 A_max e``, and its columns, ``3`` copies of ``N1 n O1 O2`` entries
-  (the full block, permuted, then reduced to the layout);
+  ``FORWARD_LIVE (1 + t) N1 A_max e``, and its columns, ``2`` copies of ``N1 n O1 O2`` entries
+  (the full block, then reduced to the layout);
 * a block's contraction: ``CONTRACTION_BYTES`` per entry of the block (the float64 sums of NOTE:
   [Accurate contraction] and the product);
 
 and the call holds the preallocated kernel when it is assembled from several blocks. The peak is
 the largest of: preparing x2's run; preparing x1's run while x2's is held; contracting both. The
-validation before (the forward passes and checks) is modelled as ``VALIDATION_LIVE N A_max e``
-plus the outputs, and reported with the rest; it is not planned. The constants were fitted on the
-grid of ``tests/test_memory.py`` (an MLP, a CNN, a transformer block and an LSTM, every
+validation before (the forward passes and checks, on runs of at most ``VALIDATION_RUN``
+examples) is modelled as ``VALIDATION_LIVE n A_max e`` plus the outputs, and reported with the
+rest; it is not planned. The constants were fitted on the grid of ``tests/test_memory.py`` (an
+MLP, a CNN, a transformer block and an LSTM, every
 implementation, traced and full kernels, x2 given and None; measured as the growth of the
 process's peak resident memory); ``docs/batching.md`` ("Memory plans") records predicted against
 measured peaks.
@@ -84,6 +87,9 @@ FORWARD_LIVE = 3.0
 VALIDATION_LIVE = 4.0
 """Activation-sized tensors per example of the validation's forward passes (whole batch and per
 example, compared)."""
+VALIDATION_RUN = 1024
+"""Examples per forward pass of a kernel call's validation when its budget is planned: the passes
+over the whole batch then hold at most this many examples' activations."""
 CONTRACTION_BYTES = 20
 """Bytes per entry of a block's contraction: a float64 sum, a float64 term and the product."""
 INTERMEDIATE_COPIES = 1.5
@@ -209,8 +215,9 @@ class CallSizes:
         return implementation != _PRODUCTS or any(kind in ("diagonal", "trace") for kind in self.kinds)
 
 
-def call_sizes(call: KernelCall) -> CallSizes:
-    """The sizes of ``call`` (one counted forward pass per side with its own per-example shapes)."""
+def call_sizes(call: KernelCall, bound: Optional[Activations] = None) -> CallSizes:
+    """The sizes of ``call``: one counted forward pass per side with its own per-example shapes, or
+    ``bound``'s activations for every side (an upper bound known without counting)."""
     params = call.model.params
     element = max(params[0].element_size(), max(output.element_size() for output in call.outputs1))
     mapped = call.side1.mapped
@@ -220,7 +227,9 @@ def call_sizes(call: KernelCall) -> CallSizes:
     for side, outputs in pairs:
         examples = side.batch_size() if mapped else 1
         shapes = _example_shapes(side)
-        if shapes not in counted or shapes is None:
+        if bound is not None:
+            counted[shapes] = bound
+        elif shapes not in counted or shapes is None:
             counted[shapes] = count_activations(side)
         activations = counted[shapes]
         entries = sum(output.numel() for output in outputs)
@@ -289,7 +298,8 @@ def peak_bytes(
     e = sizes.element
     one, two = sizes.side1, sizes.side2
     validation = sizes.output_bytes + VALIDATION_LIVE * e * max(
-        one.examples * one.activations.largest, two.examples * two.activations.largest
+        min(one.examples, VALIDATION_RUN) * one.activations.largest,
+        min(two.examples, VALIDATION_RUN) * two.activations.largest,
     )
     if sizes.mapped:
         n2 = min(two.examples, chunk or (default_run if implementation == _PRODUCTS else None) or two.examples)
@@ -494,6 +504,21 @@ class MemoryPlanner:
             if cache_key is not None:
                 self._sizes[cache_key] = found
         return found
+
+    def bounded_peak(
+        self, call: KernelCall, implementation: NtkImplementation, written: float, structured_plan: Any = None,
+    ) -> Optional[Peak]:
+        """An upper bound of :meth:`peak` for the call as given, without the counted pass: every
+        example writing at most ``written`` elements (all of them one tensor) and every parameter
+        used twice. None where the bound cannot be made (x2's examples shaped unlike x1's, no
+        ``written``). AUTO takes it for a candidate that fits its budget even so."""
+        if not written > 0 or (call.side2 is not None and _example_shapes(call.side1) != _example_shapes(call.side2)):
+            return None
+        activations = Activations(written, written, tuple(range(len(call.model.params))))
+        structured = None if structured_plan is None else structured_memory(call, structured_plan)
+        default_run = default_run_length(call) if implementation == _PRODUCTS else None
+        sizes = call_sizes(call, bound=activations)
+        return peak_bytes(sizes, implementation, call.chunk_size, structured, default_run)
 
     def peak(
         self, call: KernelCall, key: Hashable, implementation: NtkImplementation, chunk: Optional[int],

@@ -26,7 +26,7 @@ from .._call.outputs import output_fn_argument
 from .._call.per_example import VmapLimitation
 from .._call.vmap_axes import ParsedVmapAxes, parse_vmap_axes
 from .._implementations import implementation_table, memory_plan, memory_planner
-from .._implementations.memory import OUT_OF_MEMORY_ADVICE, kernel_refusal, with_chunk
+from .._implementations.memory import OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, kernel_refusal, with_chunk
 from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
 from .._memory import (
@@ -51,10 +51,6 @@ from .kernel_function import KernelFnSpec, KernelFunction
 from .working_set import working_set_run_length
 
 KernelFn = Callable[..., PyTree]
-
-VALIDATION_RUN = 1024
-"""Examples per forward pass of a kernel call's validation when its budget is planned (NOTE: [Memory
-plans]): the passes over the whole batch then hold at most this many examples' activations."""
 
 _CHECKED_SHAPES = 64
 """Input shapes (and module structures) whose derivatives were checked, kept per kernel function."""
