@@ -55,7 +55,8 @@ def build(name: str, scale: int = 1) -> tuple[nn.Module, tuple[int, ...]]:
     torch.manual_seed(0)
     if name == "mlp":
         width = 256 * scale
-        return nn.Sequential(nn.Linear(196, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)), (196,)
+        layers = nn.Linear(196, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+        return nn.Sequential(*layers), (196,)
     if name == "mlp784":  # the benchmark MLP of docs/benchmarks.md
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)), (784,)
     if name == "cnn":  # the benchmark CNN of docs/benchmarks.md
@@ -153,7 +154,8 @@ def run_grid(configs: list[dict], timeout: float = 600, threads: int = 1) -> lis
     """``measure`` of every configuration, in one child process (see the module docstring)."""
     environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    environment["PYTHONPATH"] = os.pathsep.join([root] + [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [path for path in environment.get("PYTHONPATH", "").split(os.pathsep) if path]
+    environment["PYTHONPATH"] = os.pathsep.join([root] + paths)
     done = subprocess.run(
         [sys.executable, "-m", "tests._memory_grid"], input=json.dumps({"configs": configs, "threads": threads}),
         capture_output=True, text=True, timeout=timeout, env=environment, cwd=root,

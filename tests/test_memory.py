@@ -9,7 +9,9 @@ factor the memory model is held to is ``docs/batching.md``'s ("Memory plans").
 from __future__ import annotations
 
 import functools
+import json
 import math
+import pathlib
 import time
 import warnings
 import weakref
@@ -22,11 +24,13 @@ from torch import nn
 
 import torchntk
 from tests._memory_grid import run_grid
+from tests._processes import run_python
 from torchntk import _memory
-from torchntk._implementations import memory as memory_model
 from torchntk._memory import budget as budget_module
 from torchntk._memory import errors as errors_module
 from torchntk.cli import main as cli_main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.cpu_only("measures and plans the CPU's memory (the CUDA paths are checked with mocks)")
 
@@ -467,6 +471,19 @@ def test_batch_auto_stays_within_its_budget():
 @pytest.mark.slow
 def test_batch_auto_stays_within_its_budget_with_every_implementation_and_two_workers():
     configs = [dict(model="cnn", scale=2, n1=64, n2=None, implementation=implementation, trace_axes=(),
-                    memory="64MB", batch={"devices": devices}) for implementation in (1, 2, 3) for devices in (["cpu"], ["cpu"] * 2)]
+                    memory="64MB", batch={"devices": devices})
+               for implementation in (1, 2, 3) for devices in (["cpu"], ["cpu"] * 2)]
     for row in run_grid(configs, timeout=900):
         assert _within_budget(row), row
+
+
+@pytest.mark.slow
+def test_the_memory_benchmark_runs_and_plans_within_its_budgets(tmp_path):
+    done = run_python(
+        str(ROOT / "benchmarks" / "bench_memory.py"), "--models", "mlp", "--mlp-sizes", "300", "--batch-sizes", "64",
+        "--budgets", "default,64MB", "--markdown", tmp_path / "memory.md", timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "memory.json").read_text())
+    assert len(rows) == 3 and all("error" not in row for row in rows)
+    assert all(row["peak"] <= BUDGET_SLACK[0] * row["budget"] + BUDGET_SLACK[1] for row in rows if row["budget"])

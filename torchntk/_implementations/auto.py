@@ -69,8 +69,9 @@ pricing a candidate excludes that candidate with the error as the reason instead
 the caller: the cost model never fails a kernel call. If every candidate is excluded, Jacobian
 contraction (1) runs and raises the model's own error, explained.
 
-Candidates whose memory estimate exceeds the budget (half the machine's RAM, or the free memory
-of the CUDA device) are dropped unless none fits; among the rest the smallest cost wins, ties
+Candidates are priced as the plans that fit the budget (NOTE: [Memory plans]: the call as given,
+or with the largest chunk_size that fits, at the cost of its blocks); those that cannot fit are
+dropped unless none fits (the call is then refused); among the rest the smallest cost wins, ties
 going to the earlier of 1, 2, 3. The constants were fitted on the real-model zoo and the benchmark
 MLP and CNN (docs/real_models.md records each pick against the fastest, and what choosing cost);
 the model still knows nothing of cache sizes or GEMM shapes, so it can be wrong when two

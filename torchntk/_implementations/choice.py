@@ -21,8 +21,9 @@ class Estimate:
         flops: estimated multiply-add FLOPs (of the plan with ``chunk_size``, whose blocks prepare
             some derivatives again).
         memory_bytes: the memory model's peak of the computation in bytes, beyond what the call's
-            validation left (``docs/batching.md``, "Memory plans"): of the call as given, or, when
-            that exceeds the budget, of the plan with ``chunk_size``; above the budget when no
+            validation left (``docs/batching.md``, "Memory plans"): of the call as given (or an
+            upper bound of it, where that fits the budget and spares a counted pass), or, when it
+            exceeds the budget, of the plan with ``chunk_size``; above the budget when no
             ``chunk_size`` fits.
         note: how the implementation would run when not in its usual way, else ``""``; e.g.
             ``"double VJP: no forward-mode derivative for aten::_weight_norm_interface"`` for

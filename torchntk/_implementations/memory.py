@@ -455,7 +455,9 @@ PLAN_ADVICE = (
 def plan_advice(sizes: CallSizes, implementation: NtkImplementation) -> str:
     """What to do about a call none of whose plans fit: :data:`PLAN_ADVICE`, led by what this call lacks."""
     if not sizes.mapped:
-        return "Pass vmap_axes if the examples are independent: blocks of examples then bound the memory. " + PLAN_ADVICE
+        return "Pass vmap_axes if the examples are independent: blocks of examples then bound the memory. " + (
+            PLAN_ADVICE
+        )
     if implementation == _PRODUCTS and not sizes.cut(implementation):
         return (
             "Implementation 2 pushes all of x1 through each forward-mode pass (chunk_size cuts x2 only). " + PLAN_ADVICE

@@ -21,7 +21,8 @@ from .budget import (
 from .errors import KernelMemoryError, MemoryPlanWarning, is_allocation_failure, out_of_memory_boundary, release_memory
 
 __all__ = [
-    "CPU_FRACTION", "CUDA_FRACTION", "WouldChunk", "available_bytes", "caller_plans", "chunking_allowed", "default_budget", "format_bytes", "memory_argument",
+    "CPU_FRACTION", "CUDA_FRACTION", "WouldChunk", "available_bytes", "caller_plans", "chunking_allowed",
+    "default_budget", "format_bytes", "memory_argument",
     "resolve_budget", "KernelMemoryError", "MemoryPlanWarning", "is_allocation_failure", "out_of_memory_boundary",
     "release_memory",
 ]

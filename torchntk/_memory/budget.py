@@ -76,11 +76,14 @@ def memory_argument(value: Any, where: str, name: str = "memory") -> Optional[fl
         found = _AMOUNT.match(text)
         if found is None or found["unit"] not in _UNITS:
             raise ValueError(
-                f"{where}: `{name}` must be a number of bytes or a string such as '8GB' or '512MiB', got {_show(value)}."
+                f"{where}: `{name}` must be a number of bytes or a string such as '8GB' or '512MiB', "
+                f"got {_show(value)}."
             )
         amount = float(found["number"]) * _UNITS[found["unit"]]
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where}: `{name}` must be None, a number of bytes or a string such as '8GB', got {_show(value)}.")
+        raise TypeError(
+            f"{where}: `{name}` must be None, a number of bytes or a string such as '8GB', got {_show(value)}."
+        )
     else:
         amount = float(value)
     if not amount > 0:  # also NaN

@@ -160,7 +160,9 @@ def batch(
         )
     if isinstance(batch_size, str):
         if batch_size != "auto":
-            raise ValueError(f"{where}: `batch_size` must be 'auto' or a non-negative int, got {_checks.show(batch_size)}.")
+            raise ValueError(
+                f"{where}: `batch_size` must be 'auto' or a non-negative int, got {_checks.show(batch_size)}."
+            )
     else:
         batch_size = _checks.non_negative_int_argument(batch_size, "batch_size", where, zero_means="one block")
     budget = memory_argument(memory, where)

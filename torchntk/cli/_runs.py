@@ -194,8 +194,9 @@ def _kernel(model: torch.nn.Module, x: Inputs, implementation: int, settings: Se
 
 def _auto(model: torch.nn.Module, x: Inputs, settings: Settings) -> str:
     """What AUTO picks, or why it could not say (a note, not a failure: no kernel is computed)."""
-    auto = torchntk.empirical_ntk_fn(model, trace_axes=settings.trace_axes, vmap_axes=settings.vmap_axes, implementation=0,
-                                     memory=settings.memory)
+    auto = torchntk.empirical_ntk_fn(
+        model, trace_axes=settings.trace_axes, vmap_axes=settings.vmap_axes, implementation=0, memory=settings.memory
+    )
     try:
         chosen = int(auto.auto_choice(x).implementation)
     except Exception as error:
