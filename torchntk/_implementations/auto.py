@@ -472,21 +472,6 @@ def _forward_count(side) -> tuple[float, int, float]:
     return scale * counted, counter.calls, written
 
 
-def example_activation_bytes(side) -> Optional[float]:
-    """The bytes one example's forward pass writes (views apart): what a per-example pass keeps
-    for its backward passes, at most, per example of a run (NOTE: [Working-set runs]). None if the
-    counter cannot run the model."""
-    counter = _Counter()
-    example = side.narrow(0, 1) if side.mapped and side.batch_size() > 1 else side
-    element = max(param.element_size() for param in side.model.params) if side.model.params else 4
-    try:
-        with torch.no_grad(), forward_mode_kernels(bool(side.model.fused)), counter:
-            example.whole_batch()(side.model.params)
-    except Exception:  # noqa: BLE001 - a sizing aid only; the implementations report the error
-        return None
-    return float(counter.elements - counter.view_elements) * element
-
-
 def _per_example_shapes(side) -> Optional[tuple]:
     """The shapes and dtypes of one example of a mapped side (None for whole batches)."""
     if not side.mapped or side.batch_size() == 0:

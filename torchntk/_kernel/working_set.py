@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .._call.per_example import Side
-from .._implementations.auto import example_activation_bytes
+from .._implementations.memory import count_activations
 
 WORKING_SET_BYTES = 512 * 2**20
 """The activations one run of a per-example pass may hold."""
@@ -32,7 +32,10 @@ def working_set_run_length(side: Side) -> Optional[int]:
     examples = side.batch_size()
     if examples <= 1:
         return None
-    per_example = example_activation_bytes(side)
+    activations = count_activations(side)  # the memory model's count: elements written, views apart
+    if activations is None or not side.model.params:
+        return None
+    per_example = activations.written * max(param.element_size() for param in side.model.params)
     if not per_example or per_example * examples <= WORKING_SET_BYTES:
         return None
     return max(1, int(WORKING_SET_BYTES // per_example))
