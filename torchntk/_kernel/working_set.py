@@ -10,8 +10,8 @@ therefore cuts a pass whose activations would exceed :data:`WORKING_SET_BYTES` i
 examples (the activations measured by one counted forward pass of one example, once per input
 shapes), and prepares each run once and keeps what it prepared (``BlockPlan.keep_prepared``):
 memory is then the prepared data of all examples, as without runs, plus one run's activations.
-Runs of a few hundred token rows keep the matrix products as efficient as one pass of all
-examples, so the bound costs no time. A ``chunk_size`` given by the user instead bounds the
+Runs of a few hundred token rows keep the matrix products about as efficient as one pass of all
+examples (runs of 8 RoBERTa examples took 4% longer than one pass of 16 on this project's CPU). A ``chunk_size`` given by the user instead bounds the
 prepared data as well, preparing x1's runs again for every run of x2.
 """
 
