@@ -95,14 +95,15 @@ def _reset_peak() -> None:
         clear.write("5")
 
 
-def predicted(ntk_fn: Any, x1: Any, x2: Any) -> dict:
+def predicted(ntk_fn: Any, x1: Any, x2: Any, kwargs: Optional[dict] = None) -> dict:
     """The plan the kernel function makes for ``(x1, x2)``: implementation, chunk_size, peak bytes."""
     from torchntk._implementations import memory_plan
     from torchntk._kernel.settings import input_shape_key
 
     settings = ntk_fn._settings
-    key = input_shape_key(x1, x2, None, {})
-    call = settings.prepare(x1, x2, None, {}, "ntk_fn", shape_key=key)
+    kwargs = kwargs or {}
+    key = input_shape_key(x1, x2, None, kwargs)
+    call = settings.prepare(x1, x2, None, kwargs, "ntk_fn", shape_key=key)
     plan = memory_plan(settings.table, settings.implementation, call, key, settings.budget(call))
     peak = plan.peak
     if peak is None:  # an unlimited budget plans nothing: the model's peak of the call as given
@@ -121,13 +122,24 @@ def measure(config: dict) -> dict:
     ``implementation``, ``trace_axes``, ``memory``, ``chunk_size``, ``vmap_axes`` (default 0)."""
     import torchntk
 
-    model, shape = build(config["model"], config.get("scale", 1))
-    generator = torch.Generator().manual_seed(1)
-    x1 = torch.randn(config["n1"], *shape, generator=generator)
-    x2 = None if config.get("n2") is None else torch.randn(config["n2"], *shape, generator=generator)
+    kwargs, vmap_axes, output_fn = {}, config.get("vmap_axes", 0), None
+    if config["model"].startswith("zoo:"):  # a model of docs/real_models.md, as tests/zoo.py builds it
+        from benchmarks.bench_zoo import resized
+        from tests import zoo
+
+        torch.manual_seed(0)
+        case = resized({**zoo.FAST, **zoo.SLOW}[config["model"][4:]](), config["n1"], config["n2"] or config["n1"])
+        model, x1, x2, kwargs, vmap_axes, output_fn = case
+        if config.get("n2") is None:
+            x2, kwargs = None, {key: (value[0], value[0]) for key, value in kwargs.items()}
+    else:
+        model, shape = build(config["model"], config.get("scale", 1))
+        generator = torch.Generator().manual_seed(1)
+        x1 = torch.randn(config["n1"], *shape, generator=generator)
+        x2 = None if config.get("n2") is None else torch.randn(config["n2"], *shape, generator=generator)
     batched = config.get("batch")
     ntk_fn = torchntk.empirical_ntk_fn(
-        model, trace_axes=tuple(config["trace_axes"]), vmap_axes=config.get("vmap_axes", 0),
+        model, trace_axes=tuple(config["trace_axes"]), vmap_axes=vmap_axes, output_fn=output_fn,
         implementation=config["implementation"], memory=None if batched else config.get("memory"),
         chunk_size=config.get("chunk_size"),
     )
@@ -135,18 +147,18 @@ def measure(config: dict) -> dict:
         ntk_fn = torchntk.batch(ntk_fn, memory=config.get("memory"), **(batched if isinstance(batched, dict) else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first = ntk_fn(x1, x2)
+        first = ntk_fn(x1, x2, **kwargs)
         del first
-        row = dict(config, **({"predicted": None} if batched else predicted(ntk_fn, x1, x2)))
+        row = dict(config, **({"predicted": None} if batched else predicted(ntk_fn, x1, x2, kwargs)))
         gc.collect()
         _trim()
         base = _status("VmRSS")
         _reset_peak()
         start = time.perf_counter()
-        kernel = ntk_fn(x1, x2)
+        kernel = ntk_fn(x1, x2, **kwargs)
         row["seconds"] = time.perf_counter() - start
         row["measured"] = float(_status("VmHWM") - base)
-    row["kernel_sum"] = float(kernel.double().sum())
+    row["kernel_sum"] = float(sum(leaf.double().sum() for leaf in torch.utils._pytree.tree_leaves(kernel)))
     return row
 
 
@@ -190,6 +202,9 @@ def measure_cuda(config: dict, device: Optional[torch.device] = None) -> dict:
 
 
 if __name__ == "__main__":
+    from tests.zoo import skip_torchvision_op_registrations
+
+    skip_torchvision_op_registrations()
     request = json.loads(sys.stdin.read())
     torch.set_num_threads(request.get("threads", 1))
     for entry in request["configs"]:
