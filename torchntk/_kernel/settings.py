@@ -109,7 +109,6 @@ class NtkSettings:
     derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
     aliases_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Aliased parameters]
     output_shapes: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Remembered output shapes]
-    working_runs: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Working-set runs]
     example_loops: ExampleLoops = field(default_factory=ExampleLoops)
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
     groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
@@ -229,10 +228,8 @@ class NtkSettings:
             if known is None and self.check_vmap_axes is not True and call.side1.mapped:
                 self.output_shapes[key] = call.output_shapes()
         if not needs_outputs and self.chunk_size is None and not self.given.compile and call.side1.mapped:
-            runs_key = call.cache_key(shape_key)
-            runs = self.working_runs.get(runs_key, _UNKNOWN)
-            if runs is _UNKNOWN:
-                runs = self.working_runs[runs_key] = working_set_run_length(call.side1)
+            sizes = memory_planner(self.table).sizes(call, shape_key)  # counted once per input shapes
+            runs = working_set_run_length(call.side1.batch_size(), sizes.side1.activations.written, sizes.element)
             call = dataclasses.replace(call, working_runs=runs)
         return call
 
@@ -406,9 +403,6 @@ def structured_options(values: dict, chosen: NtkImplementation, where: str) -> S
             f"(STRUCTURED_DERIVATIVES) or 0 (AUTO), but implementation={int(chosen)} ({chosen.name})."
         )
     return StructuredOptions(**values)
-
-
-_UNKNOWN = object()
 
 
 def check_mode_argument(value: Any, where: str) -> Union[bool, str]:

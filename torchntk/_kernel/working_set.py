@@ -7,35 +7,29 @@ base-size transformer that is about 30 MB per 32-token example, so N = 64 took 2
 kernel of a few kilobytes, while the Jacobians or factors these passes produce for LoRA or
 BitFit parameters are a small fraction of that. Without a ``chunk_size``, such a kernel function
 therefore cuts a pass whose activations would exceed :data:`WORKING_SET_BYTES` into runs of
-examples (the activations measured by one counted forward pass of one example, once per input
-shapes), and prepares each run once and keeps what it prepared (``BlockPlan.keep_prepared``):
-memory is then the prepared data of all examples, as without runs, plus one run's activations.
-Runs of a few hundred token rows keep the matrix products about as efficient as one pass of all
-examples (runs of 8 RoBERTa examples took 4% longer than one pass of 16 on this project's CPU). A ``chunk_size`` given by the user instead bounds the
-prepared data as well, preparing x1's runs again for every run of x2.
+examples (the activations are the memory model's count of one example, ``MemoryPlanner.sizes``,
+made once per input shapes and shared with the memory plans), and prepares each run once and
+keeps what it prepared (``BlockPlan.keep_prepared``): memory is then the prepared data of all
+examples, as without runs, plus one run's activations. Runs of a few hundred token rows keep the
+matrix products about as efficient as one pass of all examples (runs of 8 RoBERTa examples took
+4% longer than one pass of 16 on this project's CPU). A ``chunk_size`` given by the user instead
+bounds the prepared data as well, preparing x1's runs again for every run of x2.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from .._call.per_example import Side
-from .._implementations.memory import count_activations
-
 WORKING_SET_BYTES = 512 * 2**20
 """The activations one run of a per-example pass may hold."""
 
 
-def working_set_run_length(side: Side) -> Optional[int]:
-    """Examples per run for ``side`` (a mapped side), or None when one pass of all its examples
-    stays within :data:`WORKING_SET_BYTES` (or the activations cannot be measured)."""
-    examples = side.batch_size()
-    if examples <= 1:
-        return None
-    activations = count_activations(side)  # the memory model's count: elements written, views apart
-    if activations is None or not side.model.params:
-        return None
-    per_example = activations.written * max(param.element_size() for param in side.model.params)
-    if not per_example or per_example * examples <= WORKING_SET_BYTES:
+def working_set_run_length(examples: int, written_per_example: float, element: int) -> Optional[int]:
+    """Examples per run for a mapped side of ``examples`` examples, each writing
+    ``written_per_example`` elements of ``element`` bytes in its forward pass (the memory model's
+    count, made once per input shapes), or None when one pass of all of them stays within
+    :data:`WORKING_SET_BYTES`."""
+    per_example = written_per_example * element
+    if examples <= 1 or not per_example or per_example * examples <= WORKING_SET_BYTES:
         return None
     return max(1, int(WORKING_SET_BYTES // per_example))
