@@ -259,6 +259,19 @@ def test_the_errors_keep_their_public_home():
         assert pickle.loads(pickle.dumps(error)) is error
 
 
+def test_a_reported_message_keeps_its_start_and_its_end():
+    """torchntk's errors quote PyTorch's at their end: a message cut to fit keeps both ends."""
+    from torchntk.distributed._checkpoint_protocol import _MESSAGE_BYTES, _clip
+
+    short = b"ValueError: x1 is wrong"
+    assert _clip(short) == short
+    long = b"ModelInputError: " + b"explanation " * 1000 + b"PyTorch said: mat1 and mat2 shapes"
+    clipped = _clip(long)
+    assert len(clipped) == _MESSAGE_BYTES
+    assert clipped.startswith(b"ModelInputError: explanation") and clipped.endswith(b"mat1 and mat2 shapes")
+    assert b" [...] " in clipped
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_reduce_sum_and_strategies_match_one_process(tmp_path, world_size):
     elapsed = _spawn(_sum_worker, world_size, tmp_path)

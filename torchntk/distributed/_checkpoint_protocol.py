@@ -24,7 +24,9 @@ Timeout = Union[float, int, timedelta]
 
 # Status table columns (one row per rank), then the exception message bytes.
 _FAILED, _COUNTER, _KIND, _SIGNATURE, _N_FIELDS = 0, 1, 2, 3, 4
-_MESSAGE_BYTES = 256
+# Room for a whole error message: torchntk's own messages quote PyTorch's at their end, so
+# a message that must still be cut keeps its head and its tail (`_clip`).
+_MESSAGE_BYTES = 4096
 _KINDS = {"all_reduce_sum": 1, "checkpoint": 2, "finalize": 3, "failure report": 4}
 _KIND_NAMES = {code: name for name, code in _KINDS.items()}
 
@@ -158,6 +160,16 @@ def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _clip(text: bytes, limit: int = _MESSAGE_BYTES) -> bytes:
+    """``text`` cut to ``limit`` bytes, keeping its start and its end around a marker."""
+    if len(text) <= limit:
+        return text
+    marker = b" [...] "
+    head = (limit - len(marker)) // 2
+    tail = limit - len(marker) - head
+    return text[:head] + marker + text[len(text) - tail:]
+
+
 def run_checkpoint(kind: str, timeout_seconds: float, signature: int = 0,
                    failure: BaseException | None = None) -> None:
     """Steps 1 and 2 of NOTE: [Checkpoints]. Raises on every rank when one of them failed.
@@ -201,7 +213,7 @@ def run_checkpoint(kind: str, timeout_seconds: float, signature: int = 0,
     row[_SIGNATURE] = signature
     if failure is not None:
         row[_FAILED] = 1
-        text = _describe_exception(failure).encode("utf-8", "replace")[:_MESSAGE_BYTES]
+        text = _clip(_describe_exception(failure).encode("utf-8", "replace"))
         row[_N_FIELDS:_N_FIELDS + len(text)] = torch.tensor(list(text), dtype=torch.int64)
     wait(f"status all_reduce of {what}", timeout_seconds,
          lambda: dist.all_reduce(status, group=group, async_op=True))
