@@ -186,6 +186,43 @@ def test_a_call_over_its_budget_runs_in_blocks_that_fit_and_gives_the_same_kerne
     assert plan.chosen and plan.chunk_size < 40 and plan.peak.planned <= budget
 
 
+@pytest.mark.parametrize("implementation", [1, 3])
+def test_working_set_runs_bound_the_planned_activations(implementation, monkeypatch):
+    """Without a chunk_size, the per-example pass runs one working-set run at a time (NOTE:
+    [Working-set runs]): the plan counts one run's activations, not all examples', so a budget
+    between the two needs no chunk_size."""
+    from torchntk._kernel import working_set
+
+    torch.manual_seed(0)
+    # Few parameters, large activations: what the runs bound dominates the call.
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
+    x = torch.randn(32, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    expected = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, memory=math.inf)(x)
+
+    def modelled(runs: int | None) -> float:
+        ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, memory=math.inf)
+        key = torchntk._kernel.settings.input_shape_key(x, None, None, {})
+        call = ntk_fn._settings.prepare(x, None, None, {}, "ntk_fn", shape_key=key, needs_outputs=False)
+        assert call.working_runs == runs
+        planner = torchntk._implementations.memory_planner(ntk_fn._settings.table)
+        structured = ntk_fn._settings.table[3].plan(call, key) if implementation == 3 else None
+        return planner.peak(call, key, torchntk.NtkImplementation(implementation), None, structured).planned
+
+    whole = modelled(None)
+    monkeypatch.setattr(working_set, "WORKING_SET_BYTES", 1)  # runs of one example
+    one_run = modelled(1)
+    assert one_run < 0.7 * whole  # implementation 3 keeps every example's factors (the layers' inputs)
+    budget = (one_run * whole) ** 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchntk.MemoryPlanWarning)
+        kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, memory=budget)(x)
+    torch.testing.assert_close(kernel, expected, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(working_set, "WORKING_SET_BYTES", 2**40)  # one pass: the same budget needs blocks
+    with pytest.warns(torchntk.MemoryPlanWarning, match=r"computing it with chunk_size=\d+"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, memory=budget)(x)
+
+
 def test_a_plan_that_cannot_fit_is_refused_naming_its_smallest_peak():
     model = _mlp(width=64)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=1, memory=20_000)

@@ -28,7 +28,9 @@ largest of them, and the parameters used more than once (whose gradients autogra
   parameter used more than once a second copy of its part (the sum autograd forms), and a second
   copy of everything when examples are mapped by a loop (the per-example results are stacked);
 * a reverse sweep: ``n A e`` kept for the backward pass and ``BACKWARD_LIVE n V A_max e`` for the
-  ``V`` cotangents pushed at once (``O``; without ``vmap_axes``, ``chunk_size`` of them);
+  ``V`` cotangents pushed at once (``O``; without ``vmap_axes``, ``chunk_size`` of them); without
+  a ``chunk_size``, implementations 1 and 3 sweep the examples of one working-set run at a time
+  (NOTE: [Working-set runs]), so ``n`` is at most that run's length;
 * structured derivatives' factors and pair intermediates: ``e`` times
   ``structured._cost.StructuredCost.held_elements`` of the call narrowed to the runs, the largest
   pair intermediate counted ``INTERMEDIATE_COPIES`` times, plus the sweep (over both sides'
@@ -288,12 +290,15 @@ lengths (``StructuredCost.memory_elements`` of the narrowed call)."""
 def peak_bytes(
     sizes: CallSizes, implementation: NtkImplementation, chunk: Optional[int],
     structured: Optional[StructuredMemory] = None, default_run: Optional[int] = None, cut: bool = False,
+    working_runs: Optional[int] = None,
 ) -> Peak:
     """The modelled peak of a call of ``implementation`` with ``chunk_size=chunk`` (NOTE: [Memory plans]).
 
     ``structured``: implementation 3's factor memory (required for it); ``default_run``: the run
     length implementation 2 uses when ``chunk`` is None; ``cut``: runs of ``chunk`` examples on
-    both sides whatever the implementation (``batch``'s spans).
+    both sides whatever the implementation (``batch``'s spans); ``working_runs``: the examples per
+    per-example pass of implementations 1 and 3 when ``chunk`` is None (NOTE: [Working-set runs]),
+    which bounds the activations held while all examples' Jacobians or factors are kept.
     """
     e = sizes.element
     one, two = sizes.side1, sizes.side2
@@ -316,6 +321,8 @@ def peak_bytes(
     shared = sizes.reuses_x1 and n1 >= one.examples  # one run prepared once serves both sides
 
     def sweep(side: _SideSizes, n: int, vectors: float) -> float:
+        if chunk is None and working_runs is not None and implementation != _PRODUCTS:
+            n = min(n, working_runs)
         return e * n * (side.activations.written + BACKWARD_LIVE * vectors * side.activations.largest)
 
     def jacobians(side: _SideSizes, n: int) -> float:
@@ -520,7 +527,8 @@ class MemoryPlanner:
         structured = None if structured_plan is None else structured_memory(call, structured_plan)
         default_run = default_run_length(call) if implementation == _PRODUCTS else None
         sizes = call_sizes(call, bound=activations)
-        return peak_bytes(sizes, implementation, call.chunk_size, structured, default_run)
+        return peak_bytes(sizes, implementation, call.chunk_size, structured, default_run,
+                          working_runs=call.working_runs if call.chunk_size is None else None)
 
     def peak(
         self, call: KernelCall, key: Hashable, implementation: NtkImplementation, chunk: Optional[int],
@@ -529,12 +537,15 @@ class MemoryPlanner:
         """The modelled peak of ``call`` run by ``implementation`` with ``chunk_size=chunk``;
         ``structured_plan``: implementation 3's plan (required for it); ``cut``: see :func:`peak_bytes`."""
         cache_key = self._key(call, key)
-        peak_key = None if cache_key is None else (cache_key, implementation, chunk, id(structured_plan), cut)
+        working_runs = call.working_runs if chunk is None and not cut else None
+        peak_key = None if cache_key is None else (
+            cache_key, implementation, chunk, id(structured_plan), cut, working_runs)
         found = self._peaks.get(peak_key) if peak_key is not None else None
         if found is None:
             structured = None if structured_plan is None else structured_memory(call, structured_plan)
             default_run = default_run_length(call) if implementation == _PRODUCTS else None
-            found = peak_bytes(self.sizes(call, key), implementation, chunk, structured, default_run, cut)
+            found = peak_bytes(
+                self.sizes(call, key), implementation, chunk, structured, default_run, cut, working_runs)
             if peak_key is not None:
                 self._peaks[peak_key] = found
         return found
