@@ -279,6 +279,24 @@ def test_matmul_parameter_on_the_left(form, w_shape, x_shape):
     check_rule(Case(lambda W: form(W, x), (W,)))
 
 
+ADDMM_CASES = {
+    # Hugging Face's Conv1D (GPT-2): torch.addmm(self.bias, x.view(-1, nx), self.weight)
+    "weight+bias": lambda x, W, b: (lambda W, b: torch.addmm(b, x, W), (W, b)),
+    "weight+bias-method": lambda x, W, b: (lambda W, b: b.addmm(x, W), (W, b)),
+    "weight+bias-scaled": lambda x, W, b: (lambda W, b: torch.addmm(b, x, W, beta=0.5, alpha=-2.0), (W, b)),
+    "weight-constbias": lambda x, W, b: (lambda W: torch.addmm(b, x, W, alpha=3), (W,)),
+    "weight-const2dbias": lambda x, W, b: (lambda W: torch.addmm(b.expand(x.shape[0], -1) * 2, x, W), (W,)),
+    "bias-constweight": lambda x, W, b: (lambda b: torch.addmm(b, x, W, beta=2.0), (b,)),
+    "bias-keywords": lambda x, W, b: (lambda b: torch.addmm(input=b, mat1=x, mat2=W), (b,)),
+}
+
+
+@pytest.mark.parametrize("which", list(ADDMM_CASES))
+def test_addmm(which):
+    fn, params = ADDMM_CASES[which](rand(5, 4), rand(4, 3), rand(3))
+    check_rule(Case(fn, params))
+
+
 # --------------------------------------------------------------------------------------------
 # conv1d / conv2d / conv3d
 # --------------------------------------------------------------------------------------------
@@ -539,6 +557,9 @@ def _declines():
         "linear-input-param": (lambda x: F.linear(x, weight), (x,), 0),
         "matmul-both-sides": (lambda W: W.T @ W, (W,), 0),
         "matmul-W3d": (lambda W3: batch @ W3, (W3,), 0),
+        "addmm-mat1-param": (lambda x: torch.addmm(weight[0, :2], x, weight[:3, :2]), (x,), 0),
+        "addmm-2d-bias-param": (lambda p: torch.addmm(p, x, W[:3]), (p,), 0),
+        "addmm-broadcast-bias-param": (lambda p: torch.addmm(p[:1, :1].reshape(1), x, W[:3]), (p,), 0),
         "layer_norm-input-param": (lambda x: F.layer_norm(x, (3,)), (x,), 0),
     }
 

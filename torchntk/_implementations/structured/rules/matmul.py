@@ -1,10 +1,16 @@
-"""``x @ W`` and ``W @ x`` (``torch.matmul``, ``Tensor.matmul``, ``mm``) with a 1-D or 2-D parameter.
+"""``x @ W`` and ``W @ x`` (``torch.matmul``, ``Tensor.matmul``, ``mm``) with a 1-D or 2-D parameter,
+and ``addmm(b, x, W)``.
 
 Parameter on the right, ``y[s, j] = sum_i x[s, i] W[i, j]`` (leading axes of ``x`` flattened into
 ``s``): ``J_W[i, j] = sum_s x[s, i] G[s, j]``, the linear-layer rule with the weight transposed. A
 1-D ``w`` drops ``j``. Parameter on the left, ``y[s, c, k] = sum_i W[c, i] x[s, i, k]``:
 ``J_W[c, i] = sum_{s,k} G[s, c, k] x[s, i, k]``. A parameter with more axes (a batched product)
 or on both sides goes to the Jacobian fallback.
+
+``addmm(b, x, W, beta=β, alpha=α) = β b + α x W`` is how Hugging Face's ``Conv1D`` (GPT-2's
+linear layers) computes ``x W + b``: the weight is the right-hand rule scaled by ``α``, a bias of
+one entry per column is ``J_b[j] = β sum_s G[s, j]``. A bias of another shape, or ``x`` a
+parameter, goes to the fallback.
 """
 
 from __future__ import annotations
@@ -84,5 +90,39 @@ def _parameter_on_the_left(
             local=local, seen=weight,
         )
         return [role], None
+
+    return RuleCall(output, build)
+
+
+@rule(torch.addmm, Tensor.addmm)
+def addmm_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
+    """``beta * b + alpha * (x @ W)`` with the weight and/or a per-column bias as parameters."""
+    bias, x, weight, beta, alpha = bind(args, kwargs, ("input", "mat1", "mat2", "beta", "alpha"),
+                                        {"beta": 1, "alpha": 1})
+    bias_ref, weight_ref = ref_of(bias), ref_of(weight)
+    if ref_of(x) is not None or (bias_ref is None and weight_ref is None) or x.ndim != 2 or weight.ndim != 2:
+        return None
+    if not all(isinstance(value, (int, float)) for value in (beta, alpha)):
+        return None
+    positions, features = x.shape
+    columns = weight.shape[1]
+    if bias_ref is not None and tuple(bias.shape) != (columns,):
+        return None
+    output = func(*args, **kwargs)
+
+    def build():
+        roles = []
+        if weight_ref is not None:
+            roles.append(Role(
+                (weight_ref,), "weight", (positions, columns), "sj", [(x.detach().clone(), "si")], "ij",
+                (features, columns), scale=float(alpha), local=lambda w: func(bias, x, w, beta=beta, alpha=alpha),
+                seen=weight,
+            ))
+        if bias_ref is not None:
+            roles.append(Role(
+                (bias_ref,), "bias", (positions, columns), "sj", [], "j", (columns,), scale=float(beta),
+                local=lambda b: func(b, x, weight, beta=beta, alpha=alpha), seen=bias,
+            ))
+        return roles, None
 
     return RuleCall(output, build)
