@@ -154,6 +154,8 @@ def main() -> None:
     parser.add_argument("--extrapolate", type=int, default=512,
                         help="N of a kernel written by batch into a memmap, timed on 1-3 blocks and extrapolated")
     parser.add_argument("--block", type=int, default=32, help="batch_size of --extrapolate")
+    parser.add_argument("--extrapolate-full", action="store_true",
+                        help="also compute the whole --extrapolate kernel, to check the extrapolation")
     parser.add_argument("--extrapolate-method", default="0f", help="method of --extrapolate (as in --methods)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -199,7 +201,8 @@ def main() -> None:
                 print(f"| {name} | {choice} | {dtype_name} | {count:,} | {n} | {labels.get(method, method)} | "
                       f"{seconds:.3f} | {ratio:.2f} | {memory} | {difference:.1e} |", flush=True)
         if args.extrapolate:
-            extrapolated(model, name, args.vocab, args.extrapolate, args.block, args.extrapolate_method, dtype)
+            extrapolated(model, name, args.vocab, args.extrapolate, args.block, args.extrapolate_method, dtype,
+                         args.extrapolate_full)
 
 
 def ntk_function(model, method: int, check=True):
@@ -214,11 +217,12 @@ def ntk_function(model, method: int, check=True):
     )
 
 
-def extrapolated(model, name: str, vocab: int, total: int, block: int, method: str, dtype) -> None:
+def extrapolated(model, name: str, vocab: int, total: int, block: int, method: str, dtype, full: bool = False) -> None:
     """The kernel of ``total`` examples written into a memmap by ``batch`` (with a progress file),
     timed on ``k = 1, 2`` blocks of ``block`` examples (the faster of two runs each) and
     extrapolated as ``T(k) = a k + b k (k + 1) / 2`` (each block's examples prepared once; the pairs ``i <= j`` of a symmetric kernel
-    contracted), the model checked on ``k = 3`` before it predicts ``total``."""
+    contracted), the model checked on ``k = 3`` before it predicts ``total``; ``full``: the kernel
+    of all ``total`` examples is then computed and timed too."""
     import tempfile
 
     import numpy
@@ -244,10 +248,14 @@ def extrapolated(model, name: str, vocab: int, total: int, block: int, method: s
         predicted3, three = 3 * per_block + 6 * pairs, run(3, "three")
         blocks = math.ceil(total / block)
         predicted = blocks * per_block + blocks * (blocks + 1) / 2 * pairs
+        measured = ""
+        if full:
+            whole = run(blocks, "full")
+            measured = f", measured {whole:.0f} s ({whole / predicted - 1:+.0%})"
         print(f"| {name} | N = {total} by batch(batch_size={block}, out=<memmap>, progress_file=...), method "
               f"{method} | per block {per_block:.2f} s, per pair {pairs:.3f} s | k = 3: predicted {predicted3:.2f} s, "
               f"measured {three:.2f} s ({three / predicted3 - 1:+.0%}) | N = {total}: {predicted:.0f} s "
-              f"({predicted / 60:.1f} min) |", flush=True)
+              f"({predicted / 60:.1f} min){measured} |", flush=True)
 
 
 class _Positions(torch.nn.Module):

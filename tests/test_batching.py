@@ -93,8 +93,8 @@ def test_batched_equals_unbatched_full_grid():
 
 
 def test_spans_prepare_each_example_once_and_reuse_cached_x2_spans(monkeypatch):
-    """With room for everything, x1 and x2 are each prepared once (after one probe block, which
-    is x1's first span at this block size); with no cache, x1 runs are prepared once per row and
+    """With room for everything, x1 and x2 are each prepared once (after a probe of one example,
+    which measures the bytes per example); with no cache, x1 runs are prepared once per row and
     x2 runs once per block; a tight cache lies in between."""
     x1, x2 = _inputs(13, 8)
     ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0, implementation=3)
@@ -111,9 +111,30 @@ def test_spans_prepare_each_example_once_and_reuse_cached_x2_spans(monkeypatch):
         prepared.clear()
         assert_kernels_close(torchntk.batch(ntk_fn, 2, cache_bytes=cache)(x1, x2), ntk_fn(x1, x2), rtol=1e-10, atol=1e-12)
         counts[cache] = sum(run[1] for _, run in prepared)
-    assert counts[2**30] == 2 + 13 + 8  # the probe block, then each side once
-    assert counts[0] == 13 + 7 * 8  # the probe serves as x1's first run; 7 rows of all of x2
+    assert counts[2**30] == 1 + 13 + 8  # the probe, then each side once
+    assert counts[0] == 1 + 13 + 7 * 8  # the probe, then 7 rows of all of x2
     assert counts[2**30] < counts[6_000] < counts[0]  # ~0.5 KB per example: spans of 4, one cached
+
+
+def test_a_span_longer_than_the_batch_size_prepares_its_examples_once(monkeypatch):
+    """The bytes-per-example probe is one example, kept when x1 is a single unit: spans of several
+    units no longer prepare their first unit twice (a unit of a base-size transformer's examples
+    takes seconds)."""
+    x1, _ = _inputs(13, 8)
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0, implementation=1)
+    prepared = []
+    original = torchntk._kernel.block_source.BlockSource.prepare
+
+    def counting(self, side, run):
+        prepared.append(run)
+        return original(self, side, run)
+
+    monkeypatch.setattr(torchntk._kernel.block_source.BlockSource, "prepare", counting)
+    assert_kernels_close(torchntk.batch(ntk_fn, 4)(x1), ntk_fn(x1), rtol=1e-10, atol=1e-12)
+    assert prepared == [(0, 1), (0, 13)]  # one span of all 13 examples, after the probe
+    prepared.clear()
+    assert_kernels_close(torchntk.batch(ntk_fn, 16)(x1), ntk_fn(x1), rtol=1e-10, atol=1e-12)
+    assert prepared == [(0, 13)]  # x1 is one unit: the probe is that span
 
 
 def test_batch_axis_anywhere_with_vmap_axes():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_the_workload_benchmark_runs_and_every_method_agrees_with_the_hand_writt
     done = run_python(
         str(ROOT / "benchmarks" / "bench_workloads.py"), "--layers", "1", "--hidden", "32", "--vocab", "100",
         "--n", "3", "--dtypes", "float32", "--repeats", "1", "--methods", "hand,1,2,3,0,1f,3f", "--extrapolate", "6",
-        "--block", "2",
+        "--block", "2", "--extrapolate-full",
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -42,3 +43,4 @@ def test_the_workload_benchmark_runs_and_every_method_agrees_with_the_hand_writt
     assert all(float(row[-2]) < 1e-3 for row in rows), done.stdout  # relative difference from the hand-written kernel
     extrapolations = [line for line in lines if "batch(batch_size=2, out=<memmap>" in line]
     assert len(extrapolations) == 2 * 4 and all("N = 6:" in line for line in extrapolations), done.stdout
+    assert all(re.search(r"min\), measured \d+ s", line) for line in extrapolations), done.stdout

@@ -338,8 +338,8 @@ class _Prices:
         contractions = _STRUCTURED_CONTRACTION_WEIGHT * structured.contraction_flops
         # The fallback's Jacobians take backward sweeps of their own, through the whole model.
         # Half of a sweep is the input gradients, paid for any fallback parameter; the other half,
-        # the weight gradients, in proportion to the parameters in the fallback (all of GPT-2's
-        # linear layers, whose addmm has no rule, made 3 look cheaper than 1 at 1.9x 1's time).
+        # the weight gradients, in proportion to the parameters in the fallback (a model whose
+        # linear layers all lacked a rule looked cheaper under 3 than under 1, at 1.9x 1's time).
         share = structured.fallback_params / max(self.params, 1)
         fallback_sweeps = self.sweeps / 2 * (1 + share) if plan.fallback else 0.0
         held = _ELEMENT_FLOPS * structured.memory_elements  # NOTE: [What is held is written]

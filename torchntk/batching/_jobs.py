@@ -191,8 +191,12 @@ def run_spans(
     """
     n1, n2 = first.sizes()
     unit = job.block_size or 1
+    # The probe measures the prepared bytes per example. It is kept only when it is the first
+    # span, so it is one example unless x1 is one unit (then it is that unit's span): a probe of a
+    # whole unit beside longer spans was prepared for nothing (a unit of 32 base-size transformer
+    # examples is seconds).
     with serialised(first.thread_safe):
-        probe = first.prepare(1, (0, min(unit, n1)))
+        probe = first.prepare(1, (0, n1 if n1 <= unit else 1))
     per_example = probe.nbytes / max(1, probe.run[1])
     half = cache_bytes / 2
     by_memory = max(unit, int(half // per_example) // unit * unit) if per_example else math.inf
@@ -222,7 +226,7 @@ def run_spans(
     lock = threading.Lock()
     if job.out is not None or not tasks:  # `out` checked (and a record verified) before the work
         with serialised(first.thread_safe):
-            two = probe if first.reuses_prepared() else first.prepare(2, (0, min(unit, n2)))
+            two = probe if first.reuses_prepared() else first.prepare(2, (0, 1))  # the result's structure only
             result = Flat.of(first.contract(probe, two))
         state["tree"], state["output"] = result, job.output(result, first.leaf_layouts(), n1, n2)
 
