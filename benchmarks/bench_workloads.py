@@ -155,7 +155,8 @@ def main() -> None:
                         help="N of a kernel written by batch into a memmap, timed on 1-3 blocks and extrapolated")
     parser.add_argument("--block", type=int, default=32, help="batch_size of --extrapolate")
     parser.add_argument("--extrapolate-full", action="store_true",
-                        help="also compute the whole --extrapolate kernel, to check the extrapolation")
+                        help="also compute the whole --extrapolate kernel (--block, then batch_size='auto'), "
+                             "to check the extrapolation")
     parser.add_argument("--extrapolate-method", default="0f", help="method of --extrapolate (as in --methods)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -222,7 +223,8 @@ def extrapolated(model, name: str, vocab: int, total: int, block: int, method: s
     timed on ``k = 1, 2`` blocks of ``block`` examples (the faster of two runs each) and
     extrapolated as ``T(k) = a k + b k (k + 1) / 2`` (each block's examples prepared once; the pairs ``i <= j`` of a symmetric kernel
     contracted), the model checked on ``k = 3`` before it predicts ``total``; ``full``: the kernel
-    of all ``total`` examples is then computed and timed too."""
+    of all ``total`` examples is then computed and timed too, with ``block`` and with the default
+    ``batch_size="auto"``."""
     import tempfile
 
     import numpy
@@ -251,7 +253,14 @@ def extrapolated(model, name: str, vocab: int, total: int, block: int, method: s
         measured = ""
         if full:
             whole = run(blocks, "full")
-            measured = f", measured {whole:.0f} s ({whole / predicted - 1:+.0%})"
+            automatic = torchntk.batch(ntk_function(model, int(method[0]), "first" if method.endswith("f") else True))
+            out = numpy.lib.format.open_memmap(f"{folder}/auto.npy", mode="w+", dtype=numpy_dtype,
+                                               shape=(total, total, 2, 2))
+            start = time.perf_counter()
+            automatic(ids, None, out=out, progress_file=f"{folder}/auto.json", attention_mask=mask, rows=where)
+            planned = time.perf_counter() - start
+            measured = (f", measured {whole:.0f} s ({whole / predicted - 1:+.0%}); with the default "
+                        f"batch_size='auto': {planned:.0f} s")
         print(f"| {name} | N = {total} by batch(batch_size={block}, out=<memmap>, progress_file=...), method "
               f"{method} | per block {per_block:.2f} s, per pair {pairs:.3f} s | k = 3: predicted {predicted3:.2f} s, "
               f"measured {three:.2f} s ({three / predicted3 - 1:+.0%}) | N = {total}: {predicted:.0f} s "
