@@ -104,7 +104,7 @@ class _Overlapping(Attention):
     depths: list = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.depths.append(quiet_warnings._state["depth"])
+        self.depths.append(quiet_warnings._silenced._depth)
         time.sleep(0.002)  # leaves the other thread time to enter
         return super().forward(x)
 
@@ -134,7 +134,7 @@ def test_threads_computing_at_once_leave_the_users_filters_as_they_are():
         assert not errors and not any(thread.is_alive() for thread in threads), errors
         assert warnings.filters[0][1].pattern == "a filter the user adds meanwhile"
         assert all(entry is not quiet_warnings._FILTER for entry in warnings.filters)
-    assert quiet_warnings._state == {"depth": 0, "filters": None}
+    assert quiet_warnings._silenced._depth == 0 and quiet_warnings._silenced._undo is None
     assert max(_Overlapping.depths) == 2  # the two threads did compute at once
 
 

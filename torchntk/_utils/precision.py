@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch
 
 from .checks import show
+from .threads import WhileAnyActive
 
 MODES = ("float32", "tf32", "bfloat16")
 
@@ -39,8 +40,7 @@ _LEGACY_MATMUL = {"float32": "highest", "tf32": "high", "bfloat16": "medium"}
 _NEW = {"float32": "ieee", "tf32": "tf32"}
 
 _requested = threading.local()
-_active = {"depth": 0, "restore": None}
-_lock = threading.Lock()
+_active = WhileAnyActive()
 
 
 @contextlib.contextmanager
@@ -81,21 +81,9 @@ def requested_mode() -> str:
     return getattr(_requested, "mode", None) or "float32"
 
 
-@contextlib.contextmanager
-def kernel_precision() -> Iterator[None]:
+def kernel_precision() -> ContextManager[None]:
     """PyTorch's TF32 settings for the requested mode while a kernel is computed, restored after."""
-    with _lock:
-        if _active["depth"] == 0:
-            _active["restore"] = _apply(requested_mode())
-        _active["depth"] += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active["depth"] -= 1
-            if _active["depth"] == 0:
-                _active["restore"]()
-                _active["restore"] = None
+    return _active.active(lambda: _apply(requested_mode()))
 
 
 def _apply(mode: str):

@@ -21,7 +21,8 @@ Threads: ``warnings.catch_warnings`` saves and restores the whole process-wide f
 threads computing kernels at once (``batch``'s workers, a user's thread pool) would restore each
 other's lists, and one could leave a filter behind or drop a filter the user added meanwhile. So
 the filter is instead inserted once, by the first of any number of concurrent computations, and
-removed by identity by the last (a count under a lock), without touching the rest of the list.
+removed by identity by the last (``_utils/threads.WhileAnyActive``), without touching the rest of
+the list.
 Filters are process-wide, so while any thread computes a kernel, the same PyTorch messages for
 these operations are silenced on the other threads too; nothing else is.
 
@@ -33,11 +34,11 @@ as shown (CPython 3.9 and later), so nothing remains of the filter once it is re
 
 from __future__ import annotations
 
-import contextlib
 import re
-import threading
 import warnings
-from typing import Iterator
+from typing import Callable, ContextManager
+
+from .threads import WhileAnyActive
 
 KNOWN_OPERATIONS = (
     "_scaled_dot_product_flash_attention_for_cpu",
@@ -56,31 +57,27 @@ _MESSAGE = (
 # identity and never an equal filter of the user's.
 _FILTER = ("ignore", re.compile(_MESSAGE, re.I), UserWarning, None, 0)
 
-_lock = threading.Lock()
-_state: dict = {"depth": 0, "filters": None}
+_silenced = WhileAnyActive()
 
 
-@contextlib.contextmanager
-def known_warnings_silenced() -> Iterator[None]:
+def known_warnings_silenced() -> ContextManager[None]:
     """Ignores PyTorch's batching-rule warnings for :data:`KNOWN_OPERATIONS` inside the block;
     reentrant and thread-safe (NOTE: [Known PyTorch warnings])."""
-    with _lock:
-        if _state["depth"] == 0:
-            _state["filters"] = warnings.filters
-            _state["filters"].insert(0, _FILTER)
-        _state["depth"] += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _state["depth"] -= 1
-            if _state["depth"] == 0:
-                # A catch_warnings block entered meanwhile may have swapped the list: the filter
-                # goes from the list it went into and from the current one.
-                _remove(_state["filters"])
-                if warnings.filters is not _state["filters"]:
-                    _remove(warnings.filters)
-                _state["filters"] = None
+    return _silenced.active(_insert)
+
+
+def _insert() -> Callable[[], None]:
+    filters = warnings.filters
+    filters.insert(0, _FILTER)
+
+    def undo() -> None:
+        # A catch_warnings block entered meanwhile may have swapped the list: the filter goes from
+        # the list it went into and from the current one.
+        _remove(filters)
+        if warnings.filters is not filters:
+            _remove(warnings.filters)
+
+    return undo
 
 
 def _remove(filters: list) -> None:

@@ -1,4 +1,5 @@
-"""The one process-wide lock of torchntk: forward-mode automatic differentiation.
+"""Threads: the one process-wide lock of torchntk (forward-mode automatic differentiation), and
+process-wide settings that concurrent computations share (:class:`WhileAnyActive`).
 
 NOTE: [Threads]
 Kernel functions, ``batch`` and Monte Carlo may be called from several threads at once. Module
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Callable, Iterator, Optional
 
 FORWARD_MODE_LOCK = threading.RLock()
 """Held by every computation that may use forward-mode AD (``torch.func.jvp``, ``jacfwd``)."""
@@ -23,3 +25,31 @@ FORWARD_MODE_LOCK = threading.RLock()
 def serialised(thread_safe: bool):
     """A context that holds :data:`FORWARD_MODE_LOCK` unless the work is ``thread_safe``."""
     return contextlib.nullcontext() if thread_safe else FORWARD_MODE_LOCK
+
+
+class WhileAnyActive:
+    """A process-wide change that the first of any number of nested or concurrent users makes and
+    the last undoes (a count under a lock): for settings PyTorch or Python keep per process, which
+    saving and restoring per thread would let two threads undo for each other."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._undo: Optional[Callable[[], None]] = None
+
+    @contextlib.contextmanager
+    def active(self, apply: Callable[[], Callable[[], None]]) -> Iterator[None]:
+        """Inside the block the change is in effect: ``apply()`` makes it on the outermost entry
+        of all threads and returns what undoes it, called on the last exit."""
+        with self._lock:
+            if self._depth == 0:
+                self._undo = apply()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    undo, self._undo = self._undo, None
+                    undo()

@@ -56,14 +56,22 @@ def _parameter_on_the_right(
                 local=local, seen=weight,
             )
             return [role], None
-        columns = weight.shape[1]
-        role = Role(
-            (ref,), "matmul operand", (positions, columns), "sj", [(inputs, "si")], "ij", (features, columns),
-            local=local, seen=weight,
-        )
-        return [role], None
+        return [_right_weight_role(ref, "matmul operand", inputs, weight, local)], None
 
     return RuleCall(output, build)
+
+
+def _right_weight_role(
+    ref: ParamRef, name: str, inputs: Tensor, weight: Tensor, local: Callable, scale: float = 1.0
+) -> Role:
+    """``J_W[i, j] = scale sum_s inputs[s, i] G[s, j]`` for ``y = scale inputs @ W (+ ...)``, with
+    ``inputs`` the detached ``(S, I)`` left operand."""
+    positions, features = inputs.shape
+    columns = weight.shape[1]
+    return Role(
+        (ref,), name, (positions, columns), "sj", [(inputs, "si")], "ij", (features, columns), scale=scale,
+        local=local, seen=weight,
+    )
 
 
 def _parameter_on_the_left(
@@ -104,8 +112,7 @@ def addmm_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Opti
         return None
     if not all(isinstance(value, (int, float)) for value in (beta, alpha)):
         return None
-    positions, features = x.shape
-    columns = weight.shape[1]
+    positions, columns = x.shape[0], weight.shape[1]
     if bias_ref is not None and tuple(bias.shape) != (columns,):
         return None
     output = func(*args, **kwargs)
@@ -113,11 +120,8 @@ def addmm_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Opti
     def build():
         roles = []
         if weight_ref is not None:
-            roles.append(Role(
-                (weight_ref,), "weight", (positions, columns), "sj", [(x.detach().clone(), "si")], "ij",
-                (features, columns), scale=float(alpha), local=lambda w: func(bias, x, w, beta=beta, alpha=alpha),
-                seen=weight,
-            ))
+            local = lambda w: func(bias, x, w, beta=beta, alpha=alpha)  # noqa: E731
+            roles.append(_right_weight_role(weight_ref, "weight", x.detach().clone(), weight, local, float(alpha)))
         if bias_ref is not None:
             roles.append(Role(
                 (bias_ref,), "bias", (positions, columns), "sj", [], "j", (columns,), scale=float(beta),
