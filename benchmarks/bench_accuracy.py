@@ -155,13 +155,14 @@ def _accumulation(on: bool) -> None:
     import torchntk._call.blocks
     import torchntk._layout.kernel_layout
 
-    if not hasattr(torchntk._layout.kernel_layout, "_bench_original"):
-        torchntk._layout.kernel_layout._bench_original = (torchntk._layout.kernel_layout.accumulation_dtype, torchntk._layout.kernel_layout._CONTRACTION_BLOCK)
-    dtype, block = torchntk._layout.kernel_layout._bench_original
+    layout = torchntk._layout.kernel_layout
+    if not hasattr(layout, "_bench_original"):
+        layout._bench_original = (layout.accumulation_dtype, dict(layout.CONTRACTION_BLOCKS))
+    dtype, blocks = layout._bench_original
     if not on:
-        dtype, block = (lambda dtype, device: dtype), sys.maxsize
-    torchntk._layout.kernel_layout.accumulation_dtype = torchntk._call.blocks.accumulation_dtype = dtype
-    torchntk._layout.kernel_layout._CONTRACTION_BLOCK = block
+        dtype, blocks = (lambda dtype, device: dtype), dict.fromkeys(blocks, sys.maxsize)
+    layout.accumulation_dtype = torchntk._call.blocks.accumulation_dtype = dtype
+    layout.CONTRACTION_BLOCKS.update(blocks)
 
 
 def _interleaved(fn, repeats: int) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The GPU measurements of issue 15 that ``python -m torchntk bench`` does not make.
 
-Two parts (``--parts large,profile``), on ``--device`` (default ``cuda``; ``cpu`` runs the same
+Two parts (``--parts profile,large``), on ``--device`` (default ``cuda``; ``cpu`` runs the same
 code with small sizes, which is how it is tested on machines without a GPU):
 
 * **large**: the traced NTK (``trace_axes=(-1,)``, ``x2=None``, float32, ``vmap_axes=0``) of a
@@ -17,7 +17,9 @@ code with small sizes, which is how it is tested on machines without a GPU):
   the most device time (CPU time on the CPU), the table that says where structured derivatives
   spend their time on a GPU.
 
-Output: markdown on standard output, with the device and the command.
+Output: markdown on standard output, with the device and the command; the parts in the order
+``--parts`` gives, by default the profile first and the large kernel's one-row table last (the GPU
+check of the shared folder keeps only the last 25 lines of the log).
 
 Example (the issue's settings; takes minutes on a GPU)::
 
@@ -111,7 +113,8 @@ def profile(args: argparse.Namespace, device: torch.device) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="where to compute (default cuda)")
-    parser.add_argument("--parts", default="large,profile", help="comma list of large, profile (default both)")
+    parser.add_argument("--parts", default="profile,large",
+                        help="comma list of profile, large, printed in this order (default both, the table last)")
     parser.add_argument("--n", type=int, default=10_000, help="examples of the large kernel (default 10000)")
     parser.add_argument("--warmup-n", type=int, default=256, help="examples of its warm-up call (default 256)")
     parser.add_argument("--batch-size", type=int, default=256, help="batch's batch_size (default 256)")

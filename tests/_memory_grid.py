@@ -144,7 +144,10 @@ def measure(config: dict) -> dict:
         chunk_size=config.get("chunk_size"),
     )
     if batched:  # batch(batch_size="auto") within the budget; its plan is the span plan, not the model's peak
-        ntk_fn = torchntk.batch(ntk_fn, memory=config.get("memory"), **(batched if isinstance(batched, dict) else {}))
+        options = dict(batched) if isinstance(batched, dict) else {}
+        if "devices" not in options:  # this measures the CPU: no GPU of the machine may take the work
+            options["device_count"] = 0
+        ntk_fn = torchntk.batch(ntk_fn, memory=config.get("memory"), **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         first = ntk_fn(x1, x2, **kwargs)

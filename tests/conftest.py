@@ -58,6 +58,8 @@ def device_option(name: str) -> torch.device:
         raise pytest.UsageError(f"--device {name}: this PyTorch has no CUDA device available.")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise pytest.UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here.")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # what tensors moved there report
     return device
 
 

@@ -259,7 +259,7 @@ class _RecurrentCell(nn.Module):
         self.head = nn.Linear(6, 4)
 
     def forward(self, x: Tensor) -> Tensor:  # (N, T, 3) -> (N, 4)
-        h = torch.zeros(*x.shape[:-2], 6, dtype=x.dtype)
+        h = torch.zeros(*x.shape[:-2], 6, dtype=x.dtype, device=x.device)
         for step in range(x.shape[-2]):
             h = torch.tanh(self.input(x[..., step, :]) + self.hidden(h))
         return self.head(h)

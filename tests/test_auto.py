@@ -103,7 +103,14 @@ def test_probing_everything_prices_every_candidate_and_picks_the_same():
     assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
 
 
-def test_the_plan_made_to_price_structured_derivatives_is_reused_by_the_kernel():
+@pytest.fixture
+def cpu_prices(monkeypatch):
+    """ATen calls priced as on the CPU, on every device: the tests using it need 3 to be probed and
+    picked, and CUDA's price of a call (its launch) makes a small model's probe not worth it."""
+    monkeypatch.setitem(auto_module._OP_CALL_FLOPS, "cuda", auto_module._OP_CALL_FLOPS["cpu"])
+
+
+def test_the_plan_made_to_price_structured_derivatives_is_reused_by_the_kernel(cpu_prices):
     model = _wide()
     x1, x2 = _inputs(16, 6, 4)
     with _Spies() as spies:
@@ -124,7 +131,7 @@ def _plan_spies():
     )
 
 
-def test_structured_derivatives_are_priced_from_the_probe_and_checked_only_when_picked():
+def test_structured_derivatives_are_priced_from_the_probe_and_checked_only_when_picked(cpu_prices):
     model = _wide()
     x1, x2 = _inputs(16, 6, 4)
     priced = mock.patch.object(auto_module, "_PROBE_BUDGET", float("inf"))  # price 3 whatever it saves
@@ -150,7 +157,7 @@ def test_structured_derivatives_are_priced_from_the_probe_and_checked_only_when_
     assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
 
 
-def test_parameters_the_check_demotes_are_priced_again_as_fallback():
+def test_parameters_the_check_demotes_are_priced_again_as_fallback(cpu_prices):
     model = _wide()
     x1, x2 = _inputs(16, 6, 4)
     first_weight = dict(model.named_parameters())["0.weight"]

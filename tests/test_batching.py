@@ -411,6 +411,19 @@ def test_device_count_beyond_the_machine_and_foreign_kernel_functions():
         torchntk.batch(lambda x1, x2: x1 @ x2.T, 2)
 
 
+def test_cuda_without_an_index_is_the_current_device(monkeypatch):
+    """``devices=['cuda']`` names the current CUDA device with its index, so that it equals the
+    device of a model moved there (``cuda:0``) and its workers share the model instead of a
+    replica (checked on a GPU by test_workers_see_every_change_of_the_module)."""
+    from torchntk.batching._devices import devices_argument
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert devices_argument(["cuda", "cuda:0", "cpu"], "batch") == (
+        torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cpu"),
+    )
+
+
 def test_traced_or_diagonal_batch_axis_needs_equal_sizes():
     x1, x2 = _inputs(5, 8)
     with pytest.raises(ValueError, match=r"the batch axis is traced or diagonal .* but x1 has 5 examples and x2 8"):

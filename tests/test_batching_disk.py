@@ -233,7 +233,9 @@ def _problem(mode: str):
 
 def _batched(mode: str):
     vmap_axes = 0 if mode == "spans" else None
-    return torchntk.batch(torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=vmap_axes), 3, cache_bytes=0)
+    # device_count=0: the inputs' device (the CPU), also on a machine with GPUs
+    kernel_fn = torchntk.empirical_ntk_fn(_model(), trace_axes=(), vmap_axes=vmap_axes)
+    return torchntk.batch(kernel_fn, 3, cache_bytes=0, device_count=0)
 
 
 @pytest.mark.cpu_only("the killed child process computes on the CPU, and the resumed kernel must equal its bits")

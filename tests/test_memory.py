@@ -326,7 +326,7 @@ def test_the_cuda_cache_is_released_after_an_out_of_memory_error(monkeypatch):
 
 
 @pytest.mark.parametrize("implementation", [0, 1, 3])
-@pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]], ids=["1cpu", "2cpu"])
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["1cpu", "2cpu"])
 @pytest.mark.parametrize("memory", ["inf", "tight"])
 def test_batch_auto_equals_the_kernel_within_any_budget(implementation, devices, memory):
     model = _mlp(width=64, outputs=4)
@@ -334,7 +334,7 @@ def test_batch_auto_equals_the_kernel_within_any_budget(implementation, devices,
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
     expected, symmetric = ntk_fn(x1, x2), ntk_fn(x1)
     budget = math.inf if memory == "inf" else 600_000  # per device: spans of a few examples
-    batched = torchntk.batch(ntk_fn, devices=devices, memory=budget)
+    batched = torchntk.batch(ntk_fn, devices=devices, memory=budget)  # the CPU also beside a GPU
     with warnings.catch_warnings():
         warnings.simplefilter("error", torchntk.MemoryPlanWarning)  # batch plans spans, never chunk_size
         torch.testing.assert_close(batched(x1, x2), expected, rtol=1e-5, atol=1e-6)

@@ -237,7 +237,7 @@ class _InHelper(_Honest):
 class _TransposedAtInit(_Honest):
     def __init__(self):
         super().__init__()
-        self.double()  # the view below is of the float64 weight's memory
+        self.double().to(DEVICE)  # the view below is of the float64 weight's memory on the run device
         self.transposed = self.out.weight.T
 
     def weight(self):

@@ -217,9 +217,12 @@ def test_old_style_weight_norm_hook_writes_into_a_private_copy(implementation, d
     snapshot = ModuleSnapshot.of(model)
     weight_before = model[0].weight
     x1, x2 = _randn(device, 5, 4), _randn(device, 3, 4)
-    twin = _weight_normed(device)  # such a module cannot be deep-copied, so the reference gets its own
+    # Such a module cannot be deep-copied, so the reference gets its own, on the CPU: PyTorch's CUDA
+    # weight-norm kernel takes float64 square roots in float32.
+    twin = _weight_normed(torch.device("cpu"))
     params = {name: p.detach() for name, p in twin.named_parameters()}
-    expected = reference_ntk(lambda p, x: torch.func.functional_call(twin, p, (x,)), x1, x2, params=params)
+    expected = reference_ntk(lambda p, x: torch.func.functional_call(twin, p, (x,)), x1.cpu(), x2.cpu(), params=params)
+    expected = expected.to(device)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
     assert_kernels_close(ntk_fn(x1, x2), expected)  # 2 without forward AD: two reverse passes
     snapshot.assert_unchanged()

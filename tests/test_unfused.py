@@ -13,10 +13,12 @@ forward-mode derivative depends on the device: that is checked on the CPU only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
 import re
+import threading
 import warnings
 from typing import Any, Callable
 from unittest import mock
@@ -117,7 +119,11 @@ def _with_grad(arguments: tuple) -> tuple:
 def _assert_same_call(kind: str, arguments: tuple) -> None:
     """Outputs, final states and the gradients of all three with respect to every tensor agree."""
     expected_arguments, actual_arguments = _with_grad(arguments), _with_grad(arguments)
-    expected = FUSED[kind](*expected_arguments)
+    # cuDNN's recurrent backward refuses eval mode (train=False): the fused kernel then runs
+    # PyTorch's own CUDA kernels, as torchntk runs it (_model/unfused.recurrent_layers_without_cudnn)
+    on_cuda = arguments[0].is_cuda and not arguments[6]
+    with (_unfused.recurrent_layers_without_cudnn() if on_cuda else contextlib.nullcontext()):
+        expected = FUSED[kind](*expected_arguments)
     actual = DECOMPOSED[kind](*actual_arguments)
     assert actual is not NotImplemented
     assert len(actual) == len(expected)
@@ -260,12 +266,18 @@ def test_weight_norm_decomposition_matches_the_op(shape, dim, device):
     v = torch.randn(shape, generator=generator, dtype=F64).to(device)
     norm = torch.norm_except_dim(v, 2, op_dim)
     g = norm * (1 + torch.rand(norm.shape, generator=generator, dtype=F64).to(device))
-    fused, unfused = ([v.clone().requires_grad_(), g.clone().requires_grad_()] for _ in range(2))
+    # The fused op runs on the CPU: PyTorch's CUDA weight-norm kernel takes its float64 norms'
+    # square root in float32 (relative error ~3e-8), which the decomposition does not copy.
+    fused = [v.cpu().requires_grad_(), g.cpu().requires_grad_()]
+    unfused = [v.clone().requires_grad_(), g.clone().requires_grad_()]
     expected = torch._weight_norm(*fused, op_dim)
     actual = _unfused.weight_norm(*unfused, op_dim)
-    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-    cotangent = torch.randn(shape, generator=generator, dtype=F64).to(device)
-    grads = torch.autograd.grad(actual, unfused, cotangent), torch.autograd.grad(expected, fused, cotangent)
+    torch.testing.assert_close(actual.cpu(), expected, rtol=1e-12, atol=1e-12)
+    cotangent = torch.randn(shape, generator=generator, dtype=F64)
+    grads = (
+        [grad.cpu() for grad in torch.autograd.grad(actual, unfused, cotangent.to(device))],
+        torch.autograd.grad(expected, fused, cotangent),
+    )
     for one, two in zip(*grads):
         torch.testing.assert_close(one, two, rtol=1e-10, atol=1e-12)
 
@@ -346,7 +358,9 @@ def _cpu_float64(tree: Any) -> Any:
 @pytest.mark.parametrize("name", list(_FORWARD_MODE_CASES))
 def test_jvp_inside_the_context_matches_reverse_mode(name, device):
     module, reference, params, tangents, x = _forward_mode_case(name, device)
-    with forward_mode_kernels(bool(fused_layers(module))):
+    # cuDNN off on CUDA, as torchntk's own evaluations run recurrent layers (_model/functional.py)
+    no_cudnn = _unfused.recurrent_layers_without_cudnn() if x.is_cuda else contextlib.nullcontext()
+    with forward_mode_kernels(bool(fused_layers(module))), no_cudnn:
         output, tangent = jvp(lambda values: functional_call(module, values, (x,)), (params,), (tangents,))
     # Reverse mode twice (the double-VJP identity) on the float64 CPU copy: no forward-mode derivative
     # involved; the fused attention kernels' backward passes have no derivative, hence MATH; and no
@@ -509,3 +523,77 @@ def _paired_matrix(kernel: Tensor, shape: torch.Size) -> Tensor:
     order = list(range(0, 2 * ndim, 2)) + list(range(1, 2 * ndim, 2))
     size = int(torch.tensor(shape).prod())
     return kernel.permute(order).reshape(size, size)
+
+
+# --------------------------------------------------------------------------------------------
+# Process-wide switches: attention on MATH, cuDNN off for recurrent layers on CUDA
+# --------------------------------------------------------------------------------------------
+
+
+def _attention_backends() -> tuple[bool, ...]:
+    cuda = torch.backends.cuda
+    return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
+
+
+_SWITCHES = {
+    # name: (context, read the setting, the value inside)
+    "math_attention": (_unfused.math_attention, _attention_backends, (False, False, True)),
+    "no_cudnn": (_unfused.recurrent_layers_without_cudnn, lambda: torch.backends.cudnn.enabled, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SWITCHES))
+def test_overlapping_switches_of_two_threads_restore_the_setting(name):
+    """Thread A enters, B enters, A leaves, B leaves: a save-and-restore per block would leave B's
+    saved value (A's setting) in place for good. The setting holds until the last block ends."""
+    context, read, inside = _SWITCHES[name]
+    before = read()
+    assert before != inside, "the test needs PyTorch's default to differ from the switched value"
+    steps = [threading.Event() for _ in range(4)]
+    seen = {}
+
+    def first():
+        with context():
+            steps[0].set()
+            steps[1].wait(10)
+        seen["after first left"] = read()
+        steps[2].set()
+
+    def second():
+        steps[0].wait(10)
+        with context():
+            seen["both inside"] = read()
+            steps[1].set()
+            steps[2].wait(10)
+            seen["second still inside"] = read()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"both inside": inside, "after first left": inside, "second still inside": inside}
+    assert read() == before
+
+
+def test_recurrent_models_are_evaluated_without_cudnn_on_cuda_only(device):
+    """torchntk's evaluation of a module holding an nn.LSTM: cuDNN off on CUDA (its weight re-packing
+    reads data pointers, which transformed tensors lack), left alone elsewhere and for other models."""
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(torch.backends.cudnn.enabled)
+            return x
+
+    torch.manual_seed(0)
+    recurrent = nn.Sequential(Probe(), _First(nn.LSTM(3, 4, batch_first=True))).double().to(device)
+    plain = nn.Sequential(Probe(), nn.Linear(3, 4)).double().to(device)
+    x = to_device(torch.randn(2, 5, 3, dtype=F64))
+    before = torch.backends.cudnn.enabled
+    torchntk.empirical_ntk_fn(recurrent, vmap_axes=0, implementation=1)(x)
+    assert set(seen) == {x.device.type != "cuda"}
+    seen.clear()
+    torchntk.empirical_ntk_fn(plain, vmap_axes=0, implementation=1)(x)
+    assert set(seen) == {True}
+    assert torch.backends.cudnn.enabled == before

@@ -198,7 +198,9 @@ def test_peak_gpu_memory_follows_cache_bytes_not_the_kernel(device, implementati
     # A pair of spans holds at most SPAN_ENTRIES entries; preparing a span costs a few times its data.
     bound = 4 * cache_bytes + 4 * torchntk.batching._jobs.SPAN_ENTRIES * 4 + 4096 * 3 * 4
     assert peaks[4096] <= bound, (peaks, bound)
-    assert peaks[4096] <= peaks[1024] + 2**20, peaks  # no growth with the kernel's N^2 entries
+    # No growth with the kernel's N^2 entries (60 MiB more at 4096): spans grow with N only up to
+    # what cache_bytes allows (1.5 MB more on an H100).
+    assert peaks[4096] <= peaks[1024] + cache_bytes, peaks
     x1 = torch.randn(4096, 3, device=device)
     on_device = _peak_bytes(device, lambda: torchntk.batch(ntk_fn, 64, cache_bytes=cache_bytes)(x1))
     assert on_device >= kernel_bytes > peaks[4096], (on_device, peaks)

@@ -27,7 +27,7 @@ from torch.func import jacrev, vjp, vmap
 from torch.utils import _pytree as pytree
 
 from .._model.functional import FunctionalModel
-from .._model.unfused import Unfused
+from .._model.unfused import Unfused, math_attention
 from .._utils.tree import Flat
 
 
@@ -92,12 +92,18 @@ class Side:
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
-        """vmap's errors explained, and the model's fused recurrent and weight-norm kernels, which
-        vmap cannot batch, computed as plain ops (NOTE: [Unfused kernels])."""
+        """vmap's errors explained, and the kernels vmap cannot batch computed as plain ops: the
+        model's fused recurrent and weight-norm kernels (NOTE: [Unfused kernels]) and, on CUDA,
+        the fused attention kernels (``_model/unfused.math_attention``)."""
         if self.loop:
             yield
             return
-        with vmap_errors(self.where), (Unfused() if self.model.fused else contextlib.nullcontext()):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(vmap_errors(self.where))
+            if self.model.fused:
+                stack.enter_context(Unfused())
+            if any(param.is_cuda for param in self.model.params):
+                stack.enter_context(math_attention())
             yield
 
     def batch_size(self) -> int:

@@ -43,13 +43,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.func import jacrev, jvp, vjp, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._call.blocks import BlockPlan, assemble
 from .._call.kernel_call import KernelCall
 from .._call.per_example import Side
 from .._model.torch_errors import missing_forward_mode
-from .._model.unfused import forward_mode_kernels
+from .._model.unfused import forward_mode_kernels, math_attention
 from .._utils.threads import FORWARD_MODE_LOCK
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
@@ -330,7 +329,7 @@ def _twice_differentiable(where: str, missing: Optional[str]):
         ValueError: an operation's backward pass has no derivative either (chained).
     """
     try:
-        with sdpa_kernel([SDPBackend.MATH]):
+        with math_attention():
             yield
     except (RuntimeError, NotImplementedError) as error:
         found = _NOT_TWICE_DIFFERENTIABLE.search(str(error))

@@ -167,12 +167,13 @@ class KernelLayout:
         left = first.reshape(batch, math.prod(rows), contracted)
         right = left if symmetric else second.reshape(batch, math.prod(columns), contracted)
         summing = accumulation_dtype(left.dtype, left.device)
-        if left.dtype in (torch.float64, torch.complex128) or contracted <= CONTRACTION_BLOCK:
+        block = CONTRACTION_BLOCKS.get(left.device.type, CONTRACTION_BLOCKS["cuda"])
+        if left.dtype in (torch.float64, torch.complex128) or contracted <= block:
             product = _product(left, right)
             if wide:
                 product = product.to(summing)
         else:
-            product = _blocked_product(left, right, summing)
+            product = _blocked_product(left, right, summing, block)
             if not wide:
                 product = product.to(left.dtype)
         return product.reshape((*diagonal_shape, *rows, *columns)).permute(result)
@@ -200,7 +201,15 @@ class KernelLayout:
 # and no blocks ran equally fast (within 3%), but with two threads on a loaded machine every
 # call waits for a descheduled thread, and 2048 took twice as long as no blocks where 8192
 # took 1.3 times as long. Hence 8192.
-CONTRACTION_BLOCK = 8192
+# On CUDA (an H100, cuBLAS, TF32 off) blocks of 8192 were not enough: two long contractions of
+# tests/test_accuracy.py were off by 1.5e-6 and 5.7e-7 (CPU: under 4e-7). cuBLAS sums a block's
+# terms in one running float32 sum per output entry, whose error grows as sqrt(block) * eps, so
+# a contraction of L terms in blocks of b is off by about eps * b / sqrt(L) relative (1.55e-6
+# predicted for the first, with b = 8192 and L = 1e5). Blocks of 1024 bring that to 2e-7; on a
+# GPU a block's product is a launch of a few microseconds, and small kernels group several
+# blocks per call, so the extra calls cost little.
+CONTRACTION_BLOCKS = {"cpu": 8192, "cuda": 1024}
+"""Inner-dimension block length per device type (other accelerators take CUDA's)."""
 _PARTIALS_PER_CALL = 2**18
 
 
@@ -213,16 +222,16 @@ def _product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return torch.bmm(left, right.transpose(1, 2))
 
 
-def _blocked_product(left: torch.Tensor, right: torch.Tensor, summing: torch.dtype) -> torch.Tensor:
-    """``left @ right^T`` (``(batch, rows, p) x (batch, columns, p)``) summed over blocks of the
-    inner dimension in ``summing`` (NOTE: [Accurate contraction]); exactly symmetric when
+def _blocked_product(left: torch.Tensor, right: torch.Tensor, summing: torch.dtype, block: int) -> torch.Tensor:
+    """``left @ right^T`` (``(batch, rows, p) x (batch, columns, p)``) summed over blocks of
+    ``block`` inner entries in ``summing`` (NOTE: [Accurate contraction]); exactly symmetric when
     ``right is left``."""
     batch, rows, length = left.shape
     columns = right.shape[1]
     total = torch.zeros(batch, rows, columns, dtype=summing, device=left.device)
     # Grouping blocks into one call needs the blocks of a batch entry as a batch of their own.
     per_call = max(1, _PARTIALS_PER_CALL // (rows * columns)) if batch == 1 else 1
-    for start, count, width in _block_groups(length, per_call):
+    for start, count, width in _block_groups(length, per_call, block):
         left_blocks = _blocks(left, start, count, width)
         right_blocks = left_blocks if right is left else _blocks(right, start, count, width)
         partials = _product(left_blocks, right_blocks)
@@ -237,15 +246,15 @@ def _blocked_product(left: torch.Tensor, right: torch.Tensor, summing: torch.dty
     return total
 
 
-def _block_groups(length: int, per_call: int):
+def _block_groups(length: int, per_call: int, block: int):
     """``(start, count, width)``: ``count`` adjacent blocks of ``width`` entries from ``start``,
-    covering ``0..length``; only the last block may be shorter than CONTRACTION_BLOCK."""
-    whole, tail = divmod(length, CONTRACTION_BLOCK)
+    covering ``0..length``; only the last block may be shorter than ``block``."""
+    whole, tail = divmod(length, block)
     start = 0
     while whole:
         count = min(per_call, whole)
-        yield start, count, CONTRACTION_BLOCK
-        start += count * CONTRACTION_BLOCK
+        yield start, count, block
+        start += count * block
         whole -= count
     if tail:
         yield start, 1, tail

@@ -27,6 +27,7 @@ other than CPU and CUDA) are cloned eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import threading
 import warnings
@@ -42,7 +43,7 @@ from .._utils.tree import Flat
 from .aliases import storage_key, watched
 from .names import parameter_names
 from .shell import private_shell
-from .unfused import fused_layers
+from .unfused import fused_layers, recurrent_layers_without_cudnn
 from .wrappers import compiled_function, compiled_wrapper, plain_checkpoints
 
 Call = Callable[[tuple, tuple, Mapping[str, Any]], Any]
@@ -357,12 +358,15 @@ def _private_evaluation(module: nn.Module) -> Callable[[dict, tuple, dict], Any]
     own, on this thread's shell of the module (NOTE: [Modules are never mutated])."""
     local = threading.local()
     local.shell = private_shell(module)
+    recurrent = any(isinstance(sub, nn.RNNBase) for sub in module.modules())
 
     def evaluate(tensors: dict, args: tuple, kwargs: dict) -> Any:
         shell = getattr(local, "shell", None)
         if shell is None:  # another thread than the one that built the model
             shell = local.shell = private_shell(module)
-        with plain_checkpoints():  # NOTE: [Reentrant checkpoints]
+        on_cuda = recurrent and any(tensor.is_cuda for tensor in tensors.values())
+        with plain_checkpoints(), (recurrent_layers_without_cudnn() if on_cuda else contextlib.nullcontext()):
+            # NOTE: [Reentrant checkpoints]; cuDNN: see recurrent_layers_without_cudnn
             return torch.func.functional_call(shell, tensors, args, kwargs, tie_weights=True, strict=False)
 
     return evaluate

@@ -39,6 +39,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode
 
+from .._utils.threads import WhileAnyActive
+
 # ---------------------------------------------------------------------------------------------
 # Recurrent layers
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +278,63 @@ class Unfused(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_NO_CUDNN = WhileAnyActive()
+
+
+def recurrent_layers_without_cudnn() -> contextlib.AbstractContextManager:
+    """cuDNN off inside the block, for evaluations of models with CUDA recurrent layers.
+
+    An ``nn.LSTM`` / ``GRU`` / ``RNN`` on CUDA re-packs its weights for cuDNN
+    (``flatten_parameters``) whenever they are other tensors than last time, which they are
+    under ``functional_call``, and reads their ``data_ptr()`` to do so: the tensors of a
+    ``torch.func`` transform have no storage, so every kernel of such a model failed there
+    ("Cannot access data pointer of Tensor that doesn't have storage"), and cuDNN's recurrent
+    backward pass also refuses eval mode. With cuDNN off the layer skips the re-packing and runs
+    PyTorch's own CUDA kernels, which have both derivatives. The switch is process-wide in
+    PyTorch, so convolutions anywhere meanwhile run without cuDNN too (slower, not different);
+    the first of nested or concurrent blocks makes it and the last restores it.
+    """
+    return _NO_CUDNN.active(_disable_cudnn)
+
+
+def _disable_cudnn() -> Callable[[], None]:
+    enabled = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = False
+
+    def restore() -> None:
+        torch.backends.cudnn.enabled = enabled
+
+    return restore
+
+
+_MATH_ATTENTION = WhileAnyActive()
+
+
+def math_attention() -> contextlib.AbstractContextManager:
+    """``scaled_dot_product_attention`` on its composite MATH kernel inside the block.
+
+    Needed where its fused kernels cannot go: forward mode and double backward (they have no such
+    derivatives), and, on CUDA, passes mapped by ``vmap``. The fused CUDA kernels (flash,
+    memory-efficient, cuDNN) have no batching rules, so ``vmap`` runs them once per example slice,
+    and a backward pass taken outside the ``vmap`` (a ``vjp`` of a mapped function) hands the
+    memory-efficient kernel's backward a slice of its stacked log-sum-exp, which it rejects ("LSE
+    is not correctly aligned"). The MATH kernel is batched products that every transform handles;
+    the fused CPU kernel takes the slices, so mapped CPU passes keep it.
+
+    PyTorch keeps the choice per process: the first of any number of nested or concurrent blocks
+    (``batch``'s workers are threads) makes it and the last one restores what was there, so that
+    two threads cannot undo it for each other. Meanwhile every thread's attention uses MATH, which
+    changes its speed and rounding, not its result.
+    """
+    return _MATH_ATTENTION.active(_enter_math_attention)
+
+
+def _enter_math_attention() -> Callable[[], None]:
+    context = sdpa_kernel([SDPBackend.MATH])
+    context.__enter__()
+    return lambda: context.__exit__(None, None, None)
+
+
 def fused_layers(module: nn.Module) -> tuple[str, ...]:
     """The paths (``named_modules`` names; ``""`` is ``module`` itself) of the submodules that call
     a kernel of :data:`DECOMPOSITIONS`.
@@ -316,13 +375,13 @@ def forward_mode_kernels(unfuse: bool) -> Iterator[None]:
     * ``torch.backends.mha.set_fastpath_enabled(False)``: in eval mode ``nn.MultiheadAttention``
       and ``nn.TransformerEncoderLayer`` otherwise call ``_native_multi_head_attention`` /
       ``_transformer_encoder_layer_fwd``, which have none;
-    * ``sdpa_kernel([SDPBackend.MATH])``: the fused CPU flash-attention kernel has none.
+    * :func:`math_attention`: the fused attention kernels have none.
 
     The mode acts on the current thread only, but both flags are process-wide in PyTorch: while the
     context is active, attention run by another thread also takes the composite path, which changes
-    its speed and rounding, not its result. Both are put back to the values they had on entry, also
-    when the body raises; contexts nest (torchntk holds ``FORWARD_MODE_LOCK`` around them, so its
-    own threads do not interleave them).
+    its speed and rounding, not its result. Both are put back when the context ends, also when the
+    body raises; contexts nest (torchntk holds ``FORWARD_MODE_LOCK`` around them, and
+    :func:`math_attention` counts its users across threads).
 
     Args:
         unfuse: whether to run the kernels of :data:`DECOMPOSITIONS` as their decompositions.
@@ -334,7 +393,7 @@ def forward_mode_kernels(unfuse: bool) -> Iterator[None]:
         if set_fastpath is not None:
             set_fastpath(False)
             stack.callback(set_fastpath, fastpath)
-        stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        stack.enter_context(math_attention())
         if unfuse:
             stack.enter_context(Unfused())
         yield

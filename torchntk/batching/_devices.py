@@ -40,6 +40,10 @@ def devices_argument(value: Any, where: str) -> Optional[tuple[torch.device, ...
         except (RuntimeError, TypeError) as error:
             raise ValueError(f"{where}: `devices` has {show(entry)}, which is not a device: {error}") from None
         _check_exists(device, where)
+        if device.type == "cuda" and device.index is None:
+            # 'cuda' is the current device, as for Tensor.to('cuda'); with its index it compares
+            # equal to the model's device, so workers there share the model instead of a replica
+            device = torch.device("cuda", torch.cuda.current_device())
         devices.append(device)
     return tuple(devices)
 

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 import torchntk
 
 from .._kernel.captured import compile_argument
+from .._utils.precision import kernel_precision
 from . import _arguments
 from ._figures import scaling_figure
 from ._models import BENCH_MODELS, JAX_LAYOUTS, UsageError, inputs
@@ -208,7 +209,9 @@ def _torchntk_runs(name: str, model: torch.nn.Module, arguments, steps) -> dict[
 
 def _tutorial_runs(name: str, model: torch.nn.Module, arguments) -> dict[int, _Run]:
     """The torch.func tutorial's Jacobian contraction (``_tutorial.py``) on the same model, inputs
-    and device; a size whose Jacobians would not fit in the device's free memory is not run."""
+    and device, in the precision torchntk's kernels run in (``kernel_precision``: IEEE float32,
+    where PyTorch's default runs cuDNN convolutions in TF32 on a GPU, so that both sides do the
+    same arithmetic); a size whose Jacobians would not fit in the device's free memory is not run."""
     choice = BENCH_MODELS[name]
     traced = tuple(arguments.trace_axes) == (-1,)
     if not traced and tuple(arguments.trace_axes):
@@ -222,7 +225,7 @@ def _tutorial_runs(name: str, model: torch.nn.Module, arguments) -> dict[int, _R
         if needed > _free_memory(arguments.device):
             runs[n] = _Run(failure=f"needs {needed / 2**30:.3g} GiB")
             continue
-        with torch.no_grad():
+        with torch.no_grad(), kernel_precision():
             runs[n] = _Run.timed(lambda: ntk(x1, x2), arguments.repeats, arguments.device)
     return runs
 

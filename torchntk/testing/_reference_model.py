@@ -80,7 +80,16 @@ class Float64Model:
             _check_output_leaves(leaves)
             return tuple(leaves)
 
-        jacobians = torch.autograd.functional.jacobian(output_leaves, self.theta)
+        # On CUDA without cuDNN: its recurrent layers re-pack their weights from data pointers and
+        # refuse backward passes in eval mode, while PyTorch's own CUDA kernels differentiate
+        # every layer (float64 has no TF32, so nothing else changes).
+        enabled = torch.backends.cudnn.enabled
+        if self.theta.is_cuda:
+            torch.backends.cudnn.enabled = False
+        try:
+            jacobians = torch.autograd.functional.jacobian(output_leaves, self.theta)
+        finally:
+            torch.backends.cudnn.enabled = enabled
         return Evaluated(spec=captured["spec"], jacobians=list(jacobians))
 
 
