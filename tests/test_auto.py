@@ -331,6 +331,25 @@ class _Products(nn.Module):
         return h.transpose(1, 2).reshape(x.shape[0], -1)
 
 
+class _Convolutions(nn.Module):
+    """Every convolution form the counter prices from shapes: 1-, 2- and 3-d, strided, dilated,
+    grouped and transposed (whose positions are the input's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one = nn.Conv1d(3, 4, 3, dilation=2)
+        self.two = nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
+        self.up = nn.ConvTranspose2d(6, 2, 3, stride=2, output_padding=1)
+        self.three = nn.Conv3d(2, 2, 2)
+        self.down = nn.ConvTranspose1d(2, 2, 3, groups=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 3, 14)
+        h = self.one(x)  # (N, 4, 10)
+        h = self.up(self.two(h.unsqueeze(-1).expand(-1, -1, -1, 10)))  # (N, 2, 10, 10)
+        h = self.three(h.unsqueeze(2).expand(-1, -1, 3, -1, -1))  # (N, 2, 2, 9, 9)
+        return self.down(h.flatten(2)).flatten(1)
+
+
 class _ReferenceCounter(TorchDispatchMode):
     """What :class:`auto_module._Counter` counts, written the plain way: the registry's formula
     looked up per call, every result flattened by pytree."""
@@ -352,7 +371,9 @@ class _ReferenceCounter(TorchDispatchMode):
         return result
 
 
-@pytest.mark.parametrize("build, shape", [(_Mixed, (2, 2, 7)), (_Products, (2, 3, 5)), (_wide, (3, 16))])
+@pytest.mark.parametrize(
+    "build, shape", [(_Mixed, (2, 2, 7)), (_Products, (2, 3, 5)), (_wide, (3, 16)), (_Convolutions, (2, 3, 14))]
+)
 def test_the_counter_counts_what_a_plain_count_counts(build, shape):
     model = build().double().to(cases.DEVICE)
     x = to_device(torch.randn(*shape, dtype=torch.float64))

@@ -35,15 +35,17 @@ always made (a plain forward pass of one example plus about 5 us of Python dispa
 call, :class:`_Counter`); everything else is made when it can change the pick and can pay for
 itself:
 
-* implementation 2 is priced first with forward mode assumed, and probed (NOTE: [AUTO's
-  feasibility filter]) only when it is the cheapest of 1 and 2: a candidate is never picked
-  unprobed, and an unprobed one could not have been picked anyway;
+* implementation 2 is priced first with forward mode assumed, its lowest price, and probed
+  (NOTE: [AUTO's feasibility filter]) only when it is still the cheapest after 3 is priced: a
+  candidate is never picked unprobed, and an unprobed one could not have been picked anyway (on
+  ResNet-18's full kernel 2's probe, a forward-mode pass, was 20 ms of a 35 ms choice that 3 won);
 * implementation 3 is priced from its probe pass (:func:`structured.probe_plan`, estimated by
   :meth:`_Prices.probe_cost`) when 3 can be cheaper than the best of 1 and 2
   (:meth:`_Prices.structured_lower_bound`, the cost of 3 without its contractions, with x1 and x2
   in one ``df/dy`` pass wherever both are mapped) and the probe can pay for itself: it costs less
   than ``_PROBE_PAYBACK`` times what 3 could save at most, or less than ``_PROBE_BUDGET`` of the
-  best kernel's estimate. Only when 3 is then the cheapest is its plan checked against autograd
+  best kernel's estimate; weighed against 2's lowest price first, and again if 2's probe raised
+  it. Only when 3 is then the cheapest is its plan checked against autograd
   (NOTE: [Checking a plan against autograd], the dearest part of a plan: many forward passes on
   CNNs), reusing the probe; parameters the check demotes are priced again as fallback. The probe
   and the check are the plan the kernel computes with, so they are wasted only when 3 loses.
@@ -160,33 +162,47 @@ def choose(
             excluded[implementation] = f"{type(error).__name__}: {error}"
 
     price(_JACOBIAN, prices.jacobian_contraction)
-    price(_PRODUCTS, lambda: prices.ntk_vector_products(None))
-    if _PRODUCTS in estimates:
-        if _PROBE_EVERYTHING or _pick(estimates, budget) == _PRODUCTS:
-            price(_PRODUCTS, lambda: prices.ntk_vector_products(vector_products_method(call.side1)))
-        else:
-            unprobed[_PRODUCTS] = "not probed (forward mode assumed): implementation 1 is estimated cheaper"
+    price(_PRODUCTS, lambda: prices.ntk_vector_products(None))  # forward mode assumed: 2's lowest price
 
     plan: Optional[Plan] = None
-    others = _pick(estimates, budget)
-    try:
-        reason = None if _PROBE_EVERYTHING or others is None else _why_not_plan(prices, estimates[others], budget)
-    except Exception:  # noqa: BLE001 - an unpriced gate prices 3 rather than fail the call
-        reason = None
-    if reason is None:
+
+    def price_structured() -> None:
+        """Prices 3 from its probe, when it can beat the best of the others and pay for itself."""
+        nonlocal plan
+        others = _pick({k: v for k, v in estimates.items() if k != _STRUCTURED}, budget)
+        try:
+            reason = None if _PROBE_EVERYTHING or others is None else _why_not_plan(prices, estimates[others], budget)
+        except Exception:  # noqa: BLE001 - an unpriced gate prices 3 rather than fail the call
+            reason = None
+        if reason is not None:
+            unprobed[_STRUCTURED] = reason
+            return
+        unprobed.pop(_STRUCTURED, None)
         try:
             plan = plans.unchecked()
             price(_STRUCTURED, lambda: prices.structured_derivatives(plan), plan)
-            if _STRUCTURED in estimates and (_PROBE_EVERYTHING or _pick(estimates, budget) == _STRUCTURED):
-                checked = plans.checked()
-                if checked.fallback != plan.fallback:  # the check demoted parameters: 3 costs more
-                    price(_STRUCTURED, lambda: prices.structured_derivatives(checked), checked)
-                plan = checked
         except Exception as error:  # noqa: BLE001 - excludes implementation 3, like a pricing error
             estimates.pop(_STRUCTURED, None)
             excluded[_STRUCTURED] = f"{type(error).__name__}: {error}"
-    else:
-        unprobed[_STRUCTURED] = reason
+
+    price_structured()
+    if _PRODUCTS in estimates:
+        # 2's probe can only raise its price, so it is made only where 2 is still the pick
+        if _PROBE_EVERYTHING or _pick(estimates, budget) == _PRODUCTS:
+            price(_PRODUCTS, lambda: prices.ntk_vector_products(vector_products_method(call.side1)))
+            if _STRUCTURED in unprobed:  # 3 was weighed against 2's lowest price: weigh it again
+                price_structured()
+        else:
+            unprobed[_PRODUCTS] = "not probed (forward mode assumed): another implementation is estimated cheaper"
+    if plan is not None and _STRUCTURED in estimates and (_PROBE_EVERYTHING or _pick(estimates, budget) == _STRUCTURED):
+        try:
+            checked = plans.checked()
+            if checked.fallback != plan.fallback:  # the check demoted parameters: 3 costs more
+                price(_STRUCTURED, lambda: prices.structured_derivatives(checked), checked)
+            plan = checked
+        except Exception as error:  # noqa: BLE001 - excludes implementation 3, like a pricing error
+            estimates.pop(_STRUCTURED, None)
+            excluded[_STRUCTURED] = f"{type(error).__name__}: {error}"
 
     fallback = {} if plan is None else {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
     best = _pick(estimates, budget)
@@ -379,9 +395,9 @@ class _Counter(TorchDispatchMode):
     One mode instead of ``FlopCounterMode`` and a second call counter (whose module tracking hooked
     every module call): the pass costs about 5 us more per ATen call than a plain one, most of it
     the mode's Python dispatch. What each op overload needs is looked up once
-    (:func:`_op_counting`), and matrix products, the only counted ops of most small models, are
-    priced from their shapes directly: ``flop_counter``'s formulas map every argument through
-    pytree, twice for ``addmm``, 20-40 us a call, as much as the rest of the counting of a
+    (:func:`_op_counting`), and matrix products and convolutions, the counted ops of most models,
+    are priced from their shapes directly: ``flop_counter``'s formulas map every argument through
+    pytree, twice for ``addmm``, 20-60 us a call, as much as the rest of the counting of a
     recurrent layer.
     """
 
@@ -441,10 +457,22 @@ def _product_flops(first: int, second: int) -> _OpFlops:
     return flops
 
 
+def _convolution_flops(args: tuple, kwargs: dict, result: Any) -> int:
+    """FLOPs of ``aten.convolution`` (input, weight, bias, stride, padding, dilation, transposed,
+    ...): ``flop_counter``'s count, two per multiply-add of every weight entry at every output
+    position (input position when transposed), from the shapes."""
+    transposed = args[6] if len(args) > 6 else kwargs["transposed"]
+    positions = (args[0] if transposed else result).shape[2:]
+    return 2 * args[0].shape[0] * math.prod(args[1].shape) * math.prod(positions)
+
+
 _aten = torch.ops.aten
 _MATRIX_PRODUCT_FLOPS: dict[Any, _OpFlops] = {
     _aten.mm: _product_flops(0, 1), _aten.addmm: _product_flops(1, 2),
     _aten.bmm: _product_flops(0, 1), _aten.baddbmm: _product_flops(1, 2),
+    # flop_counter's formula maps every argument through pytree: 60 us a convolution, three times
+    # the convolution itself on one example of MobileNetV3-small
+    _aten.convolution: _convolution_flops,
 }
 _OP_COUNTING: dict[Any, tuple[Optional[_OpFlops], bool]] = {}
 
@@ -510,11 +538,15 @@ written once: implementation 1's Jacobians and 3's factors, intermediates and fa
 (their memory estimates). Without it the two tied on a base-size transformer's LoRA and BitFit
 kernels (the same forward and backward passes, within 0.2%), and AUTO picked 3, which held 6-60x
 the memory of 1's Jacobians at N = 64 (3.5 GB on BitFit) for no speed."""
-_PROBE_OPS = 4
+_PROBE_OPS = 2
 _PROBE_FORWARDS = 3
 """Implementation 3's probe (one recorded forward pass of one example, :func:`structured.probe_plan`)
-cost 1.3-2.3 counted passes on the zoo, about 4 ATen-call equivalents per call of the counted pass,
-plus the pass's own FLOPs a few times over (its recorder keeps every parameter use)."""
+costs 1.0-1.9 counted passes on the zoo, plus the pass's own FLOPs a few times over (its recorder
+keeps every parameter use). Converted at each model's own rate (implementation 1's estimate over
+its time, two threads), the probes of BERT, BERT with LoRA, GPT-2, the transformer encoder, a
+ViT and MobileNetV3-small cost 0.6-2.4 ATen-call equivalents per call of the counted pass, 0.9
+at the median; 2 keeps the price on the safe side. At 4 (the first fit) BERT with LoRA was never
+priced for 3, whose kernel is 20% faster than 1's there."""
 _PROBE_PAYBACK = 1.5
 """The probe may cost this many times what 3 can save at most (the best estimate less 3's lower
 bound): it is reused by the plan when 3 wins, and the bound leaves out the contractions, so the

@@ -79,6 +79,11 @@ def _structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     pays = merge_pays(call.layouts[0], None if out_axes is None else out_axes[0])
     uses1, uses2 = (merged_uses(side_uses, out_axes is not None, pays) for side_uses in (uses[0], uses[-1]))
     param_sizes = [param.numel() for param in call.model.params]
+    # Only uses of the same parameters pair up: grouped by them, the pairs are found in one pass
+    # instead of uses1 x uses2 comparisons (11,000 on MobileNetV3-small), in the same order.
+    uses2_of: dict[tuple[int, ...], list[Use]] = {}
+    for second in uses2:
+        uses2_of.setdefault(second.role.unit, []).append(second)
     flops = memory = largest_intermediate = formed = 0.0
     contractions = 0
     for leaf, (layout, kernel_shape) in enumerate(zip(call.layouts, call.kernel_shapes())):
@@ -86,8 +91,8 @@ def _structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
         kernel = math.prod(kernel_shape) * layout.trace_size(call.outputs1[leaf].shape)
         jacobians: set[int] = set()  # uses whose J is formed (once, shared by their pairs)
         for first in uses1:
-            for second in uses2:
-                kind = pair_kind(first.role, second.role) if first.role.unit == second.role.unit else "disjoint"
+            for second in uses2_of.get(first.role.unit, ()):
+                kind = pair_kind(first.role, second.role)
                 if kind == "disjoint":
                     continue
                 contractions += 1
