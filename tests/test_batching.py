@@ -116,12 +116,8 @@ def test_spans_prepare_each_example_once_and_reuse_cached_x2_spans(monkeypatch):
     assert counts[2**30] < counts[6_000] < counts[0]  # ~0.5 KB per example: spans of 4, one cached
 
 
-def test_a_span_longer_than_the_batch_size_prepares_its_examples_once(monkeypatch):
-    """The bytes-per-example probe is one example, kept when x1 is a single unit: spans of several
-    units no longer prepare their first unit twice (a unit of a base-size transformer's examples
-    takes seconds)."""
-    x1, _ = _inputs(13, 8)
-    ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0, implementation=1)
+def _prepared_runs(monkeypatch) -> list:
+    """The ``(start, length)`` of every span ``batch`` prepares from now on, in order."""
     prepared = []
     original = torchntk._kernel.block_source.BlockSource.prepare
 
@@ -130,11 +126,38 @@ def test_a_span_longer_than_the_batch_size_prepares_its_examples_once(monkeypatc
         return original(self, side, run)
 
     monkeypatch.setattr(torchntk._kernel.block_source.BlockSource, "prepare", counting)
+    return prepared
+
+
+def test_a_span_longer_than_the_batch_size_prepares_its_examples_once(monkeypatch):
+    """The bytes-per-example probe is one example, kept when x1 is a single unit: spans of several
+    units no longer prepare their first unit twice (a unit of a base-size transformer's examples
+    takes seconds)."""
+    x1, _ = _inputs(13, 8)
+    ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0, implementation=1)
+    prepared = _prepared_runs(monkeypatch)
     assert_kernels_close(torchntk.batch(ntk_fn, 4)(x1), ntk_fn(x1), rtol=1e-10, atol=1e-12)
     assert prepared == [(0, 1), (0, 13)]  # one span of all 13 examples, after the probe
     prepared.clear()
     assert_kernels_close(torchntk.batch(ntk_fn, 16)(x1), ntk_fn(x1), rtol=1e-10, atol=1e-12)
     assert prepared == [(0, 13)]  # x1 is one unit: the probe is that span
+
+
+def test_later_calls_of_an_ntk_run_no_forward_pass_over_the_whole_batch():
+    """With the output check made once (check_vmap_axes="first"), the spans need the outputs'
+    shapes only, remembered from the first call: no forward pass over all N examples, which on a
+    base-size transformer took a quarter of every call."""
+    model = _model()
+    batches = []
+    model.register_forward_pre_hook(lambda module, inputs: batches.append(inputs[0].shape[0]))
+    x1, x2 = _inputs(13, 8)
+    batched = torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0, check_vmap_axes="first"), 4)
+    batched(x1, x2)
+    assert 13 in batches  # the first call checks the outputs on the whole batch
+    batches.clear()
+    kernel = batched(x1, x2)
+    assert batches and 13 not in batches and 8 not in batches
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2), rtol=1e-10, atol=1e-12)
 
 
 def test_batch_axis_anywhere_with_vmap_axes():

@@ -284,7 +284,7 @@ class NtkSettings:
         shape_key = input_shape_key(x1, x2, params, kwargs)
         call = self.prepare(
             x1, x2, params, kwargs, where, computes_ntk="ntk" in names, forward_run_length=forward_runs,
-            shape_key=shape_key,
+            shape_key=shape_key, needs_outputs="nngp" in names,  # the NTK's spans read output shapes only
         )
         if not call.side1.mapped:
             return None
@@ -379,7 +379,9 @@ class NtkSettings:
 
         def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
             key = input_shape_key(x1, x2, params, kwargs)
-            return self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key), key)
+            # prepared as the NTK call prepares it (its working-set runs among what is priced), so
+            # that the cached choice is the same whichever of the two comes first
+            return self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key, needs_outputs=False), key)
 
         published = KernelFunction(kernel_fn, spec, doc, auto_choice)
         published._settings = self  # for the memory model's tests and benchmarks (tests/_memory_grid.py)
