@@ -220,7 +220,8 @@ def _pick(estimates: dict[NtkImplementation, Estimate], budget: float) -> Option
     fitting = {key: value for key, value in estimates.items() if value.memory_bytes <= budget}
     if not fitting:
         return min(estimates, key=lambda key: (estimates[key].memory_bytes, int(key)))
-    return min(fitting, key=lambda key: (fitting[key].flops * (_STRUCTURED_MARGIN if key == _STRUCTURED else 1.0), int(key)))
+    margin = {_STRUCTURED: _STRUCTURED_MARGIN}
+    return min(fitting, key=lambda key: (fitting[key].flops * margin.get(key, 1.0), int(key)))
 
 
 def _planned(

@@ -202,10 +202,10 @@ class KernelLayout:
 # call waits for a descheduled thread, and 2048 took twice as long as no blocks where 8192
 # took 1.3 times as long. Hence 8192.
 # On CUDA (an H100, cuBLAS, TF32 off) blocks of 8192 were not enough: two long contractions of
-# tests/test_accuracy.py were off by 1.5e-6 and 5.7e-7 (CPU: under 4e-7). cuBLAS sums a block's
-# terms in one running float32 sum per output entry, whose error grows as sqrt(block) * eps, so
-# a contraction of L terms in blocks of b is off by about eps * b / sqrt(L) relative (1.55e-6
-# predicted for the first, with b = 8192 and L = 1e5). Blocks of 1024 bring that to 2e-7; on a
+# tests/test_accuracy.py were off by 1.5e-6 and 5.7e-7 (CPU: under 4e-7). Both fit a block
+# error of sqrt(block) * eps, as of one running float32 sum per output entry: a contraction of L
+# terms in blocks of b is then off by about eps * b / sqrt(L) relative (1.55e-6 predicted for the
+# first, with b = 8192 and L = 1e5). Blocks of 1024 bring that to 2e-7 (not yet run on a GPU); on a
 # GPU a block's product is a launch of a few microseconds, and small kernels group several
 # blocks per call, so the extra calls cost little.
 CONTRACTION_BLOCKS = {"cpu": 8192, "cuda": 1024}
