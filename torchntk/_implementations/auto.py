@@ -268,8 +268,14 @@ def _working_set_runs(prices: "_Prices", implementation: NtkImplementation) -> f
     runs2 = runs1 if mirrored else len(runs(call.side2.batch_size(), length))
     passes = runs1 - 1 if mirrored else runs1 + runs2 - 2
     blocks = runs1 * (runs1 + 1) / 2 if mirrored else runs1 * runs2
+    return _run_calls(prices, passes, blocks)
+
+
+def _run_calls(prices: "_Prices", passes: float, blocks: float) -> float:
+    """The ATen calls, in FLOP equivalents, of ``passes`` more per-example passes and ``blocks``
+    contractions where one would do."""
     calls = _SWEEP_OPS * prices.per_example_ops[0]
-    contraction_calls = _CONTRACTION_OPS * len(call.model.params) * len(call.layouts)
+    contraction_calls = _CONTRACTION_OPS * len(prices.call.model.params) * len(prices.call.layouts)
     return prices.per_op * (passes * calls + (blocks - 1) * contraction_calls)
 
 
@@ -284,9 +290,7 @@ def _recomputed(prices: "_Prices", implementation: NtkImplementation, runs1: int
     blocks = runs1 * (runs1 + 1) / 2 if mirrored else runs1 * runs2
     weight_gradients = 2.0 if implementation == _JACOBIAN else 1.0  # 3's sweeps stop at the ops' outputs
     sweep = weight_gradients * prices.basis[0] * prices.forward[0] / runs1
-    calls = _SWEEP_OPS * prices.per_example_ops[0]
-    contraction_calls = _CONTRACTION_OPS * len(prices.call.model.params) * len(prices.call.layouts)
-    return preparations * (sweep + prices.per_op * calls) + (blocks - 1) * prices.per_op * contraction_calls
+    return preparations * sweep + _run_calls(prices, preparations, blocks)
 
 
 def _why_not_plan(prices: "_Prices", best: Estimate, budget: float) -> Optional[str]:

@@ -100,7 +100,7 @@ def _contract_leaf(
     """``jacobians`` caches the ``J`` of uses contracted through their Jacobians (by ``id``)."""
     symmetric = side1 is side2
     total: Optional[torch.Tensor] = None
-    for first, second, mirror in _pairs(side1.uses, side2.uses, symmetric):
+    for first, second, mirror in use_pairs(side1.uses, side2.uses, symmetric):
         term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes, jacobians)
         if term is None:
             continue
@@ -153,7 +153,7 @@ def merge_pays(layout: KernelLayout, out_axis: Optional[int]):
     return pays
 
 
-def _pairs(uses1: list[Use], uses2: list[Use], symmetric: bool):
+def use_pairs(uses1: list[Use], uses2: list[Use], symmetric: bool):
     """Pairs of uses of the same parameter unit; with one side reused, each unordered pair once.
 
     The uses of x2 are grouped by unit first: one pass, where comparing every pair cost 11,000
