@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""The GPU measurements of issue 15 that ``python -m torchntk bench`` does not make.
+"""The GPU measurements that ``python -m torchntk bench`` does not make.
 
-Two parts (``--parts profile,large``), on ``--device`` (default ``cuda``; ``cpu`` runs the same
-code with small sizes, which is how it is tested on machines without a GPU):
+Four parts (``--parts``, default ``profile,large``; ``memory`` and ``compile`` on request), on
+``--device`` (default ``cuda``; ``cpu`` runs the same code with small sizes, which is how it is
+tested on machines without a GPU):
 
 * **large**: the traced NTK (``trace_axes=(-1,)``, ``x2=None``, float32, ``vmap_axes=0``) of a
   ResNet-18 with 10 logits on 3x32x32 inputs (``torchntk/cli/_models.py: ResNet18``, in eval
@@ -16,14 +17,29 @@ code with small sizes, which is how it is tested on machines without a GPU):
   ResNet-18 with 8 logits, 3x224x224 inputs, N1 = N2 = 8, the full kernel: the operations with
   the most device time (CPU time on the CPU), the table that says where structured derivatives
   spend their time on a GPU.
+* **memory**: the memory model's predicted peak of a call against the growth of
+  ``torch.cuda.max_memory_allocated`` over it (``tests/_memory_grid.py``: ``measure_cuda``; on the
+  CPU its child-process measurement), for the grid of ``docs/benchmarks.md`` ("Memory plans:
+  predicted and measured peaks", ``--memory-grid full``, with the zoo of docs/real_models.md where
+  its libraries import) or of the fast tests (``fast``), and planned calls within 64 MB and 16 MB
+  budgets. Each row says whether it is within the documented factor (or budget).
+* **compile**: ``compile=--compile-backend`` (inductor) against eager on the MLP at N = 16
+  (traced), the FCN 3072-2048x3-8 at N = 16 and ResNet-18 (8 logits, 224x224) at N = 8 (full
+  kernels), implementation 3, x1 and x2 different (``--compile-models`` picks; the CPU smoke test
+  uses small sizes): the eager median, the first compiled call (eager call, trace and
+  compilation), the replay median, whether a graph was kept, and the replay's largest difference
+  from the eager kernel relative to its largest entry.
 
 Output: markdown on standard output, with the device and the command; the parts in the order
 ``--parts`` gives, by default the profile first and the large kernel's one-row table last (the GPU
-check of the shared folder keeps only the last 25 lines of the log).
+check of the shared folder keeps only the last 25 lines of the log). Where the environment names a
+folder ``OUT`` (the device tool's), every part is also appended to ``$OUT/bench_cuda.md`` as soon as
+it is done, so that a part cut short by a time limit leaves the earlier ones.
 
 Example (the issue's settings; takes minutes on a GPU)::
 
     python benchmarks/bench_cuda.py --device cuda
+    python benchmarks/bench_cuda.py --device cuda --parts memory,compile
     python benchmarks/bench_cuda.py --device cpu --n 64 --warmup-n 8 --profile-n 1   # a smoke test
 """
 
@@ -31,9 +47,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
+import statistics
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -110,11 +130,165 @@ def profile(args: argparse.Namespace, device: torch.device) -> list[str]:
     ]
 
 
+def _memory_configs(grid_name: str) -> tuple[list[dict], list[str]]:
+    """The configurations of the memory part, and a line for each part of the grid left out."""
+    from tests import _memory_grid as grid
+
+    if grid_name == "fast":
+        return [*grid.FAST_GRID, *grid.GIGABYTE[:2], *grid.BATCHED], []
+    configs, left_out = [*grid.FULL_GRID, *grid.GIGABYTE, *grid.BATCHED], []
+    try:
+        from tests import zoo
+
+        zoo_cases = [*zoo.FAST, *zoo.SLOW]
+    except Exception as error:  # noqa: BLE001 - the zoo is optional here
+        return configs, [f"the zoo of docs/real_models.md: not importable ({type(error).__name__}: {error})"]
+    for name in zoo_cases:
+        cnn = name in ("resnet18", "mobilenet_v3_small", "efficientnet_b0")
+        for implementation in (1, 3) if cnn else (1, 2, 3):  # 2 on the CNNs takes minutes (docs/benchmarks.md)
+            configs.append({"model": f"zoo:{name}", "n1": 16, "n2": 16, "implementation": implementation,
+                            "trace_axes": (-1,), "memory": "inf"})
+    return configs, left_out
+
+
+def _measure_rows(configs: list[dict], device: torch.device) -> list[dict]:
+    """Each configuration measured on ``device``; a failure (a library the zoo lacks, an error) is
+    a row with its ``error``, so that one configuration cannot lose the table."""
+    from tests import _memory_grid as grid
+
+    if device.type != "cuda":  # the CPU's peak needs a process of its own (tests/_memory_grid.py)
+        return grid.run_grid(configs, timeout=1800)
+    rows = []
+    for config in configs:
+        try:
+            rows.append(grid.measure_cuda(config, device))
+        except Exception as error:  # noqa: BLE001 - recorded in the table
+            rows.append(dict(config, error=f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def memory(args: argparse.Namespace, device: torch.device) -> list[str]:
+    from tests import _memory_grid as grid
+
+    configs, left_out = _memory_configs(args.memory_grid)
+    start = time.perf_counter()
+    rows = _measure_rows(configs, device)
+    seconds = time.perf_counter() - start
+    factor, slack = grid.PREDICTION_FACTOR, grid.PREDICTION_SLACK / 1e6
+    budget_factor, budget_slack = grid.BUDGET_SLACK
+    lines = [
+        f"## Memory plans: predicted against measured peaks ({args.memory_grid} grid, {len(rows)} calls, "
+        f"{seconds:.0f} s)",
+        "",
+        "measured: " + ("growth of torch.cuda.max_memory_allocated over the second call"
+                        if device.type == "cuda" else "growth of the peak resident set (tests/_memory_grid.py)")
+        + f"; ok: predicted within {factor:g}x either way or within {slack:g} MB (unlimited budget), "
+        f"or measured under {budget_factor:g} x budget + {budget_slack / 1e6:g} MB (a planned call)",
+        *(f"left out: {line}" for line in left_out),
+        "",
+        "| model | impl | kernel | n1 | x2 | budget | chunk_size | predicted (MB) | measured (MB) "
+        "| predicted / measured | time [s] | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    failed = []
+    for row in rows:
+        kernel = "traced" if tuple(row["trace_axes"]) else "full"
+        head = (f"| {row['model']} | {row['implementation']} | {kernel} | {row['n1']} | {row['n2']} "
+                f"| {row['memory']}{' (batch)' if row.get('batch') else ''}")
+        if "error" in row:
+            lines.append(f"{head} | — | — | — | — | — | {row['error']} |")
+            failed.append(row)
+            continue
+        predicted, measured = row.get("predicted"), row["measured"]
+        if row.get("batch") or not math.isinf(_budget(row["memory"])):
+            ok = grid.within_budget(row)
+        else:
+            ok = not grid.prediction_errors([row])
+        ratio = f"{predicted / measured:.2f}" if predicted and measured > 0 else "—"
+        shown = f"{predicted / 1e6:.1f}" if predicted is not None else "—"
+        lines.append(f"{head} | {row.get('chunk_size')} | {shown} | {measured / 1e6:.1f} | {ratio} "
+                     f"| {row['seconds']:.3f} | {'yes' if ok else 'NO'} |")
+        if not ok:
+            failed.append(row)
+    lines += ["", f"{len(rows) - len(failed)} of {len(rows)} rows ok; not ok: "
+              + (", ".join(f"{row['model']} impl {row['implementation']}" for row in failed) or "none"), ""]
+    return lines
+
+
+def _budget(memory: object) -> float:
+    from torchntk._memory import memory_argument
+
+    return memory_argument(memory, "bench_cuda")
+
+
+def compiled(args: argparse.Namespace, device: torch.device) -> list[str]:
+    from torchntk.cli._models import BENCH_MODELS
+
+    small = device.type != "cuda"  # the CPU smoke test: small models, few calls
+    settings = {"mlp": (16, (-1,)), "fcn": (16, ()), "resnet18": (8, ())}
+    lines = [
+        f"## Captured kernels: compile={args.compile_backend!r} against eager, implementation 3, x1 and x2 different",
+        "",
+        "| model | N | kernel | eager [ms] | first compiled call [s] | replay [ms] | eager / replay | graph kept "
+        "| replay vs eager (rel. to max) | warnings |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in args.compile_models.split(","):
+        n, trace_axes = settings[name]
+        choice = BENCH_MODELS[name]
+        if small:
+            n = 2
+        try:
+            model = choice.build().to(device)
+            x = inputs(choice.input_shape if not (small and name == "resnet18") else (3, 32, 32), 2 * n,
+                       torch.float32, device)
+            x1, x2 = x[:n], x[n:]
+            eager_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=3)
+            eager = _timed(lambda: eager_fn(x1, x2), device, 2 if small else 5)
+            fast = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=3,
+                                             compile=args.compile_backend)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                start = time.perf_counter()
+                fast(x1, x2)
+                _synchronize(device)
+                first = time.perf_counter() - start
+                replay = _timed(lambda: fast(x1, x2), device, 2 if small else 10)
+            reference, again = eager_fn(x1, x2), fast(x1, x2)
+            difference = float((again - reference).abs().max() / reference.abs().max())
+            kept = not any("computed eagerly" in str(warning.message) for warning in caught)  # captured.py's refusal
+            said = "; ".join(sorted({str(warning.message)[:100] for warning in caught
+                                     if not issubclass(warning.category, (DeprecationWarning, FutureWarning))}))
+            lines.append(
+                f"| {name} | {n} | {'traced' if trace_axes else 'full'} | {eager * 1e3:.2f} | {first:.1f} "
+                f"| {replay * 1e3:.2f} | {eager / replay:.2f}x | {kept} | {difference:.1e} | {said or 'none'} |"
+            )
+        except Exception as error:  # noqa: BLE001 - recorded in the table
+            lines.append(f"| {name} | {n} | — | — | — | — | — | — | — | {type(error).__name__}: {error} |")
+            traceback.print_exc()
+    return [*lines, ""]
+
+
+def _timed(call, device: torch.device, repeats: int) -> float:
+    """The median wall time of ``repeats`` synchronised calls, after one more."""
+    call()
+    _synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="where to compute (default cuda)")
     parser.add_argument("--parts", default="profile,large",
-                        help="comma list of profile, large, printed in this order (default both, the table last)")
+                        help="comma list of profile, large, memory, compile, printed in this order "
+                             "(default profile,large: the large kernel's table last)")
     parser.add_argument("--n", type=int, default=10_000, help="examples of the large kernel (default 10000)")
     parser.add_argument("--warmup-n", type=int, default=256, help="examples of its warm-up call (default 256)")
     parser.add_argument("--batch-size", type=int, default=256, help="batch's batch_size (default 256)")
@@ -124,21 +298,39 @@ def main() -> int:
     parser.add_argument("--profile-n", type=int, default=8, help="N1 = N2 of the profiled kernel (default 8)")
     parser.add_argument("--profile-calls", type=int, default=5, help="profiled calls (default 5)")
     parser.add_argument("--profile-rows", type=int, default=25, help="operations listed (default 25)")
+    parser.add_argument("--memory-grid", choices=("full", "fast"), default="full",
+                        help="the memory part's grid: docs/benchmarks.md's with the zoo (full, default) or the "
+                             "fast tests' (fast)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="the compile part's torch.compile backend (default inductor, which is compile=True)")
+    parser.add_argument("--compile-models", default="mlp,fcn,resnet18",
+                        help="the compile part's models, from mlp, fcn, resnet18 (default all three)")
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
-        "# torchntk on one device: a large kernel and a profile (issue 15)",
+        "# torchntk on one device: what python -m torchntk bench does not measure",
         "",
         f"command: python benchmarks/bench_cuda.py {' '.join(sys.argv[1:])}".rstrip(),
         f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; device: {device} ({name}); "
         f"torch {torch.__version__}, torchntk {torchntk.__version__}",
         "",
     ]
-    parts = {"large": large, "profile": profile}
-    for part in args.parts.split(","):
-        lines += parts[part.strip()](args, device)
-    print("\n".join(lines))
+    parts = {"large": large, "profile": profile, "memory": memory, "compile": compiled}
+    wanted = [part.strip() for part in args.parts.split(",")]
+    unknown = [part for part in wanted if part not in parts]
+    if unknown:
+        parser.error(f"--parts: unknown part(s) {', '.join(unknown)}; choose from {', '.join(parts)}")
+    report = None
+    if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
+        report = os.path.join(os.environ["OUT"], "bench_cuda.md")
+    for part in [None, *wanted]:
+        lines = lines if part is None else parts[part](args, device)
+        print("\n".join(lines), flush=True)
+        if report is not None:
+            with open(report, "a") as written:
+                written.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 import torchntk
-from tests._memory_grid import run_grid
+from tests._memory_grid import (
+    BATCHED, BUDGET_SLACK, FAST_GRID, FULL_GRID, GIGABYTE, prediction_errors, run_grid, within_budget,
+)
 from tests._processes import run_python
 from torchntk import _memory
 from torchntk._memory import budget as budget_module
@@ -33,17 +35,6 @@ from torchntk.cli import main as cli_main
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.cpu_only("measures and plans the CPU's memory (the CUDA paths are checked with mocks)")
-
-PREDICTION_FACTOR = 2.0
-"""The memory model's predicted peak is within this factor of the measured one, either way
-(docs/batching.md, "Memory plans")..."""
-PREDICTION_SLACK = 16e6
-"""... or within this many bytes of it (small peaks: the resident set grows by pages and by what
-the allocator maps at once)."""
-BUDGET_SLACK = (1.4, 16e6)
-"""A planned call's measured peak stays under ``1.4 * budget + 16 MB`` (docs/batching.md): the model
-underestimated measured peaks by up to 1/0.73 on the grid."""
-
 
 def _mlp(width: int = 32, outputs: int = 4) -> nn.Module:
     torch.manual_seed(0)
@@ -421,32 +412,10 @@ def test_the_command_line_takes_memory(tmp_path, capsys):
 
 # -- predicted against measured peaks (child processes) ------------------------------------------------
 
-_FAST_GRID = [
-    dict(model=model, scale=scale, n1=n1, n2=n2, implementation=implementation, trace_axes=trace_axes, memory="inf")
-    for model, scale, n1, n2, trace_axes in (
-        ("mlp", 2, 24, 12, (-1,)), ("cnn", 1, 16, 8, ()), ("transformer", 1, 8, 4, (-1,)), ("lstm", 1, 8, 4, ()))
-    for implementation in (1, 2, 3)
-]
-_FULL_GRID = [
-    dict(model=model, scale=scale, n1=n1, n2=n2, implementation=implementation, trace_axes=trace_axes, memory="inf")
-    for model, scale, n1 in (("mlp784", 1, 48), ("cnn", 2, 24), ("transformer", 1, 16), ("lstm", 1, 16))
-    for n2 in (n1 // 2, None)
-    for implementation in (1, 2, 3)
-    for trace_axes in ((-1,), ())
-]
-# Structured derivatives' traced kernel of the transformer block for 24 examples holds about 1 GB of
-# pair intermediates at once; within 64 MB it runs in blocks of a few examples, as fast.
-_GIGABYTE = [
-    dict(model="transformer", n1=24, n2=None, implementation=implementation, trace_axes=(-1,), memory=memory)
-    for implementation, memory in ((3, "inf"), (3, "64MB"), (0, "64MB"))
-]
-_BATCHED = [dict(model="cnn", scale=1, n1=64, n2=None, implementation=3, trace_axes=(), memory="16MB", batch=True)]
-
-
 @functools.lru_cache(maxsize=None)
 def _fast_rows() -> tuple:
     """The fast tests' measurements, in one child process (its start-up is most of the time)."""
-    return tuple(run_grid(_FAST_GRID + _GIGABYTE + _BATCHED, timeout=300))
+    return tuple(run_grid(FAST_GRID + GIGABYTE + BATCHED, timeout=300))
 
 
 def _rows_of(configs: list[dict]) -> list[dict]:
@@ -456,38 +425,26 @@ def _rows_of(configs: list[dict]) -> list[dict]:
 
 def _check_predictions(rows: list[dict]) -> None:
     assert rows, "the grid measured nothing"
-    bad = []
-    for row in rows:
-        predicted, measured = row["predicted"], row["measured"]
-        close = abs(predicted - measured) <= PREDICTION_SLACK
-        if not close and not measured / PREDICTION_FACTOR <= predicted <= measured * PREDICTION_FACTOR:
-            bad.append(f"{row['model']} impl {row['implementation']} trace {row['trace_axes']} n2 {row['n2']}: "
-                       f"predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB")
+    bad = prediction_errors(rows)
     assert not bad, "\n".join(bad)
 
 
 def test_predicted_peaks_are_within_the_documented_factor_of_the_measured_ones():
-    rows = _rows_of(_FAST_GRID)
-    assert len(rows) == len(_FAST_GRID) and max(row["measured"] for row in rows) > 100e6
+    rows = _rows_of(FAST_GRID)
+    assert len(rows) == len(FAST_GRID) and max(row["measured"] for row in rows) > 100e6
     _check_predictions(rows)
 
 
 @pytest.mark.slow
 def test_predicted_peaks_are_within_the_documented_factor_on_the_full_grid():
-    _check_predictions(run_grid(_FULL_GRID, timeout=1800))
-
-
-def _within_budget(row: dict) -> bool:
-    budget = _memory.memory_argument(row["memory"], "test")
-    factor, slack = BUDGET_SLACK
-    return row["measured"] <= factor * budget + slack
+    _check_predictions(run_grid(FULL_GRID, timeout=1800))
 
 
 def test_a_kernel_needing_a_gigabyte_completes_within_64_mb_and_equals_the_unplanned_one():
-    unplanned, *planned = _rows_of(_GIGABYTE)
+    unplanned, *planned = _rows_of(GIGABYTE)
     assert unplanned["measured"] > 0.8e9 and unplanned["chunk_size"] is None
     for row in planned:
-        assert row["chunk_size"] is not None and row["implementation"] == 3 and _within_budget(row), row
+        assert row["chunk_size"] is not None and row["implementation"] == 3 and within_budget(row), row
         assert math.isclose(row["kernel_sum"], unplanned["kernel_sum"], rel_tol=1e-6)
 
 
@@ -496,13 +453,13 @@ def test_jacobian_contraction_needing_a_gigabyte_completes_within_64_mb():
     configs = [dict(model="mlp", n1=200, n2=None, implementation=1, trace_axes=(-1,), memory=memory)
                for memory in ("64MB", "inf")]
     planned, unplanned = run_grid(configs, timeout=900)
-    assert unplanned["measured"] > 0.9e9 and planned["chunk_size"] is not None and _within_budget(planned)
+    assert unplanned["measured"] > 0.9e9 and planned["chunk_size"] is not None and within_budget(planned)
     assert math.isclose(planned["kernel_sum"], unplanned["kernel_sum"], rel_tol=1e-6)
 
 
 def test_batch_auto_stays_within_its_budget():
-    (row,) = _rows_of(_BATCHED)
-    assert _within_budget(row) and row["measured"] > 4e6, row
+    (row,) = _rows_of(BATCHED)
+    assert within_budget(row) and row["measured"] > 4e6, row
 
 
 @pytest.mark.slow
@@ -511,7 +468,7 @@ def test_batch_auto_stays_within_its_budget_with_every_implementation_and_two_wo
                     memory="64MB", batch={"devices": devices})
                for implementation in (1, 2, 3) for devices in (["cpu"], ["cpu"] * 2)]
     for row in run_grid(configs, timeout=900):
-        assert _within_budget(row), row
+        assert within_budget(row), row
 
 
 @pytest.mark.slow
