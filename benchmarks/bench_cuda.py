@@ -165,7 +165,14 @@ def _measure_rows(configs: list[dict], device: torch.device) -> list[dict]:
         except Exception as error:  # noqa: BLE001 - recorded in the table
             rows.append(dict(config, error=f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"))
             torch.cuda.empty_cache()
+        _progress(rows[-1])
     return rows
+
+
+def _progress(row: object) -> None:
+    """A row on standard error as soon as it is measured: a part cut short by a time limit still
+    leaves its rows in the log."""
+    print(f"bench_cuda: {row}", file=sys.stderr, flush=True)
 
 
 def memory(args: argparse.Namespace, device: torch.device) -> list[str]:
@@ -264,6 +271,7 @@ def compiled(args: argparse.Namespace, device: torch.device) -> list[str]:
                 f"| {name} | {n} | {'traced' if trace_axes else 'full'} | {eager * 1e3:.2f} | {first:.1f} "
                 f"| {replay * 1e3:.2f} | {eager / replay:.2f}x | {kept} | {difference:.1e} | {said or 'none'} |"
             )
+            _progress(lines[-1])
         except Exception as error:  # noqa: BLE001 - recorded in the table
             lines.append(f"| {name} | {n} | — | — | — | — | — | — | — | {type(error).__name__}: {error} |")
             traceback.print_exc()
