@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The GPU measurements that ``python -m torchntk bench`` does not make.
 
-Four parts (``--parts``, default ``profile,large``; ``memory`` and ``compile`` on request), on
+Five parts (``--parts``, default ``profile,large``; ``memory``, ``compile`` and ``auto`` on request), on
 ``--device`` (default ``cuda``; ``cpu`` runs the same code with small sizes, which is how it is
 tested on machines without a GPU):
 
@@ -29,6 +29,11 @@ tested on machines without a GPU):
   uses small sizes): the eager median, the first compiled call (eager call, trace and
   compilation), the replay median, whether a graph was kept, and the replay's largest difference
   from the eager kernel relative to its largest entry.
+* **auto**: implementations 1, 2 and 3 timed (median of 3 after a warm-up call) on the MLP and CNN
+  at N = 8, 16, 32 (traced), the FCN at N = 16 and ResNet-18 at N = 8 (full), x1 and x2 different,
+  beside the implementation AUTO picks for the same call (``auto_choice``): how well AUTO's
+  price of an operation call on the device (``_OP_CALL_FLOPS`` in
+  ``torchntk/_implementations/auto.py``) picks there.
 
 Output: markdown on standard output, with the device and the command; the parts in the order
 ``--parts`` gives, by default the profile first and the large kernel's one-row table last (the GPU
@@ -229,6 +234,46 @@ def _budget(memory: object) -> float:
     return memory_argument(memory, "bench_cuda")
 
 
+def auto_picks(args: argparse.Namespace, device: torch.device) -> list[str]:
+    from torchntk.cli._models import BENCH_MODELS
+
+    small = device.type != "cuda"
+    configs = [("mlp", n, (-1,)) for n in (8, 16, 32)] + [("cnn", n, (-1,)) for n in (8, 16, 32)]
+    configs += [("fcn", 16, ()), ("resnet18", 8, ())]
+    if small:  # the CPU smoke test
+        configs = [("mlp", 4, (-1,)), ("cnn", 4, (-1,))]
+    lines = [
+        "## AUTO's pick against the fastest implementation, timed in the same run",
+        "",
+        "| model | N | kernel | impl 1 [ms] | impl 2 [ms] | impl 3 [ms] | AUTO picks | fastest | pick / fastest |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, n, trace_axes in configs:
+        choice = BENCH_MODELS[name]
+        try:
+            model = choice.build().to(device)
+            x = inputs(choice.input_shape, 2 * n, torch.float32, device)
+            x1, x2 = x[:n], x[n:]
+            times = {}
+            for implementation in (1, 2, 3):
+                ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0,
+                                                   implementation=implementation)
+                times[implementation] = _timed(lambda: ntk_fn(x1, x2), device, 1 if small else 3)
+            automatic = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=0)
+            pick = int(automatic.auto_choice(x1, x2).implementation)
+            fastest = min(times, key=times.get)
+            lines.append(
+                f"| {name} | {n} | {'traced' if trace_axes else 'full'} | "
+                + " | ".join(f"{times[i] * 1e3:.1f}" for i in (1, 2, 3))
+                + f" | {pick} | {fastest} | {times[pick] / times[fastest]:.2f} |"
+            )
+            _progress(lines[-1])
+        except Exception as error:  # noqa: BLE001 - recorded in the table
+            lines.append(f"| {name} | {n} | — | — | — | — | — | — | {type(error).__name__}: {error} |")
+            traceback.print_exc()
+    return [*lines, ""]
+
+
 def compiled(args: argparse.Namespace, device: torch.device) -> list[str]:
     from torchntk.cli._models import BENCH_MODELS
 
@@ -295,7 +340,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="where to compute (default cuda)")
     parser.add_argument("--parts", default="profile,large",
-                        help="comma list of profile, large, memory, compile, printed in this order "
+                        help="comma list of profile, large, memory, compile, auto, printed in this order "
                              "(default profile,large: the large kernel's table last)")
     parser.add_argument("--n", type=int, default=10_000, help="examples of the large kernel (default 10000)")
     parser.add_argument("--warmup-n", type=int, default=256, help="examples of its warm-up call (default 256)")
@@ -324,7 +369,7 @@ def main() -> int:
         f"torch {torch.__version__}, torchntk {torchntk.__version__}",
         "",
     ]
-    parts = {"large": large, "profile": profile, "memory": memory, "compile": compiled}
+    parts = {"large": large, "profile": profile, "memory": memory, "compile": compiled, "auto": auto_picks}
     wanted = [part.strip() for part in args.parts.split(",")]
     unknown = [part for part in wanted if part not in parts]
     if unknown:

@@ -2,11 +2,11 @@
 # Everything the GPU still has to show, in one call of the device tool (about 9 minutes): the shared
 # GPU check's parts, with the test suite on 14 workers instead of the check's serial run (which
 # finishes a fifth of the suite in its 300 s), then the memory model against
-# torch.cuda.max_memory_allocated and compile=True.
+# torch.cuda.max_memory_allocated, compile=True, and AUTO's picks against the fastest implementation.
 #
 # From the repository root, with ../shared/gpu copied into .gpu/ as its README says:
 #   device run: command "bash benchmarks/gpu_session.sh", carry [".gpu"], timeout_s 600
-#   bash benchmarks/gpu_session.sh tests,memory    # some steps only (quick, tests, bench, memory, compile)
+#   bash benchmarks/gpu_session.sh tests,memory    # some steps only (quick, tests, bench, memory, compile, auto)
 #
 # Steps run in that order while the deadline allows (DEADLINE seconds, default 570, with each
 # step's expected length); what does not fit is named as skipped. Logs come back in $OUT:
@@ -15,7 +15,7 @@
 # session.log (this script's lines).
 set -uo pipefail
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
-steps=${1:-quick,tests,bench,memory,compile}
+steps=${1:-quick,tests,bench,memory,compile,auto}
 deadline=${DEADLINE:-570}
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"; export OUT="$out" PYTHONUNBUFFERED=1
 exec > >(tee -a "$out/session.log") 2>&1
@@ -44,5 +44,6 @@ step tests 120 220 bash -c "python3 -m pytest tests -q -p no:cacheprovider --dev
 step bench 200 380 bash .gpu/check bench
 step memory 60 150 python3 benchmarks/bench_cuda.py --device cuda --parts memory
 step compile 90 200 python3 benchmarks/bench_cuda.py --device cuda --parts compile
+step auto 60 120 python3 benchmarks/bench_cuda.py --device cuda --parts auto
 echo "gpu session: exit $rc after $SECONDS s"
 exit $rc

@@ -30,21 +30,27 @@ def test_the_cuda_benchmark_runs_on_the_cpu():
 
 @pytest.mark.slow
 @pytest.mark.cpu_only("runs a benchmark script in a child process, on the CPU by its own --device")
-def test_the_cuda_benchmarks_memory_and_compile_parts_run_on_the_cpu_and_write_their_report(tmp_path):
+def test_the_cuda_benchmarks_other_parts_run_on_the_cpu_and_write_their_report(tmp_path):
     done = run_python(
-        str(ROOT / "benchmarks" / "bench_cuda.py"), "--device", "cpu", "--parts", "compile,memory",
+        str(ROOT / "benchmarks" / "bench_cuda.py"), "--device", "cpu", "--parts", "compile,memory,auto",
         "--memory-grid", "fast", "--compile-models", "mlp", timeout=600, env={"OUT": str(tmp_path / "out")},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = (tmp_path / "out" / "bench_cuda.md").read_text()
     assert report.strip() == done.stdout.strip()  # every part in the report, as printed
-    assert report.index("## Captured kernels") < report.index("## Memory plans")
-    captured, measured = report.split("## Memory plans")
-    (compiled,) = [line for line in captured.splitlines() if line.startswith("| mlp | 2 | traced |")]
-    cells = [cell.strip() for cell in compiled.split("|")]
-    assert cells[8] == "True" and float(cells[9]) < 1e-4, compiled  # a graph kept, agreeing with eager
-    rows = [line for line in measured.splitlines() if line.startswith("| ") and not line.startswith("| model")]
-    assert len(rows) == 15 and all(row.endswith("| yes |") for row in rows), report
+    _, captured, measured, picked = re.split(r"^## ", report, flags=re.MULTILINE)
+    assert captured.startswith("Captured kernels") and measured.startswith("Memory plans") and picked.startswith("AUTO")
+
+    def rows(section: str) -> list[list[str]]:
+        lines = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+        return [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
+
+    (compiled,) = rows(captured)
+    assert compiled[:3] == ["mlp", "2", "traced"] and compiled[7] == "True" and float(compiled[8]) < 1e-4, compiled
+    memory_rows = rows(measured)
+    assert len(memory_rows) == 15 and all(row[-1] == "yes" for row in memory_rows), measured
+    picks = rows(picked)
+    assert [row[0] for row in picks] == ["mlp", "cnn"] and all(float(row[-1]) >= 1.0 for row in picks), picked
 
 
 @pytest.mark.slow

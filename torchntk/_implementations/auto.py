@@ -549,7 +549,9 @@ _CONTRACTION_OPS = 3  # an einsum (reshapes, the product, the sum into the kerne
 _TANGENT_FORWARDS = 2  # a forward-mode tangent: two products per matrix product of the primal
 _OP_CALL_FLOPS = {"cpu": 4e5, "cuda": 3e8}
 """FLOPs per ATen call: fitted on the zoo for the 2-core CPU of docs/benchmarks.md; for CUDA, about
-20 us at 15 TFLOP/s, not measured (no GPU was available)."""
+20 us at 15 TFLOP/s, set before a GPU ran. Against the H100 timings of docs/benchmarks.md ("AUTO's
+price of an operation call on CUDA") it picks the fastest implementation on 7 of 8 rows (the miss:
+a noisy CNN row, 1.55x), where the CPU's price would miss two (ResNet-18 by 1.48x)."""
 _STRUCTURED_CONTRACTION_WEIGHT = 0.5
 """Structured derivatives' pair contractions are few large einsums that the BLAS runs at about twice
 the FLOP rate of the per-example backward sweeps of Jacobian contraction (measured on the CNNs of
