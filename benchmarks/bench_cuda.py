@@ -182,6 +182,7 @@ def _progress(row: object) -> None:
 
 def memory(args: argparse.Namespace, device: torch.device) -> list[str]:
     from tests import _memory_grid as grid
+    from torchntk._memory import memory_argument
 
     configs, left_out = _memory_configs(args.memory_grid)
     start = time.perf_counter()
@@ -213,7 +214,7 @@ def memory(args: argparse.Namespace, device: torch.device) -> list[str]:
             failed.append(row)
             continue
         predicted, measured = row.get("predicted"), row["measured"]
-        if row.get("batch") or not math.isinf(_budget(row["memory"])):
+        if row.get("batch") or not math.isinf(memory_argument(row["memory"], "bench_cuda")):
             ok = grid.within_budget(row)
         else:
             ok = not grid.prediction_errors([row])
@@ -226,12 +227,6 @@ def memory(args: argparse.Namespace, device: torch.device) -> list[str]:
     lines += ["", f"{len(rows) - len(failed)} of {len(rows)} rows ok; not ok: "
               + (", ".join(f"{row['model']} impl {row['implementation']}" for row in failed) or "none"), ""]
     return lines
-
-
-def _budget(memory: object) -> float:
-    from torchntk._memory import memory_argument
-
-    return memory_argument(memory, "bench_cuda")
 
 
 def auto_picks(args: argparse.Namespace, device: torch.device) -> list[str]:
@@ -378,12 +373,16 @@ def main() -> int:
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         report = os.path.join(os.environ["OUT"], "bench_cuda.md")
-    for part in [None, *wanted]:
-        lines = lines if part is None else parts[part](args, device)
-        print("\n".join(lines), flush=True)
+
+    def emit(text: list[str]) -> None:
+        print("\n".join(text), flush=True)
         if report is not None:
             with open(report, "a") as written:
-                written.write("\n".join(lines) + "\n")
+                written.write("\n".join(text) + "\n")
+
+    emit(lines)
+    for part in wanted:
+        emit(parts[part](args, device))
     return 0
 
 
