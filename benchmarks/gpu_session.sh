@@ -42,7 +42,7 @@ step tests 120 220 bash -c "python3 -m pytest tests -q -p no:cacheprovider --dev
   --deselect tests/test_docs.py -W ignore::DeprecationWarning --tb=short -rfE --durations=30 \
   > '$out/pytest-cuda.log' 2>&1; r=\$?; tail -n 60 '$out/pytest-cuda.log'; exit \$r"
 step bench 200 380 bash .gpu/check bench
-step memory 60 150 python3 benchmarks/bench_cuda.py --device cuda --parts memory
+step memory 90 200 python3 benchmarks/bench_cuda.py --device cuda --parts memory
 step compile 90 200 python3 benchmarks/bench_cuda.py --device cuda --parts compile
 step auto 60 120 python3 benchmarks/bench_cuda.py --device cuda --parts auto
 echo "gpu session: exit $rc after $SECONDS s"
