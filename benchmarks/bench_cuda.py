@@ -67,6 +67,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torchntk  # noqa: E402
 from torchntk.cli._models import ResNet18, inputs, seeded  # noqa: E402
+from torchntk.cli._timing import timed_calls  # noqa: E402
 
 
 def _synchronize(device: torch.device) -> None:
@@ -320,16 +321,8 @@ def compiled(args: argparse.Namespace, device: torch.device) -> list[str]:
 
 
 def _timed(call, device: torch.device, repeats: int) -> float:
-    """The median wall time of ``repeats`` synchronised calls, after one more."""
-    call()
-    _synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """The median wall time of ``repeats`` synchronised calls, after a warm-up call."""
+    return statistics.median(timed_calls(call, repeats, device)[1])
 
 
 def main() -> int:
