@@ -27,9 +27,9 @@ def eager_computations(monkeypatch):
     calls = []
     original = NtkSettings.ntk
 
-    def counted(self, call, key):
+    def counted(self, call, key, caller=None):
         calls.append(key)
-        return original(self, call, key)
+        return original(self, call, key, caller)
 
     monkeypatch.setattr(NtkSettings, "ntk", counted)
     return calls
@@ -325,8 +325,10 @@ def test_buffers_updated_in_place_are_read_by_the_replay():
 def test_non_finite_outputs_raise_the_eager_error(eager_computations):
     case = CASES["mlp"]()
     x1, x2 = make_x1_x2(case)
-    ntk_fn = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=3, compile="eager")
-    eager = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=3)
+    ntk_fn = torchntk.empirical_ntk_fn(
+        case.module, vmap_axes=0, implementation=3, compile="eager", check_vmap_axes=True
+    )
+    eager = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=3, check_vmap_axes=True)
     bad = x1.clone()
     bad[1, 0] = float("nan")
     with pytest.raises(ValueError) as expected:

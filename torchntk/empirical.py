@@ -40,6 +40,7 @@ from ._implementations.nngp import nngp
 from ._kernel.block_source import BlockRequest, BlockSource
 from ._kernel.kernel_function import KernelFnSpec, KernelFunction
 from ._kernel.settings import FORWARD_RUN, NtkOptions, NtkSettings, input_shape_key
+from ._memory import NEEDS_BLOCKS, CallerPlan
 from ._model.functional import functional_model, warn_training_mode
 from ._model.unfused import forward_mode_kernels
 from ._utils import checks as _checks
@@ -103,7 +104,7 @@ def empirical_ntk_fn(
     implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
     *,
     chunk_size: Optional[int] = None,
-    check_vmap_axes: Union[bool, str] = True,
+    check_vmap_axes: Union[bool, str] = "first",
     structure_rules: bool = True,
     closed_form_rules: bool = True,
     local_jacobian: str = "auto",
@@ -145,18 +146,18 @@ def empirical_ntk_fn(
             fit in about 32 MB (faster than all at once; see ``docs/design.md``). With
             NTK-vector products x1 is never cut (unless its batch axis is traced or diagonal).
             Default: ``None``.
-        check_vmap_axes: when ``vmap_axes`` is given, compare the per-example outputs with the
-            whole-batch forward pass on every call, and (once per input shapes and module
-            structure) random vector-Jacobian products of two examples per example and as a
-            batch, and raise a ValueError naming the cause if they differ (NaN/Inf, unmapped
-            keyword arguments, a PyTorch vmap bug, or coupling), so that neither a model that
-            couples examples nor a vmap bug gives silently wrong kernels. ``"first"``: both
-            checks on the first call per input shapes and module structure only; later calls
-            then skip the whole-batch forward pass as well (faster where the backward passes are
-            short, as for LoRA, BitFit or head parameters; a model whose coupling depends on the
-            values, not on the shapes, is then caught only if the first call shows it).
-            ``False``: no check (later calls skip the whole-batch forward pass too). Default:
-            ``True``.
+        check_vmap_axes: when ``vmap_axes`` is given, compare the per-example outputs with a
+            whole-batch forward pass, and random vector-Jacobian products of two examples per
+            example and as a batch, and raise a ValueError naming the cause if they differ
+            (NaN/Inf, unmapped keyword arguments, a PyTorch vmap bug, or coupling), so that
+            neither a model that couples examples nor a vmap bug gives silently wrong kernels.
+            ``"first"``: both checks on the first call per input shapes, module structure and
+            train/eval modes (the key of the call's plan); later calls with that key skip the
+            checks and the whole-batch forward pass (a model whose coupling depends on the values,
+            not on the shapes, such as a mixture of experts whose capacity overflows for some
+            batches, is caught only if the first call shows it). ``True``: the output check, and
+            its whole-batch forward pass, on every call as well. ``False``: no check.
+            Default: ``"first"`` (``docs/guarantees.md`` says why).
         structure_rules: implementation 3 (and AUTO) only. ``False`` sends every parameter to the
             Jacobian fallback, which makes implementation 3 compute Jacobian contraction (a test
             oracle). Default: ``True``.
@@ -294,20 +295,31 @@ def empirical_ntk_fn(
     )
     settings = NtkSettings.validate(f, given, where="empirical_ntk_fn")
 
-    def ntk(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], params: Any, kwargs: dict) -> PyTree:
+    def ntk(
+        settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], params: Any, kwargs: dict,
+        caller: Optional[CallerPlan] = None,
+    ) -> PyTree:
         key = input_shape_key(x1, x2, params, kwargs)
-        call = settings.prepare(x1, x2, params, kwargs, "ntk_fn", shape_key=key, needs_outputs=False, admit=True)
-        return settings.ntk(call, key)
+        call = settings.prepare(
+            x1, x2, params, kwargs, "ntk_fn", shape_key=key, needs_outputs=False, admit=True, caller=caller
+        )
+        return settings.ntk(call, key, caller)
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         return settings.called(ntk, x1, x2, params, kwargs)
+
+    def within(caller: CallerPlan) -> Callable[..., Any]:  # NOTE: [Budgets of callers]
+        def planned_ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> Any:
+            return settings.called(ntk, x1, x2, params, kwargs, caller=caller)
+
+        return planned_ntk_fn
 
     def open_blocks(
         request: BlockRequest, /, x1: Any, x2: Any = None, params: Any = None, **kwargs: Any
     ) -> Optional[BlockSource]:
         return settings.open_blocks(request, x1, x2, params, kwargs, names=("ntk",), bare=True, where="ntk_fn")
 
-    return settings.publish(ntk_fn, "ntk", empirical_ntk_fn, open_blocks, "ntk_fn", _NTK_FN_DOC)
+    return settings.publish(ntk_fn, "ntk", empirical_ntk_fn, open_blocks, "ntk_fn", _NTK_FN_DOC, within)
 
 
 def empirical_nngp_fn(
@@ -389,7 +401,7 @@ def empirical_kernel_fn(
     implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
     *,
     chunk_size: Optional[int] = None,
-    check_vmap_axes: Union[bool, str] = True,
+    check_vmap_axes: Union[bool, str] = "first",
     structure_rules: bool = True,
     closed_form_rules: bool = True,
     local_jacobian: str = "auto",
@@ -441,17 +453,23 @@ def empirical_kernel_fn(
     )
     settings = NtkSettings.validate(f, given, where="empirical_kernel_fn")
 
-    def requested(settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], get: Any, params: Any, kwargs: dict) -> Any:
+    def requested(
+        settings: NtkSettings, x1: PyTree, x2: Optional[PyTree], get: Any, params: Any, kwargs: dict,
+        caller: Optional[CallerPlan] = None,
+    ) -> Any:
         names, bare = canonical_get(get, "kernel_fn")
         key = input_shape_key(x1, x2, params, kwargs)
         call = settings.prepare(
-            x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names, shape_key=key, admit="ntk" in names
+            x1, x2, params, kwargs, "kernel_fn", for_ntk="ntk" in names, shape_key=key, admit="ntk" in names,
+            caller=caller,
         )
         kernels = {}
+        if "ntk" in names:  # first: nothing is computed where it needs blocks (NOTE: [Budgets of callers])
+            kernels["ntk"] = settings.ntk(call, key, caller)
+            if kernels["ntk"] is NEEDS_BLOCKS:
+                return NEEDS_BLOCKS
         if "nngp" in names:
             kernels["nngp"] = call.normalise(nngp(call), dtypes=call.output_dtypes)
-        if "ntk" in names:
-            kernels["ntk"] = settings.ntk(call, key)
         return combine(kernels, names, bare)
 
     def kernel_fn(
@@ -460,13 +478,24 @@ def empirical_kernel_fn(
     ) -> Any:
         return settings.called(requested, x1, x2, get, params, kwargs)
 
+    def within(caller: CallerPlan) -> Callable[..., Any]:  # NOTE: [Budgets of callers]
+        def planned_kernel_fn(
+            x1: PyTree, x2: Optional[PyTree] = None, get: Union[None, str, Sequence[str]] = None,
+            params: Any = None, **kwargs: Any,
+        ) -> Any:
+            return settings.called(requested, x1, x2, get, params, kwargs, caller=caller)
+
+        return planned_kernel_fn
+
     def open_blocks(
         request: BlockRequest, /, x1: Any, x2: Any = None, get: Any = None, params: Any = None, **kwargs: Any
     ) -> Optional[BlockSource]:
         names, bare = canonical_get(get, "kernel_fn")
         return settings.open_blocks(request, x1, x2, params, kwargs, names=names, bare=bare, where="kernel_fn")
 
-    return settings.publish(kernel_fn, "kernel", empirical_kernel_fn, open_blocks, "kernel_fn", _KERNEL_FN_DOC)
+    return settings.publish(
+        kernel_fn, "kernel", empirical_kernel_fn, open_blocks, "kernel_fn", _KERNEL_FN_DOC, within
+    )
 
 
 def empirical_ntk_vp_fn(

@@ -80,6 +80,8 @@ class KernelCall:
         group_names: the groups' names, in the order of ``groups``.
         working_runs: without ``chunk_size``, the examples per run that keep a per-example pass's
             activations within NOTE: [Working-set runs]'s bound (``_kernel/working_set.py``), or None.
+        plan_key: the key of the call's plan (NOTE: [Plan keys] in ``_plan/key.py``), under which
+            what the call learns (a switch to the example loop) is kept; None outside a kernel function.
     """
 
     where: str
@@ -96,6 +98,7 @@ class KernelCall:
     groups: Optional[tuple[tuple[int, ...], ...]] = None
     group_names: tuple[str, ...] = ()
     working_runs: Optional[int] = None
+    plan_key: Any = None
 
     @property
     def run_length(self) -> Optional[int]:
@@ -153,6 +156,18 @@ class KernelCall:
         if key is None:
             return None
         return (key, self.model.names, tuple(tuple(param.shape) for param in self.model.params))
+
+    def template(self, outputs: "OutputShapes") -> "KernelCall":
+        """This call without its tensors (model, sides, pending check), its outputs replaced by
+        stand-ins of ``outputs`` (this call's :meth:`output_shapes`): what a plan keeps for later
+        calls with the same key (NOTE: [The planning stage] in ``_plan/plan.py``), which holds on to
+        none of this call's inputs or private copies."""
+        first = OutputShapes.stand_ins(outputs.first)
+        second = first if outputs.second is None else OutputShapes.stand_ins(outputs.second)
+        return replace(
+            self, model=None, side1=None, side2=None, vmap_check=None, groups=None, output_tree=first,
+            outputs1=first.leaves, outputs2=second.leaves,
+        )
 
     def looped(self) -> "KernelCall":
         """The same call with its examples mapped by a loop instead of vmap (NOTE: [Example loops])."""
@@ -324,6 +339,37 @@ def prepare_call(
         where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending,
         index_groups, groups.names if groups is not None else (),
     )
+
+
+def bind_call(
+    template: KernelCall, names: tuple[str, ...], axes1: tuple, axes2: Optional[tuple], out_axes: tuple, f: Any,
+    x1: Any, x2: Any,
+    params: Any, kwargs: Mapping[str, Any], *, output_fn: Optional[OutputFn], groups: Optional[ParameterGroups],
+    loop: bool,
+) -> Optional[KernelCall]:
+    """A warm call: ``template`` (:meth:`KernelCall.template` of an earlier call with the same plan
+    key, NOTE: [The planning stage]) with this call's model and inputs. Everything the key decides
+    (axes, layouts, output shapes, dtypes, the checks that passed) is taken from the template; what
+    values decide is done again: the model's private copies, the parameters differentiated (None
+    when they are not ``names`` any more: the caller prepares the call in full), the groups, the
+    keyword arguments split between x1 and x2 (whose halves must be equal when x2 is None).
+    ``axes1``, ``axes2``: the ``(x_axes, kwarg_axes)`` of each side (``axes2`` None: x2 is None);
+    ``out_axes``: the outputs' batch axes."""
+    where = template.where
+    model = functional_model(f, params, where, output_fn, lazy=True)  # dies with the call
+    index_groups = None
+    if groups is not None:
+        model, index_groups = groups.split(model, f if isinstance(f, nn.Module) else None, where)
+    if model.names != names:
+        return None
+    kwargs1, kwargs2 = split_kwargs(kwargs, x2_is_none=axes2 is None, where=where)
+    side1 = Side(model, Flat.of(x1), {key: Flat.of(value) for key, value in kwargs1.items()}, *axes1, out_axes,
+                 where, "x1", loop=loop)
+    side2 = None
+    if axes2 is not None:
+        side2 = Side(model, Flat.of(x2), {key: Flat.of(value) for key, value in kwargs2.items()}, *axes2, out_axes,
+                     where, "x2", loop=loop)
+    return replace(template, model=model, side1=side1, side2=side2, groups=index_groups)
 
 
 Admit = Callable[[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...], torch.device], None]

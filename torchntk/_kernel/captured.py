@@ -40,6 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._memory import NEEDS_BLOCKS
 from .._model.fingerprint import structure_fingerprint
 from .._utils.bounded_cache import BoundedCache
 from .._utils.capturing import capturing
@@ -209,6 +210,8 @@ class CapturedCalls:
         captured = self._graphs.get(key)
         if captured is None:
             result = eager(*arguments)
+            if result is NEEDS_BLOCKS:  # NOTE: [Budgets of callers]: nothing was computed
+                return result
             if key not in self._refused and self._captures < _CAPTURES and _all_finite(result):
                 self._captures += 1
                 if self._captures == _CAPTURES:

@@ -38,6 +38,11 @@ class KernelFnSpec:
             arguments returns a :class:`~torchntk._kernel.block_source.BlockSource` for the call, or None
             where the call cannot be split into prepared spans (no ``vmap_axes``); ``None`` for
             kernel functions that never can. See NOTE: [Prepared spans].
+        within: ``within(caller)`` is the kernel function planning within the budget of ``caller``
+            (a ``CallerPlan``; NOTE: [Budgets of callers] in ``_memory/budget.py``): called like
+            the kernel function, it returns ``NEEDS_BLOCKS`` without computing anything where
+            ``caller.chunking`` is False and the call would need blocks; None for kernel functions
+            that plan no memory (they are called as they are).
         options: the builder's keyword arguments besides the model and the axes above (for the
             empirical builders, ``NtkOptions``' fields as given), so that a progress record can
             tell two problems apart (NOTE: [Kernels on disk] in ``batching/_disk.py``); None where
@@ -52,6 +57,7 @@ class KernelFnSpec:
     thread_safe: bool = True
     open_blocks: Optional[Callable[..., Any]] = None
     options: Optional[Mapping[str, Any]] = None
+    within: Optional[Callable[[Any], Callable[..., Any]]] = None
 
     def replicate(self, device: torch.device) -> Callable[..., Any]:
         """The kernel function around a private copy of a module on ``device``.

@@ -14,14 +14,14 @@ import dataclasses
 import functools
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .._call.example_loop import ExampleLoops
 from .._call.groups import ParameterGroups, groups_argument
-from .._call.kernel_call import KernelCall, prepare_call
+from .._call.kernel_call import KernelCall, bind_call, prepare_call
 from .._call.outputs import output_fn_argument
 from .._call.per_example import VmapLimitation
 from .._call.vmap_axes import ParsedVmapAxes, parse_vmap_axes
@@ -31,19 +31,18 @@ from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
 from .._memory import (
     KernelMemoryError,
-    WouldChunk,
-    chunking_allowed,
+    NEEDS_BLOCKS,
+    CallerPlan,
     memory_argument,
     out_of_memory_boundary,
     resolve_budget,
 )
 from .._model.aliases import alias_checks
-from .._model.fingerprint import structure_fingerprint
+from .._plan import CallPlan, CallTemplate, Planner, Purpose, input_shape_key, plan_key
 from .._model.torch_errors import explained
 from .._utils import checks as _checks
-from .._utils.bounded_cache import BoundedCache
 from .._utils.threads import serialised
-from .._utils.tree import Flat, is_all_none
+from .._utils.tree import is_all_none
 from .._utils.types import Model, NtkImplementation, PyTree
 from .block_source import BlockRequest, BlockSource
 from .captured import CapturedCalls, compile_argument
@@ -51,9 +50,6 @@ from .kernel_function import KernelFnSpec, KernelFunction
 from .working_set import working_set_run_length
 
 KernelFn = Callable[..., PyTree]
-
-_CHECKED_SHAPES = 64
-"""Input shapes (and module structures) whose derivatives were checked, kept per kernel function."""
 
 FORWARD_RUN = 256
 """Examples per whole-batch forward pass of a batched call (``open_blocks``), at least the block
@@ -106,10 +102,8 @@ class NtkSettings:
     options: StructuredOptions
     table: dict  # NOTE: [The implementation table], one per kernel function
     given: NtkOptions  # to build the same kernel function around another copy of the model
-    derivatives_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))
-    aliases_checked: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Aliased parameters]
-    output_shapes: BoundedCache = field(default_factory=lambda: BoundedCache(_CHECKED_SHAPES))  # NOTE: [Remembered output shapes]
-    example_loops: ExampleLoops = field(default_factory=ExampleLoops)
+    planner: Planner  # NOTE: [The planning stage]: the facts and plans of this kernel function's calls
+    example_loops: ExampleLoops = field(default_factory=ExampleLoops)  # its warning, once per kernel function
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
     groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
     captured: Optional[CapturedCalls] = None  # NOTE: [Captured kernels]; None: every call eager
@@ -145,19 +139,23 @@ class NtkSettings:
             options,
             implementation_table(options),
             given,
+            Planner(keeps_forward_pass=backend is not None, watches_aliases=isinstance(f, torch.nn.Module)),
             output_fn=output_fn_argument(given.output_fn, where),
             groups=parsed_groups,
             captured=None if backend is None else CapturedCalls(backend, f, where),
             memory=memory_argument(given.memory, where),
         )
 
-    def called(self, compute: Callable[..., Any], *arguments: Any) -> Any:
-        """``compute(self, *arguments)``: a kernel call, replayed from its captured graph where
-        ``compile`` is set (NOTE: [Captured kernels]); ``arguments`` hold every tensor of the call."""
+    def called(self, compute: Callable[..., Any], *arguments: Any, caller: Optional[CallerPlan] = None) -> Any:
+        """``compute(self, *arguments, caller)``: a kernel call, replayed from its captured graph where
+        ``compile`` is set (NOTE: [Captured kernels]); ``arguments`` hold every tensor of the call.
+        ``caller``: the budget ``batch`` gives the call (NOTE: [Budgets of callers]); a replay plans
+        nothing, so it only matters to eager calls."""
         if self.captured is None:
-            return compute(self, *arguments)
+            return compute(self, *arguments, caller)
         return self.captured(
-            arguments, functools.partial(compute, self), functools.partial(compute, self._unchecked)
+            arguments, functools.partial(_last, compute, self, caller=caller),
+            functools.partial(_last, compute, self._unchecked, caller=caller),
         )
 
     @functools.cached_property
@@ -168,72 +166,111 @@ class NtkSettings:
     def prepare(
         self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True,
         computes_ntk: bool = True, forward_run_length: Optional[int] = None, shape_key: Optional[tuple] = None,
-        needs_outputs: bool = True, admit: bool = False,
+        needs_outputs: bool = True, admit: bool = False, caller: Optional[CallerPlan] = None,
     ) -> KernelCall:
-        """Validates one call; ``vmap_axes`` only matter (and are only checked) for the NTK
-        (``for_ntk``), or for a batched NNGP (``computes_ntk=False``: the check cannot wait for
-        the structured pass, which will not run).
+        """One call, prepared as its plan says (NOTE: [The planning stage]): bound to the plan's
+        template on a warm call, else validated in full by :func:`prepare_call`, after which what
+        the call learnt becomes the facts of later plans.
 
-        The derivative part of NOTE: [Checking vmap_axes] runs once per input shapes and module
-        structure: what it catches (a PyTorch vmap bug, coupling in the backward pass) does not
-        depend on the values, and it costs as much as a small kernel (about 4 ms on the benchmark
-        MLP); so does NOTE: [Aliased parameters]'s check of a module's parameter references. The
-        output check runs on every call, unless ``check_vmap_axes="first"``. ``shape_key``: the
-        caller's :func:`input_shape_key` of these arguments, if it has one. ``needs_outputs``:
-        False where only the NTK is computed, whose implementations read the outputs' shapes only
-        (NOTE: [Remembered output shapes]). ``admit``: refuse an NTK too large for the memory
-        budget before the forward passes over a large batch (NOTE: [Memory plans]); those passes
-        then run on ``VALIDATION_RUN`` examples at a time."""
-        key = loop_key = None
-        if for_ntk and self.maps_examples:
-            shape_key = shape_key or input_shape_key(x1, x2, params, kwargs)
-            loop_key = shape_key
-            if self.check_vmap_axes or not needs_outputs:
-                key = (shape_key, _structure_key(self.f))
-        checked = key is not None and key in self.derivatives_checked
-        check = self.check_vmap_axes is True or (self.check_vmap_axes == "first" and not checked)
-        known = None
-        if not (needs_outputs or check or self.captured is not None or self.given.compile) and computes_ntk:
-            known = self.output_shapes.get(key)
-        aliases = self._alias_checks(key, x1, x2, params, kwargs, shape_key)
+        ``vmap_axes`` only matter (and are only checked) for the NTK (``for_ntk``), or for a
+        batched NNGP (``computes_ntk=False``: the check cannot wait for the structured pass, which
+        will not run). ``shape_key``: the caller's :func:`input_shape_key` of these arguments, if it
+        has one. ``needs_outputs``: False where only the NTK is computed, whose implementations read
+        the outputs' shapes only (NOTE: [Remembered output shapes]). ``admit``: refuse an NTK too
+        large for the memory budget before the forward passes over a large batch (NOTE: [Memory
+        plans]); those passes then run on ``VALIDATION_RUN`` examples at a time, within the budget
+        of ``caller`` too (NOTE: [Budgets of callers]).
 
-        early = self._admission(where) if admit and for_ntk and computes_ntk else None
+        Which checks run is the plan's: the derivative part of NOTE: [Checking vmap_axes] and
+        NOTE: [Aliased parameters]'s check of the module's parameter references run once per key
+        (what they catch, a PyTorch vmap bug, coupling in the backward pass, an aliased parameter,
+        does not depend on the values); the output check on every call with
+        ``check_vmap_axes=True``, on the first per key with ``"first"`` (the default)."""
+        shape_key = shape_key or input_shape_key(x1, x2, params, kwargs)
+        key = plan_key(self.f, shape_key)
+        mapped = for_ntk and self.maps_examples
+        purpose = Purpose(mapped, for_ntk, computes_ntk, needs_outputs, forward_run_length, admit, self.check_vmap_axes)
+        plan = self.planner.plan(key, purpose)
+        if plan.warm:
+            call = self._bind(plan, x1, x2, params, kwargs)
+            if call is not None:
+                return replace(call, plan_key=key)
+        prepared = self._prepare_in_full(key, purpose, plan, x1, x2, params, kwargs, where, shape_key, caller)
+        return replace(prepared, plan_key=key)
+
+    def _bind(self, plan: CallPlan, x1: Any, x2: Any, params: Any, kwargs: dict) -> Optional[KernelCall]:
+        """A warm call: the plan's template with this call's tensors, or None where the differentiated
+        parameters changed since (their ``requires_grad`` flags are not part of the key)."""
+        template = plan.template
+        with alias_checks(skip=True) if isinstance(self.f, torch.nn.Module) else contextlib.nullcontext():
+            return bind_call(
+                template.call, template.names, template.axes1, template.axes2, template.out_axes, self.f, x1, x2,
+                params, kwargs, output_fn=self.output_fn, groups=self.groups, loop=plan.example_loop,
+            )
+
+    def _prepare_in_full(
+        self, key: tuple, purpose: Purpose, plan: CallPlan, x1: Any, x2: Any, params: Any, kwargs: dict, where: str,
+        shape_key: tuple, caller: Optional[CallerPlan],
+    ) -> KernelCall:
+        """:func:`prepare_call` with the plan's checks, loop and stand-in outputs; then the facts it
+        learnt, and for later calls of the same key and purpose a template (NOTE: [The planning stage])."""
+        forward_run_length = purpose.forward_run_length
+        computes_ntk = purpose.for_ntk and purpose.computes_ntk
+        early = self._admission(where, caller) if purpose.admit and computes_ntk else None
         if early is not None and forward_run_length is None:
             forward_run_length = VALIDATION_RUN
+        aliases: Any = contextlib.nullcontext()
+        if isinstance(self.f, torch.nn.Module):
+            learn = functools.partial(self.planner.learn, key, aliases_checked=True)
+            aliases = alias_checks(on_clean=learn) if plan.check_aliases else alias_checks(skip=True)
 
         def prepare(*, example_loop: bool) -> KernelCall:
             return prepare_call(
                 self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
-                diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if for_ntk else None,
-                check_vmap_axes=check, chunk_size=self.chunk_size,
-                defer_vmap_check=computes_ntk,
-                forward_run_length=forward_run_length, for_ntk=for_ntk and computes_ntk,
-                check_derivatives=key is not None and bool(self.check_vmap_axes) and not checked,
-                example_loop=example_loop, output_fn=self.output_fn,
-                groups=self.groups if for_ntk and computes_ntk else None, known_outputs=known, admit=early,
+                diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if purpose.for_ntk else None,
+                check_vmap_axes=plan.check_outputs, chunk_size=self.chunk_size,
+                defer_vmap_check=purpose.computes_ntk, forward_run_length=forward_run_length, for_ntk=computes_ntk,
+                check_derivatives=plan.check_derivatives, example_loop=example_loop, output_fn=self.output_fn,
+                groups=self.groups if computes_ntk else None, known_outputs=plan.outputs, admit=early,
             )
 
-        looped = loop_key is not None and self.example_loops.needed(loop_key)
         with aliases:
             try:
-                call = prepare(example_loop=looped)
+                call = prepare(example_loop=plan.example_loop)
             except VmapLimitation as error:  # NOTE: [Switching to example loops]
-                if loop_key is None or looped:
+                if not purpose.maps_examples or plan.example_loop:
                     raise
                 call = prepare(example_loop=True)  # a model that also fails in the loop raises its own error, unwarned
-                self.example_loops.switch(loop_key, error, where)
-        if key is not None:
+                self._switch_to_loop(key, error, where)
+        outputs = plan.outputs
+        if purpose.maps_examples:
+            learnt: dict[str, Any] = {}
             if self.check_vmap_axes:
-                self.derivatives_checked[key] = True
-            if known is None and self.check_vmap_axes is not True and call.side1.mapped:
-                self.output_shapes[key] = call.output_shapes()
-        if not needs_outputs and self.chunk_size is None and not self.given.compile and call.side1.mapped:
+                learnt["derivatives_checked"] = True
+            if outputs is None and self.check_vmap_axes is not True and call.side1.mapped:
+                outputs = learnt["outputs"] = call.output_shapes()
+            if learnt:
+                self.planner.learn(key, **learnt)
+        runs = None
+        if not purpose.needs_outputs and self.chunk_size is None and not self.given.compile and call.side1.mapped:
             sizes = memory_planner(self.table).sizes(call, shape_key)  # counted once per input shapes
             runs = working_set_run_length(call.side1.batch_size(), sizes.side1.activations.written, sizes.element)
-            call = dataclasses.replace(call, working_runs=runs)
+            call = replace(call, working_runs=runs)
+        if computes_ntk and outputs is not None and call.side1.mapped:
+            side2 = call.side2
+            template = CallTemplate(
+                call.template(outputs), call.model.names, (call.side1.x_axes, call.side1.kwarg_axes),
+                None if side2 is None else (side2.x_axes, side2.kwarg_axes), call.side1.out_axes,
+            )
+            self.planner.template_for(key, purpose, template, runs)
         return call
 
-    def _admission(self, where: str) -> Optional[Callable[..., None]]:
+    def _switch_to_loop(self, key: tuple, error: VmapLimitation, where: str) -> None:
+        """NOTE: [Switching to example loops]: later plans of ``key`` map examples by a loop."""
+        self.planner.learn(key, example_loop=True)
+        self.example_loops.switch(key, error, where)
+
+    def _admission(self, where: str, caller: Optional[CallerPlan]) -> Optional[Callable[..., None]]:
         """``admit(shapes, dtypes, device)`` for :func:`prepare_call`: raises the refusal of a kernel
         larger than the budget; None with an unlimited budget."""
         if self.memory is not None and not math.isfinite(self.memory):
@@ -241,35 +278,22 @@ class NtkSettings:
         groups = len(self.groups.names) if self.groups is not None else 1
 
         def admit(shapes: tuple, dtypes: tuple, device: torch.device) -> None:
-            refusal = kernel_refusal(shapes, dtypes, groups, resolve_budget(self.memory, device), where)
+            refusal = kernel_refusal(shapes, dtypes, groups, resolve_budget(self.memory, device, caller), where)
             if refusal is not None:
                 raise refusal
 
         return admit
 
-    def _alias_checks(
-        self, key: Optional[tuple], x1: Any, x2: Any, params: Any, kwargs: dict, shape_key: Optional[tuple]
-    ) -> Any:
-        """The :func:`alias_checks` context for a call's model: skipped where a check with these
-        input shapes and module structure has passed (``key`` where the derivative check made it)."""
-        if not isinstance(self.f, torch.nn.Module):
-            return contextlib.nullcontext()
-        if key is None:
-            key = (shape_key or input_shape_key(x1, x2, params, kwargs), _structure_key(self.f))
-        if key in self.aliases_checked:
-            return alias_checks(skip=True)
-        return alias_checks(on_clean=functools.partial(self.aliases_checked.__setitem__, key, True))
-
-    def computed(self, call: KernelCall, key: tuple, compute: Callable[[KernelCall], Any]) -> Any:
+    def computed(self, call: KernelCall, compute: Callable[[KernelCall], Any]) -> Any:
         """``compute(call)``, again with an example loop if vmap fails on the model (NOTE:
-        [Switching to example loops]); ``key`` is the call's shape key."""
+        [Switching to example loops])."""
         try:
             return compute(call)
         except VmapLimitation as error:
             if not call.side1.mapped or call.side1.loop:
                 raise
             result = compute(call.looped())
-            self.example_loops.switch(key, error, call.where)
+            self._switch_to_loop(call.plan_key, error, call.where)
             return result
 
     def open_blocks(
@@ -319,14 +343,17 @@ class NtkSettings:
 
     def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
         if self.implementation == NtkImplementation.AUTO:
-            return self.table[self.implementation].choice(call, key, self.budget(call))
+            return self.table[self.implementation].choice(call, key, self.budget(call, None))
         return self.table[self.implementation].choice(call, key)
 
-    def budget(self, call: KernelCall) -> float:
-        """The call's memory budget in bytes (NOTE: [Memory budgets])."""
-        return resolve_budget(self.memory, call.outputs1[0].device)
+    def budget(self, call: KernelCall, caller: Optional[CallerPlan]) -> float:
+        """The call's memory budget in bytes (NOTE: [Memory budgets]), at most ``caller``'s."""
+        return resolve_budget(self.memory, call.outputs1[0].device, caller)
 
-    def ntk(self, call: KernelCall, key: tuple) -> PyTree:
+    def ntk(self, call: KernelCall, key: tuple, caller: Optional[CallerPlan] = None) -> Any:
+        """The NTK of a prepared call, planned within the budget (and ``caller``'s, NOTE: [Budgets of
+        callers]): :data:`NEEDS_BLOCKS`, computing nothing, where ``caller`` allows no blocks and the
+        plan would need them."""
         shapes = call.kernel_shapes()
         if all(math.prod(shape) == 0 for shape in shapes):
             # Empty kernels (e.g. x2 with no examples): transforms cannot map over size 0.
@@ -337,27 +364,31 @@ class NtkSettings:
                 for shape, out in zip(shapes, call.outputs1)
             ]
             return call.normalise(zeros)
-        budget = self.budget(call)
+        budget = self.budget(call, caller)
+        chunking = caller is None or caller.chunking
         attempted: list = []
 
         def planned(call: KernelCall) -> Any:
             # NOTE: [Memory plans]: refused, or given a chunk_size, before any derivative is taken
             # (inside `computed`: implementation 3's plan may need the example loop too)
             try:
-                plan = memory_plan(self.table, self.implementation, call, key, budget)
+                plan = self.planner.memory_plan(
+                    _memory_key(call), budget, lambda budget: memory_plan(self.table, self.implementation, call, key, budget)
+                )
             except KernelMemoryError as refusal:
-                if chunking_allowed() or refusal.kernel_alone:
+                if chunking or refusal.kernel_alone:
                     raise
-                raise WouldChunk() from None  # NOTE: [Budgets of callers]: the caller cuts x1 too
-            if plan.chosen and not chunking_allowed():
-                raise WouldChunk()
+                return NEEDS_BLOCKS  # NOTE: [Budgets of callers]: the caller cuts x1 too
+            if plan.chosen and not chunking:
+                return NEEDS_BLOCKS
             memory_planner(self.table).notify(plan, call)
             attempted.append(plan)
             return self.table[plan.implementation].kernels(with_chunk(call, plan), key)
 
         def compute() -> PyTree:
             with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
-                return call.normalise(self.computed(call, key, planned))
+                kernels = self.computed(call, planned)
+                return kernels if kernels is NEEDS_BLOCKS else call.normalise(kernels)
 
         def described() -> str:
             return attempted[-1].describe() if attempted else f"implementation {int(self.implementation)}"
@@ -367,14 +398,15 @@ class NtkSettings:
 
     def publish(
         self, kernel_fn: KernelFn, kind: str, builder: Callable[..., KernelFn], open_blocks: Callable[..., Any],
-        where: str, doc: str,
+        where: str, doc: str, within: Callable[[CallerPlan], KernelFn],
     ) -> KernelFunction:
-        """The :class:`KernelFunction` of ``kernel_fn``: its spec (for ``batch``), ``auto_choice`` and ``doc``."""
+        """The :class:`KernelFunction` of ``kernel_fn``: its spec (for ``batch``: ``open_blocks``,
+        ``within``), ``auto_choice`` and ``doc``."""
         options = self.given.as_keywords()
         rebuild = functools.partial(builder, **options)
         spec = KernelFnSpec(
             kind, self.f, self.trace_axes, self.diagonal_axes, rebuild, thread_safe=self.thread_safe,
-            open_blocks=open_blocks, options=options,
+            open_blocks=open_blocks, options=options, within=within,
         )
 
         def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
@@ -386,6 +418,19 @@ class NtkSettings:
         published = KernelFunction(kernel_fn, spec, doc, auto_choice)
         published._settings = self  # for the memory model's tests and benchmarks (tests/_memory_grid.py)
         return published
+
+
+def _last(compute: Callable[..., Any], settings: "NtkSettings", *arguments: Any, caller: Optional[CallerPlan]) -> Any:
+    """``compute(settings, *arguments, caller)``: the captured path calls with ``arguments`` alone."""
+    return compute(settings, *arguments, caller)
+
+
+def _memory_key(call: KernelCall) -> Optional[tuple]:
+    """What a call's memory plan depends on besides its plan key (NOTE: [Plan keys]): the parameters
+    differentiated, the chunk and run lengths, the example loop, the groups."""
+    if call.plan_key is None:
+        return None
+    return (call.plan_key, call.model.names, call.chunk_size, call.working_runs, call.side1.loop, call.groups)
 
 
 def structured_options(values: dict, chosen: NtkImplementation, where: str) -> StructuredOptions:
@@ -413,23 +458,3 @@ def check_mode_argument(value: Any, where: str) -> Union[bool, str]:
     if value is True or value is False or value == "first":
         return value
     raise ValueError(f"{where}: `check_vmap_axes` must be True, 'first' or False, got {_checks.show(value)}.")
-
-
-def _structure_key(f: Model) -> Any:
-    """What of the model the derivative check depends on, besides the shapes."""
-    return structure_fingerprint(f) if isinstance(f, torch.nn.Module) else id(f)
-
-
-def input_shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
-    """What AUTO's choice may depend on: the structure, shapes and dtypes of every argument."""
-    def describe_leaves(tree: Any) -> tuple:
-        flat = Flat.of(tree)
-        leaves = tuple(
-            (tuple(leaf.shape), leaf.dtype, leaf.device.type) if isinstance(leaf, torch.Tensor) else repr(leaf)
-            for leaf in flat.leaves
-        )
-        return (str(flat.spec), flat.none_positions, leaves)
-
-    return (describe_leaves(x1), is_all_none(x2), describe_leaves(x2), describe_leaves(params), describe_leaves(kwargs))
-
-

@@ -9,10 +9,9 @@ this folder has what every layer needs: ``batch``, the kernel functions and the 
 from .budget import (
     CPU_FRACTION,
     CUDA_FRACTION,
-    WouldChunk,
+    NEEDS_BLOCKS,
+    CallerPlan,
     available_bytes,
-    caller_plans,
-    chunking_allowed,
     default_budget,
     format_bytes,
     memory_argument,
@@ -21,7 +20,7 @@ from .budget import (
 from .errors import KernelMemoryError, MemoryPlanWarning, is_allocation_failure, out_of_memory_boundary, release_memory
 
 __all__ = [
-    "CPU_FRACTION", "CUDA_FRACTION", "WouldChunk", "available_bytes", "caller_plans", "chunking_allowed",
+    "CPU_FRACTION", "CUDA_FRACTION", "NEEDS_BLOCKS", "CallerPlan", "available_bytes",
     "default_budget", "format_bytes", "memory_argument",
     "resolve_budget", "KernelMemoryError", "MemoryPlanWarning", "is_allocation_failure", "out_of_memory_boundary",
     "release_memory",

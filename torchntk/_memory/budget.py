@@ -21,15 +21,13 @@ cache is counted as free, hence the larger fraction there.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -141,54 +139,51 @@ def default_budget(device: torch.device) -> float:
     return fraction * available_bytes(device)
 
 
-def resolve_budget(memory: Optional[float], device: torch.device) -> float:
-    """The budget in bytes: ``memory`` as given, or the default for ``device`` now; within a
-    :func:`caller_plans` context, at most the caller's budget."""
+def resolve_budget(memory: Optional[float], device: torch.device, caller: Optional["CallerPlan"] = None) -> float:
+    """The budget in bytes: ``memory`` as given, or the default for ``device`` now; at most the
+    budget of ``caller`` (NOTE: [Budgets of callers])."""
     own = default_budget(device) if memory is None else memory
-    caller = getattr(_CALLER, "plan", None)
     return own if caller is None else min(own, caller.budget)
 
 
 # NOTE: [Budgets of callers]
 # ``batch`` shares a device's budget between its workers and plans its own blocks. The kernel
 # function it calls (once per block without vmap_axes, or once in all when the whole call fits)
-# must then plan within the worker's share, not the whole device's: the worker's thread sets it
-# with ``caller_plans``, and ``resolve_budget`` takes the smaller of it and the kernel function's
-# own ``memory``. ``chunking=False`` asks the kernel function not to cut the call into blocks but
-# to raise :class:`WouldChunk` instead, so that ``batch`` computes it by spans (whose prepared
-# derivatives are cached) rather than by ``chunk_size`` (which prepares x1's runs again for every
-# run of x2).
+# must then plan within the worker's share, not the whole device's. ``batch`` says so explicitly:
+# a kernel function's ``KernelFnSpec.within(caller)`` is the same kernel function planning within
+# ``caller.budget`` (``resolve_budget`` takes the smaller of it and the kernel function's own
+# ``memory``). ``chunking=False`` asks the planning stage whether the call fits whole: where its
+# memory plan would cut the call into blocks (or does not fit at all), the kernel function
+# computes nothing and returns :data:`NEEDS_BLOCKS`, so that ``batch`` computes it by spans (whose
+# prepared derivatives are cached) rather than by ``chunk_size`` (which prepares x1's runs again
+# for every run of x2). No thread-local state and no exception carry the request: a kernel
+# function called any other way plans within its own budget.
 
 
 @dataclass(frozen=True)
 class CallerPlan:
+    """The budget a caller gives one kernel call (NOTE: [Budgets of callers]).
+
+    Attributes:
+        budget: bytes the call may plan for, at most.
+        chunking: whether the call may cut itself into blocks to fit (else it returns
+            :data:`NEEDS_BLOCKS`).
+    """
+
     budget: float
     chunking: bool = True
 
 
-class WouldChunk(Exception):
-    """A kernel call under ``caller_plans(..., chunking=False)`` would need blocks (or does not fit
-    at all) within the caller's budget; the caller plans the blocks itself."""
+class _NeedsBlocks:
+    """The type of :data:`NEEDS_BLOCKS`."""
+
+    def __repr__(self) -> str:
+        return "NEEDS_BLOCKS"
 
 
-_CALLER = threading.local()
-
-
-@contextlib.contextmanager
-def caller_plans(budget: float, chunking: bool = True) -> Iterator[None]:
-    """Kernel calls of this thread plan within ``budget`` bytes (NOTE: [Budgets of callers])."""
-    previous = getattr(_CALLER, "plan", None)
-    _CALLER.plan = CallerPlan(budget, chunking)
-    try:
-        yield
-    finally:
-        _CALLER.plan = previous
-
-
-def chunking_allowed() -> bool:
-    """False inside ``caller_plans(..., chunking=False)``."""
-    plan = getattr(_CALLER, "plan", None)
-    return plan is None or plan.chunking
+NEEDS_BLOCKS = _NeedsBlocks()
+"""What a kernel call planned with ``CallerPlan(..., chunking=False)`` returns, having computed
+nothing, when it would need blocks to fit its budget (NOTE: [Budgets of callers])."""
 
 
 def format_bytes(amount: float) -> str:

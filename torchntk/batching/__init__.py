@@ -33,7 +33,7 @@ from .._implementations.memory import result_bytes
 from .._kernel.block_source import BlockRequest, BlockSource
 from .._kernel.kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
 from .._kernel.settings import FORWARD_RUN
-from .._memory import WouldChunk, caller_plans, memory_argument, resolve_budget
+from .._memory import NEEDS_BLOCKS, CallerPlan, memory_argument, resolve_budget
 from .._model.fingerprint import structure_fingerprint
 from .._utils import checks as _checks
 from .._utils.threads import serialised
@@ -313,11 +313,12 @@ def _run(settings: _Settings, x1: Any, x2: Any, args: tuple, kwargs: dict, out: 
     if plain and settings.batch_size == 0 and len(devices) == 1 and world_size == 1:
         return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
     if plain and settings.auto and len(devices) == 1 and world_size == 1 and _pairs(x1, x2) <= SPAN_ENTRIES:
-        try:  # NOTE: [Automatic tiling], step 1
-            with caller_plans(resolve_budget(settings.memory, devices[0]), chunking=False):
-                return _finish(settings.kernel_fn(x1, x2, *args, **kwargs), settings.store_on_device)
-        except WouldChunk:
-            pass  # planned below, by spans
+        # NOTE: [Automatic tiling], step 1: the whole call where its plan needs no blocks
+        whole = _within(settings.kernel_fn, CallerPlan(resolve_budget(settings.memory, devices[0]), chunking=False))
+        result = whole(x1, x2, *args, **kwargs)
+        if result is not NEEDS_BLOCKS:
+            return _finish(result, settings.store_on_device)
+        # else planned below, by spans
     record = None
     if progress_file is not None:
         shard = [rank, world_size] if settings.shard else None
@@ -472,10 +473,18 @@ def _by_blocks(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwa
         one = _slice(flat1, *run1, device)
         two = None if run2 is None else _slice(flat2, *run2, device)
         cut = {key: _cut(key, value, run1, run2 or run1, n1, n2, device) for key, value in kwargs.items()}
-        with contextlib.nullcontext() if shares is None else caller_plans(shares[device]):
-            return function(one, two, *moved_args[device], **cut)  # takes the forward-mode lock itself
+        if shares is not None:
+            function = _within(function, CallerPlan(shares[device]))
+        return function(one, two, *moved_args[device], **cut)  # takes the forward-mode lock itself
 
     return run_blocks(job, n1, n2, x2 is None, compute)
+
+
+def _within(function: Callable[..., PyTree], caller: CallerPlan) -> Callable[..., Any]:
+    """``function`` planning within ``caller``'s budget (NOTE: [Budgets of callers]); a kernel
+    function that plans no memory (``spec.within`` None) as it is: it never needs blocks."""
+    within = spec_of(function).within
+    return function if within is None else within(caller)
 
 
 def _cut(key: str, value: Any, run1, run2, n1: int, n2: int, device: torch.device) -> Any:

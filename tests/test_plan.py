@@ -1,0 +1,231 @@
+"""The planning stage (NOTE: [The planning stage] in ``torchntk/_plan/plan.py``).
+
+A warm call binds its tensors to the template its key's plan keeps, instead of validating the call
+again. What makes that safe is the key (NOTE: [Plan keys]): anything a decision reads must change
+the key or send the call back to a full preparation. Each test below changes one such thing between
+calls and checks the kernel against the float64 reference, or the error the change must give.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import torchntk
+from torchntk import _implementations as implementations
+from torchntk._call import kernel_call
+from torchntk._plan import Purpose
+from torchntk.testing import assert_kernels_close, reference_ntk
+
+F64 = torch.float64
+IMPLEMENTATIONS = pytest.mark.parametrize("implementation", [1, 2, 3, 0], ids=["JC", "NVP", "SD", "AUTO"])
+
+
+def _mlp(width: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 3)).to(F64).eval()
+
+
+def _inputs(*sizes: int, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(size, 4, generator=generator, dtype=F64) for size in sizes]
+
+
+class _PreparedInFull:
+    """Counts the calls that :func:`prepare_call` validates in full (the others are bound)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.count = 0
+        original = kernel_call.prepare_call
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr("torchntk._kernel.settings.prepare_call", counted)
+
+
+@IMPLEMENTATIONS
+@pytest.mark.parametrize("x2_given", [True, False], ids=["x2", "x2-None"])
+def test_warm_calls_are_bound_and_exact(implementation, x2_given, monkeypatch):
+    """The first call is prepared in full; later calls with the key are bound to its template, with
+    other values, and stay exact."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _mlp()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, trace_axes=(), implementation=implementation)
+    for seed in range(4):
+        x1, x2 = _inputs(5, 3, seed=seed)
+        x2 = x2 if x2_given else None
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
+    assert prepared.count == 1
+
+
+def test_a_new_key_is_planned_again(monkeypatch):
+    """New shapes, a changed module structure or new train/eval modes are new keys."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _mlp()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    x1, x2 = _inputs(5, 3)
+    ntk_fn(x1, x2)
+    ntk_fn(x1, x2)
+    assert prepared.count == 1
+    longer = torch.cat([x1, x1[:2]])
+    assert_kernels_close(ntk_fn(longer, x2), reference_ntk(model, longer, x2))
+    assert prepared.count == 2
+    model[0].scale = 2.0  # an attribute: the structure fingerprint changes
+    assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+    assert prepared.count == 3
+    model.train()  # nothing couples the examples here, but the decision is made again
+    assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+    assert prepared.count == 4
+
+
+def test_training_mode_after_warm_calls_is_refused():
+    """Batch statistics couple the examples: a warm plan made in eval mode must not serve a call
+    after ``model.train()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).to(F64).eval()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    x1, x2 = _inputs(5, 3)
+    ntk_fn(x1, x2)
+    ntk_fn(x1, x2)
+    model.train()
+    with pytest.raises(ValueError, match="batch statistics"):
+        ntk_fn(x1, x2)
+
+
+@IMPLEMENTATIONS
+def test_frozen_parameters_after_warm_calls(implementation, monkeypatch):
+    """``requires_grad`` flags are not part of the key: the bound call sees that the differentiated
+    parameters changed and is prepared in full, with the kernel of the parameters left."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _mlp()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
+    x1, x2 = _inputs(5, 3)
+    ntk_fn(x1, x2)
+    ntk_fn(x1, x2)
+    model[0].weight.requires_grad_(False)
+    try:
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+        assert prepared.count == 2
+    finally:
+        model[0].weight.requires_grad_(True)
+
+
+def test_a_plan_holds_no_tensor_of_its_calls():
+    """A kept template has stand-ins for the outputs and no inputs or private copies: the inputs
+    of the call that made it can be freed."""
+    model = _mlp()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    x1, x2 = _inputs(5, 3)
+    ntk_fn(x1, x2)
+    ntk_fn(x1, x2)
+    watched = [weakref.ref(x1), weakref.ref(x2)]
+    del x1, x2
+    gc.collect()
+    assert all(reference() is None for reference in watched)
+
+
+def test_the_default_checks_once_per_key():
+    """``check_vmap_axes="first"`` (the default): coupling that the first call with a key shows is
+    an error; a warm call with that key runs no check (``True`` checks every call)."""
+    torch.manual_seed(0)
+
+    class CoupledWhenLarge(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x):
+            hidden = self.linear(x)
+            large = (x.abs().amax() > 10).to(hidden.dtype)
+            return hidden - large * hidden.mean(0, keepdim=True)
+
+    model = CoupledWhenLarge().to(F64).eval()
+    x1, x2 = _inputs(5, 3)
+    large = x1.clone()
+    large[2, 1] = 50.0
+    with pytest.raises(ValueError, match="differs between the whole batch and a per-example evaluation"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0)(large, x2)
+    every_call = torchntk.empirical_ntk_fn(model, vmap_axes=0, check_vmap_axes=True)
+    every_call(x1, x2)
+    with pytest.raises(ValueError, match="differs between the whole batch and a per-example evaluation"):
+        every_call(large, x2)
+
+
+def test_an_example_loop_is_a_fact_of_the_key(monkeypatch):
+    """A model vmap cannot evaluate switches its key to the example loop once; warm calls then loop
+    without trying vmap again."""
+    torch.manual_seed(0)
+
+    class CheckedPadding(nn.Module):
+        """Independent examples behind a check that reads a tensor's value, which vmap refuses."""
+
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x):
+            if not bool((x.abs().sum(-1) > 0).all()):
+                raise ValueError("all padding")
+            return torch.tanh(self.linear(x))
+
+    model = CheckedPadding().to(F64).eval()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    x1, x2 = _inputs(5, 3)
+    with pytest.warns(torchntk.ExampleLoopWarning):
+        ntk_fn(x1, x2)
+    prepared = _PreparedInFull(monkeypatch)
+    for seed in range(3):
+        x1, x2 = _inputs(5, 3, seed=seed)
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+    assert prepared.count <= 1  # the plan with the loop, then its template
+
+
+def test_purposes_do_not_share_plans():
+    """The NTK alone stands in for the outputs; a call that needs their values (the NNGP) runs the
+    forward pass whatever the NTK's plan says."""
+    model = _mlp()
+    kernel_fn = torchntk.empirical_kernel_fn(model, vmap_axes=0)
+    x1, x2 = _inputs(5, 3)
+    for _ in range(3):
+        kernels = kernel_fn(x1, x2, ("ntk", "nngp"))
+    assert_kernels_close(kernels.ntk, reference_ntk(model, x1, x2))
+    with torch.no_grad():
+        nngp = model(x1) @ model(x2).T / 3
+    assert_kernels_close(kernels.nngp, nngp)
+    assert Purpose(needs_outputs=True) != Purpose(needs_outputs=False)
+
+
+def test_a_caller_asks_the_plan_whether_the_call_fits_whole(monkeypatch):
+    """NOTE: [Budgets of callers]: ``spec.within(CallerPlan(budget, chunking=False))`` computes the
+    kernel where its memory plan needs no blocks, else returns ``NEEDS_BLOCKS`` having computed
+    nothing; with ``chunking=True`` it cuts the call into blocks to fit the caller's budget."""
+    from torchntk._memory import NEEDS_BLOCKS, CallerPlan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 3)).to(F64).eval()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=1)
+    x1, x2 = _inputs(32, 32)
+    expected = reference_ntk(model, x1, x2)
+    within = ntk_fn.spec.within
+    assert_kernels_close(within(CallerPlan(1e12, chunking=False))(x1, x2), expected)
+    computed = []
+    original = implementations._Stateless.kernels
+
+    def counted(self, call, key):
+        computed.append(call.chunk_size)
+        return original(self, call, key)
+
+    monkeypatch.setattr(implementations._Stateless, "kernels", counted)
+    assert within(CallerPlan(1e6, chunking=False))(x1, x2) is NEEDS_BLOCKS
+    assert computed == []
+    with pytest.warns(torchntk.MemoryPlanWarning):
+        assert_kernels_close(within(CallerPlan(1e6))(x1, x2), expected)
+    assert computed and computed[-1] is not None and computed[-1] < 32
+    assert_kernels_close(ntk_fn(x1, x2), expected)  # the kernel function itself plans its own budget
+    assert computed[-1] is None

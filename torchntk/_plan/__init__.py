@@ -1,0 +1,14 @@
+"""The planning stage: what a kernel call does, decided once per key (NOTE: [The planning stage]).
+
+``key.py`` says what a plan depends on, ``plan.py`` what it holds, ``stage.py`` keeps one kernel
+function's facts and plans.
+"""
+
+from .key import input_shape_key, plan_key, structure_key, training_modes
+from .plan import CallPlan, CallTemplate, Facts, Purpose
+from .stage import Planner
+
+__all__ = [
+    "CallPlan", "CallTemplate", "Facts", "Planner", "Purpose", "input_shape_key", "plan_key", "structure_key",
+    "training_modes",
+]

@@ -1,0 +1,56 @@
+"""What a kernel call's plan depends on: its key.
+
+NOTE: [Plan keys]
+Two calls of one kernel function share a plan exactly when nothing a decision reads differs
+between them: the structure, shapes, dtypes and device types of every argument
+(:func:`input_shape_key`), the module's structure (:func:`structure_key`: classes, attributes,
+hooks, parameter and buffer slots; see ``_model/fingerprint.py``) and its train/eval modes
+(:func:`training_modes`, which a replica refresh copies and the fingerprint therefore leaves
+out, but which decide whether batch statistics couple the examples). Tensor values are never
+part of a key: what depends on them (the kernel, the NaN check, the output check where it runs
+on every call) is computed by every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._model.fingerprint import structure_fingerprint
+from .._utils.tree import Flat, is_all_none
+from .._utils.types import Model
+
+__all__ = ["input_shape_key", "plan_key", "structure_key", "training_modes"]
+
+
+def input_shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
+    """The structure, shapes, dtypes and device types of every argument of a call (what AUTO's
+    choice and the implementations' cached plans may depend on)."""
+    def describe_leaves(tree: Any) -> tuple:
+        flat = Flat.of(tree)
+        leaves = tuple(
+            (tuple(leaf.shape), leaf.dtype, leaf.device.type) if isinstance(leaf, torch.Tensor) else repr(leaf)
+            for leaf in flat.leaves
+        )
+        return (str(flat.spec), flat.none_positions, leaves)
+
+    return (describe_leaves(x1), is_all_none(x2), describe_leaves(x2), describe_leaves(params), describe_leaves(kwargs))
+
+
+def structure_key(f: Model) -> Any:
+    """What of the model the checks depend on besides the shapes: a module's structure
+    fingerprint, a function's identity."""
+    return structure_fingerprint(f) if isinstance(f, torch.nn.Module) else id(f)
+
+
+def training_modes(f: Model) -> Any:
+    """The train/eval flag of every submodule (None for a function)."""
+    if not isinstance(f, torch.nn.Module):
+        return None
+    return tuple(module.training for module in f.modules())
+
+
+def plan_key(f: Model, shape_key: tuple) -> tuple:
+    """The key of NOTE: [Plan keys] for a call whose :func:`input_shape_key` is ``shape_key``."""
+    return (shape_key, structure_key(f), training_modes(f))
