@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 from torchntk import empirical_ntk_fn
-from torchntk._call.kernel_call import prepare_call
+from torchntk._call.kernel_call import FULL_CHECKS, NO_CHECKS, prepare_call
 from torchntk._call.vmap_axes import parse_vmap_axes
 from torchntk._implementations.structured import StructuredOptions, plan_for
 from torchntk._implementations.structured._verify import disagreements
@@ -65,8 +66,8 @@ def measure(model, x, implementation: int, trace_axes, repeats: int) -> dict:
         "later calls": _median_ms(lambda: cached(x), repeats),
         "private copies": _median_ms(lambda: functional_model(model, None, "bench"), repeats),
     }
-    without = _median_ms(lambda: _prepare(model, x, trace_axes, check_vmap_axes=False), repeats)
-    outputs = _median_ms(lambda: _prepare(model, x, trace_axes, check_derivatives=False), repeats)
+    without = _median_ms(lambda: _prepare(model, x, trace_axes, plan=NO_CHECKS), repeats)
+    outputs = _median_ms(lambda: _prepare(model, x, trace_axes, plan=replace(FULL_CHECKS, check_derivatives=False)), repeats)
     everything = _median_ms(lambda: _prepare(model, x, trace_axes), repeats)
 
     def prepared(skip: bool):
@@ -80,7 +81,7 @@ def measure(model, x, implementation: int, trace_axes, repeats: int) -> dict:
     row["derivative check"] = max(everything - outputs, 0.0)
     row["plan check"] = None
     if implementation == 3:
-        call = _prepare(model, x, trace_axes, check_vmap_axes=False)
+        call = _prepare(model, x, trace_axes, plan=NO_CHECKS)
         plan = plan_for(call, StructuredOptions())
         probe = call.side1.narrow(0, 1)
         row["plan check"] = _median_ms(lambda: disagreements(probe, plan), repeats)

@@ -10,13 +10,15 @@ CPU and moved.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import torchntk
-from torchntk._call.kernel_call import prepare_call
+from torchntk._call.kernel_call import FULL_CHECKS, prepare_call
 from torchntk._call.vmap_axes import parse_vmap_axes
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
@@ -41,7 +43,7 @@ def _inputs(n1: int, n2: int, device: torch.device, dtype: torch.dtype = torch.f
 def _prepare(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, params=None):
     return prepare_call(
         model, x1, x2, params, {}, where="test", trace_axes=(-1,), diagonal_axes=(),
-        vmap_axes=parse_vmap_axes(0, "test"), defer_vmap_check=True,
+        vmap_axes=parse_vmap_axes(0, "test"), plan=replace(FULL_CHECKS, outputs_in_kernel=True),
     )
 
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch.func import jvp, vjp
 
-from ._call.kernel_call import model_failures, prepare_call
+from ._call.kernel_call import NO_CHECKS, model_failures, prepare_call
 from ._call.outputs import canonical_get, combine, output_fn_argument
 from ._call.vmap_axes import parse_vmap_axes, split_kwargs
 from ._implementations.nngp import nngp
@@ -378,7 +378,7 @@ def empirical_nngp_fn(
             return None
         call = prepare_call(
             f, x1, x2, params, {}, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal,
-            vmap_axes=_EXAMPLES_ON_AXIS_0, check_vmap_axes=False, for_ntk=False, output_fn=selected,
+            vmap_axes=_EXAMPLES_ON_AXIS_0, output_fn=selected, plan=NO_CHECKS, computes_ntk=False,
             forward_run_length=None if request.block_size is None else max(request.block_size, FORWARD_RUN),
         )
         return BlockSource(call, None, ("nngp",), bare=True, thread_safe=True)

@@ -7,7 +7,7 @@ no batching rule, Hugging Face's padding-mask code branches on tensor values. Su
 a :class:`~torchntk._call.per_example.VmapLimitation` (from the vmap region itself, or from
 ``VmapAxesCheck`` once it has seen the same examples agree with the batch without vmap). A kernel
 function then computes the call again with its examples mapped by a Python loop (NOTE: [Example
-loops]) and remembers, per input shapes, that vmap failed, so later calls start with the loop.
+loops]) and remembers, per plan key, that vmap failed, so later calls start with the loop.
 The loop evaluates the same per-example function, so the ``vmap_axes`` checks still apply to it
 (a model that couples examples is still an error). It warns once per kernel function with
 :class:`ExampleLoopWarning`, which says what the loop costs.
@@ -19,12 +19,8 @@ import threading
 import warnings
 from typing import Hashable
 
-from .._utils.bounded_cache import BoundedCache
 from .._utils.checks import user_stacklevel
 from .per_example import VmapLimitation, first_line
-
-_REMEMBERED_SHAPES = 64
-
 
 class ExampleLoopWarning(UserWarning):
     """torchntk evaluates the examples of ``vmap_axes`` one at a time, as vmap cannot run the model.
@@ -34,19 +30,15 @@ class ExampleLoopWarning(UserWarning):
 
 
 class ExampleLoops:
-    """The input shapes for which one kernel function maps examples with a loop."""
+    """A kernel function's warning that its examples are mapped by a loop, given once; which keys
+    need the loop is a fact of their plans (NOTE: [The planning stage] in ``_plan/plan.py``)."""
 
     def __init__(self) -> None:
-        self._shapes: BoundedCache = BoundedCache(_REMEMBERED_SHAPES)
         self._warned = False
         self._lock = threading.Lock()
 
-    def needed(self, key: Hashable) -> bool:
-        return key in self._shapes
-
     def switch(self, key: Hashable, error: VmapLimitation, where: str) -> None:
-        """Records that ``key``'s calls need the loop, warning on the first switch of this kernel function."""
-        self._shapes[key] = True
+        """Warns on the first switch of this kernel function (``key``: the plan key that switched)."""
         with self._lock:
             if self._warned:
                 return

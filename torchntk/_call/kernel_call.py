@@ -23,6 +23,7 @@ from .._model.functional import (
     reject_vmap_with_coupling,
     warn_training_mode,
 )
+from .._plan import CallPlan
 from .._utils.capturing import is_capturing
 from .._utils.checks import input_argument, leaves_with_names, show
 from .._utils.tree import Flat, describe, is_all_none
@@ -213,6 +214,13 @@ def _normalised(kernel: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Te
     return (kernel / size).to(dtype).contiguous()
 
 
+FULL_CHECKS = CallPlan(check_outputs=True, check_derivatives=True, check_aliases=True, example_loop=False)
+"""The plan of a call prepared on its own, outside a kernel function's planning stage: every check."""
+
+NO_CHECKS = CallPlan(check_outputs=False, check_derivatives=False, check_aliases=True, example_loop=False)
+"""The same without the ``vmap_axes`` checks (``check_vmap_axes=False``)."""
+
+
 def prepare_call(
     f: Any,
     x1: Any,
@@ -224,39 +232,36 @@ def prepare_call(
     trace_axes: tuple[int, ...],
     diagonal_axes: tuple[int, ...],
     vmap_axes: Optional[ParsedVmapAxes] = None,
-    check_vmap_axes: bool = True,
     chunk_size: Optional[int] = None,
-    defer_vmap_check: bool = False,
-    forward_run_length: Optional[int] = None,
-    for_ntk: Optional[bool] = None,
-    check_derivatives: bool = True,
-    example_loop: bool = False,
     output_fn: Optional[OutputFn] = None,
     groups: Optional[ParameterGroups] = None,
-    known_outputs: Optional["OutputShapes"] = None,
     admit: Optional[Admit] = None,
+    plan: CallPlan = FULL_CHECKS,
+    computes_ntk: Optional[bool] = None,
+    forward_run_length: Optional[int] = None,
 ) -> KernelCall:
-    """Validates a kernel call and evaluates the model once on each side.
+    """Validates a kernel call and evaluates the model once on each side, as ``plan`` says.
 
     ``x1`` and ``x2`` are pytrees of tensors; numpy arrays are rejected, not converted (see
-    :func:`~torchntk._utils.checks.input_argument`). ``defer_vmap_check`` leaves the per-example
-    output check of NOTE: [Checking vmap_axes] to the implementation (``KernelCall.vmap_check``),
-    which compares the outputs of its own per-example pass, on calls without the derivative check
-    (the first call per shapes runs both here, so that their failures are explained in order); the derivative check on the probe always
-    runs here. ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the model
-    (and the per-example check) on runs of at most this many examples, so that memory never
-    scales with the whole batch (``batch`` sets it to its block size). ``for_ntk``: whether the
-    NTK will be computed, which rejects complex parameters and outputs; ``None`` means "when
-    ``vmap_axes`` is given" (the NTK front ends always pass one, the NNGP never does).
-    ``check_derivatives=False`` skips the derivative check (the caller ran it on an earlier call
-    with the same shapes and module structure). ``example_loop``: map the examples with a loop
-    instead of vmap (NOTE: [Example loops]). ``output_fn``: what the kernel is taken of, from
-    :func:`~torchntk._call.outputs.output_fn_argument` (NOTE: [Selected outputs]). ``groups``: split the
-    NTK by parameter groups (NOTE: [Parameter groups]); only the grouped parameters are differentiated.
-    ``admit(kernel_shapes, dtypes, device)``: called with the NTK's shapes and dtypes before the model runs on
-    more than one example when a side has over ``EARLY_ADMISSION`` examples mapped by ``vmap_axes``
-    (the shapes then come from one example per side), so that a kernel too large for its memory is
-    refused before the forward passes over the whole batch (NOTE: [Memory plans]); it raises to refuse.
+    :func:`~torchntk._utils.checks.input_argument`). ``plan`` (NOTE: [The planning stage] in
+    ``_plan/plan.py``; every check by default) decides which checks of NOTE: [Checking vmap_axes]
+    run here: the output check (``check_outputs``; left to the implementation's own per-example
+    pass, ``KernelCall.vmap_check``, with ``outputs_in_kernel``), the derivative check on the probe
+    (``check_derivatives``), and whether the examples are mapped by a loop instead of vmap
+    (``example_loop``, NOTE: [Example loops]) and the whole-batch forward pass is replaced by the
+    remembered outputs' stand-ins (``outputs``, NOTE: [Remembered output shapes]).
+    ``computes_ntk``: whether the NTK will be computed, which rejects complex parameters and
+    outputs; ``None`` means "when ``vmap_axes`` is given" (the NTK front ends always pass one, the
+    NNGP never does). ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the
+    model (and the per-example check) on runs of at most this many examples, so that memory never
+    scales with the whole batch (``batch`` sets it to its block size). ``output_fn``: what the
+    kernel is taken of, from :func:`~torchntk._call.outputs.output_fn_argument` (NOTE: [Selected
+    outputs]). ``groups``: split the NTK by parameter groups (NOTE: [Parameter groups]); only the
+    grouped parameters are differentiated. ``admit(kernel_shapes, dtypes, device)``: called with
+    the NTK's shapes and dtypes before the model runs on more than one example when a side has over
+    ``EARLY_ADMISSION`` examples mapped by ``vmap_axes`` (the shapes then come from one example
+    per side), so that a kernel too large for its memory is refused before the forward passes over
+    the whole batch (NOTE: [Memory plans]); it raises to refuse.
 
     Raises:
         TypeError: outputs that are not tensors; bad ``params``; numpy inputs; for the NTK,
@@ -268,7 +273,8 @@ def prepare_call(
     """
     input_argument(x1, "x1", where, required=True)
     input_argument(x2, "x2", where)
-    computes_ntk = vmap_axes is not None if for_ntk is None else for_ntk
+    computes_ntk = vmap_axes is not None if computes_ntk is None else computes_ntk
+    example_loop, known_outputs, check_derivatives = plan.example_loop, plan.outputs, plan.check_derivatives
     evaluated = f if computes_ntk else without_trainable_parameters(f, params)
     model = functional_model(evaluated, params, where, output_fn, lazy=True)  # dies with the call
     index_groups = None
@@ -316,12 +322,12 @@ def prepare_call(
     side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1", example_loop)
     side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2", example_loop)
     pending = None
-    if side1.mapped and check_vmap_axes:
+    if side1.mapped and plan.check_outputs:
         check = VmapAxesCheck(model, vmap_axes, where)
         sides = [(side, leaves) for side, leaves in ((side1, leaves1), (side2, leaves2)) if side is not None]
         for side, leaves in sides:
             check.finite_outputs(side, leaves)
-        if defer_vmap_check and not check_derivatives:
+        if plan.outputs_in_kernel:
             # A call whose shapes passed the checks before: no failure to diagnose is expected, and
             # the implementation's own pass gives the per-example outputs for free.
             pending = check

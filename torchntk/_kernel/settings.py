@@ -228,10 +228,9 @@ class NtkSettings:
             return prepare_call(
                 self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
                 diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if purpose.for_ntk else None,
-                check_vmap_axes=plan.check_outputs, chunk_size=self.chunk_size,
-                defer_vmap_check=purpose.computes_ntk, forward_run_length=forward_run_length, for_ntk=computes_ntk,
-                check_derivatives=plan.check_derivatives, example_loop=example_loop, output_fn=self.output_fn,
-                groups=self.groups if computes_ntk else None, known_outputs=plan.outputs, admit=early,
+                chunk_size=self.chunk_size, output_fn=self.output_fn, groups=self.groups if computes_ntk else None,
+                admit=early, plan=replace(plan, example_loop=example_loop), computes_ntk=computes_ntk,
+                forward_run_length=forward_run_length,
             )
 
         with aliases:

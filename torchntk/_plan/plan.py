@@ -104,6 +104,9 @@ class CallPlan:
 
     Attributes:
         check_outputs: compare the per-example outputs with the whole-batch outputs.
+        outputs_in_kernel: leave that comparison to the implementation, which makes per-example
+            passes anyway (``KernelCall.vmap_check``); a first call runs it while the call is
+            prepared, so that its failures are explained in order.
         check_derivatives: run the derivative check of ``vmap_axes`` (first calls only).
         check_aliases: watch the model's parameter references (first calls only).
         example_loop: map the examples with a Python loop instead of vmap.
@@ -119,6 +122,7 @@ class CallPlan:
     check_aliases: bool
     example_loop: bool
     outputs: Any = None
+    outputs_in_kernel: bool = False
     template: Optional[CallTemplate] = None
     working_runs: Optional[int] = None
 

@@ -75,9 +75,11 @@ class Planner:
             purpose.needs_outputs or check_outputs or self.keeps_forward_pass
         ):
             outputs = facts.outputs
+        check_derivatives = mapped and bool(mode) and not facts.derivatives_checked
         return CallPlan(
             check_outputs=check_outputs,
-            check_derivatives=mapped and bool(mode) and not facts.derivatives_checked,
+            check_derivatives=check_derivatives,
+            outputs_in_kernel=check_outputs and purpose.computes_ntk and not check_derivatives,
             check_aliases=self.watches_aliases and not facts.aliases_checked,
             example_loop=mapped and facts.example_loop,
             outputs=outputs,

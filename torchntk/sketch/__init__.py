@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._call.kernel_call import prepare_call
+from .._call.kernel_call import FULL_CHECKS, NO_CHECKS, prepare_call
 from .._call.outputs import output_fn_argument
 from .._call.vmap_axes import parse_vmap_axes, split_kwargs
 from .._kernel.kernel_function import KernelFnSpec, KernelFunction
@@ -291,7 +291,8 @@ class _Settings:
             raise ValueError(f"{where}: `{name}` must contain at least one tensor, got {show(x)}.")
         call = prepare_call(
             self.f, x, None, params, kwargs, where=where, trace_axes=self.trace_axes, diagonal_axes=(),
-            vmap_axes=self.vmap_axes, check_vmap_axes=self.check_vmap_axes, for_ntk=True, output_fn=self.output_fn,
+            vmap_axes=self.vmap_axes, output_fn=self.output_fn, computes_ntk=True,
+            plan=FULL_CHECKS if self.check_vmap_axes else NO_CHECKS,
         )
         if call.side1.mapped:
             for index, (layout, axis) in enumerate(zip(call.layouts, call.side1.out_axes)):
