@@ -4,11 +4,11 @@
 function's facts and plans.
 """
 
-from .key import input_shape_key, plan_key, structure_key, training_modes
+from .key import PlanKey, input_shape_key, plan_key, structure_key, training_modes
 from .plan import CallPlan, CallTemplate, Facts, Purpose
 from .stage import Planner
 
 __all__ = [
-    "CallPlan", "CallTemplate", "Facts", "Planner", "Purpose", "input_shape_key", "plan_key", "structure_key",
+    "CallPlan", "CallTemplate", "Facts", "PlanKey", "Planner", "Purpose", "input_shape_key", "plan_key", "structure_key",
     "training_modes",
 ]

@@ -21,7 +21,7 @@ from .._model.fingerprint import structure_fingerprint
 from .._utils.tree import Flat, is_all_none
 from .._utils.types import Model
 
-__all__ = ["input_shape_key", "plan_key", "structure_key", "training_modes"]
+__all__ = ["PlanKey", "input_shape_key", "plan_key", "structure_key", "training_modes"]
 
 
 def input_shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
@@ -51,6 +51,27 @@ def training_modes(f: Model) -> Any:
     return tuple(module.training for module in f.modules())
 
 
-def plan_key(f: Model, shape_key: tuple) -> tuple:
+class PlanKey:
+    """The key of NOTE: [Plan keys], hashed once: a module's structure fingerprint is a deep tuple
+    (about 1,400 entries for a ResNet-18) that a call looks up in several caches, and Python
+    tuples hash their entries anew every time (55 us for a ResNet-18's)."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PlanKey) and self._hash == other._hash and self.parts == other.parts
+
+    def __repr__(self) -> str:
+        return f"PlanKey({self._hash:#x})"
+
+
+def plan_key(f: Model, shape_key: tuple) -> PlanKey:
     """The key of NOTE: [Plan keys] for a call whose :func:`input_shape_key` is ``shape_key``."""
-    return (shape_key, structure_key(f), training_modes(f))
+    return PlanKey((shape_key, structure_key(f), training_modes(f)))

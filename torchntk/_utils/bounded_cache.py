@@ -7,6 +7,9 @@ from collections import OrderedDict
 from typing import Any, Hashable
 
 
+_MISSING = object()
+
+
 class BoundedCache:
     """At most ``size`` entries; the least recently written or read is dropped first. Thread-safe.
 
@@ -24,10 +27,11 @@ class BoundedCache:
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         with self._lock:
-            if key not in self._entries:
+            found = self._entries.get(key, _MISSING)
+            if found is _MISSING:
                 return default
             self._entries.move_to_end(key)
-            return self._entries[key]
+            return found
 
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
