@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import torchntk
+from torchntk._kernel.settings import NtkSettings
 from tests._memory_grid import (
     BATCHED, BUDGET_SLACK, FAST_GRID, FULL_GRID, GIGABYTE, prediction_errors, run_grid, within_budget,
 )
@@ -345,10 +346,12 @@ def test_batch_auto_tiles_every_layout_within_a_tight_budget(trace_axes, diagona
 
 
 def test_batch_auto_with_room_for_everything_is_one_call_of_the_kernel_function(monkeypatch):
+    """Asked whether the call fits whole (NOTE: [Budgets of callers]), the kernel function computes
+    it in one call: one kernel computation for ``batch``, one for the kernel function itself."""
     ntk_fn = torchntk.empirical_ntk_fn(_mlp(), vmap_axes=0, implementation=3)
     calls = []
-    original = ntk_fn._function
-    monkeypatch.setattr(ntk_fn, "_function", lambda *args, **kwargs: (calls.append(1), original(*args, **kwargs))[1])
+    original = NtkSettings.ntk
+    monkeypatch.setattr(NtkSettings, "ntk", lambda *args, **kwargs: (calls.append(1), original(*args, **kwargs))[1])
     x = _x(9)
     assert torch.equal(torchntk.batch(ntk_fn)(x), ntk_fn(x)) and len(calls) == 2
 
@@ -373,7 +376,7 @@ def test_batch_auto_without_vmap_axes_plans_each_worker_within_its_share(monkeyp
     budgets = []
     original = torchntk._kernel.settings.NtkSettings.budget
     monkeypatch.setattr(torchntk._kernel.settings.NtkSettings, "budget",
-                        lambda self, call: budgets.append(original(self, call)) or budgets[-1])
+                        lambda self, call, caller=None: budgets.append(original(self, call, caller)) or budgets[-1])
     x = _x(20)
     actual = torchntk.batch(ntk_fn, memory="2GB", devices=["cpu", "cpu"])(x)
     torch.testing.assert_close(actual, ntk_fn(x), rtol=1e-5, atol=1e-6)

@@ -345,7 +345,7 @@ class NtkSettings:
             return self.table[self.implementation].choice(call, key, self.budget(call, None))
         return self.table[self.implementation].choice(call, key)
 
-    def budget(self, call: KernelCall, caller: Optional[CallerPlan]) -> float:
+    def budget(self, call: KernelCall, caller: Optional[CallerPlan] = None) -> float:
         """The call's memory budget in bytes (NOTE: [Memory budgets]), at most ``caller``'s."""
         return resolve_budget(self.memory, call.outputs1[0].device, caller)
 
