@@ -25,10 +25,12 @@ from tests import cases
 from tests.cases import to_device
 from torchntk import Estimate, NtkImplementation
 from torchntk._implementations import auto as auto_module
+from torchntk._implementations import counting as counting_module
 from torchntk._implementations import structured as structured_module
 from torchntk._implementations.structured import _contract as structured_contract
 from torchntk._implementations.structured import _cost as structured_cost_module
 from torchntk._implementations.structured import _joint as structured_joint
+from torchntk._utils.threads import FORWARD_MODE_LOCK
 from torchntk.testing import assert_kernels_close, reference_ntk
 
 JACOBIAN = NtkImplementation.JACOBIAN_CONTRACTION
@@ -272,7 +274,7 @@ def test_the_choice_never_raises_when_the_cost_model_fails():
     model = _tiny()
     x1, x2 = _inputs(3)
 
-    def broken(self, call):
+    def broken(self, call, *counts):
         raise RuntimeError("cost model broke")
 
     with mock.patch.object(auto_module._Prices, "__init__", broken):
@@ -322,7 +324,7 @@ def test_the_counter_counts_the_flops_torchs_flop_counter_counts():
     params = dict(model.named_parameters())
     with torch.no_grad(), FlopCounterMode(display=False) as reference:
         model(x)
-    counter = auto_module._Counter()
+    counter = counting_module._CountingMode()
     with torch.no_grad(), counter:
         torch.func.functional_call(model, params, (x,))
     assert counter.flops == reference.get_total_flops() > 0
@@ -367,8 +369,8 @@ class _Convolutions(nn.Module):
 
 
 class _ReferenceCounter(TorchDispatchMode):
-    """What :class:`auto_module._Counter` counts, written the plain way: the registry's formula
-    looked up per call, every result flattened by pytree."""
+    """What :class:`counting_module._CountingMode` counts for AUTO, written the plain way: the
+    registry's formula looked up per call, every result flattened by pytree."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -395,7 +397,8 @@ def test_the_counter_counts_what_a_plain_count_counts(build, shape):
     x = to_device(torch.randn(*shape, dtype=torch.float64))
     params = dict(model.named_parameters())
     counts = []
-    for counter in (_ReferenceCounter(), auto_module._Counter(), auto_module._Counter()):  # the second: cached
+    # the second counting mode finds what each op needs cached
+    for counter in (_ReferenceCounter(), counting_module._CountingMode(), counting_module._CountingMode()):
         with torch.no_grad(), counter:
             torch.func.functional_call(model, params, (x,))
         counts.append((counter.calls, counter.elements, counter.view_elements, counter.flops))
@@ -404,6 +407,59 @@ def test_the_counter_counts_what_a_plain_count_counts(build, shape):
     assert counts[0] == counts[1] == counts[2]
     assert counts[1][3] == flop_counter.get_total_flops() > 0
     assert counts[1][1] > counts[1][2] > 0
+
+
+_LOCK_HELD: list = []
+
+
+class _Sequences(nn.Module):
+    """A dense layer over the last axis of ``(N, L, 3)`` inputs: x1 and x2 may differ in ``L``, so in
+    their examples' shapes. Records whether its caller holds the forward-mode lock (outside the
+    module: torchntk evaluates a private copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _LOCK_HELD.append(FORWARD_MODE_LOCK._is_owned())
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("x2_shape", ["none", "same", "other"])
+@pytest.mark.parametrize("implementation", [0, 1])
+def test_one_counting_pass_per_example_shapes_serves_auto_and_the_memory_model(implementation, x2_shape):
+    """NOTE: [One counting pass]: a new kernel function counts each side's example once, whether
+    for AUTO's choice (``auto_choice``, then the first call) or for the memory model alone (the
+    working-set runs and the memory plan of a fixed implementation under a budget); x2 whose
+    examples have x1's shapes is priced from x1's count. The kernels stay exact."""
+    model = _Sequences().double().to(cases.DEVICE)
+    generator = torch.Generator().manual_seed(0)
+    x1 = to_device(torch.randn(4, 5, 3, dtype=torch.float64, generator=generator))
+    x2 = {"none": None, "same": x1[:3] + 1, "other": x1[:3, :2] + 1}[x2_shape]
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, memory="64GB")
+    with mock.patch.object(counting_module, "count_example", wraps=counting_module.count_example) as count:
+        if implementation == 0:
+            ntk_fn.auto_choice(x1, x2)
+            assert count.call_count == (2 if x2_shape == "other" else 1)
+        kernel = ntk_fn(x1, x2)
+        ntk_fn(x1, x2)
+        assert count.call_count == (2 if x2_shape == "other" else 1)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2))
+
+
+def test_the_counting_pass_holds_the_forward_mode_lock():
+    """NOTE: [One counting pass]: the pass enters ``forward_mode_kernels``, which saves and sets
+    process-wide flags, so it holds FORWARD_MODE_LOCK also where the caller does not (``auto_choice``
+    of a kernel function, the memory model of implementation 1), and releases it after."""
+    model = _Sequences().double().to(cases.DEVICE)
+    x = to_device(torch.randn(4, 5, 3, dtype=torch.float64))
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=1)
+    call = ntk_fn._settings.prepare(x, None, None, {}, "ntk_fn", needs_outputs=False)
+    _LOCK_HELD.clear()
+    count = counting_module.count_example(call.side1)
+    assert _LOCK_HELD == [True] and not FORWARD_MODE_LOCK._is_owned()
+    assert count is not None and count.calls > 0 and count.written > 0
 
 
 class _Tied(nn.Module):

@@ -82,7 +82,7 @@ def test_later_calls_make_no_whole_batch_pass(implementation, forwards, mode):
     _FORWARDS.clear()
     ntk_fn(x1)
     assert len(_FORWARDS) == forwards
-    checked = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
+    checked = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, check_vmap_axes=True)
     checked(x1)
     _FORWARDS.clear()
     checked(x1)

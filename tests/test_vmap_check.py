@@ -289,11 +289,13 @@ class _CoupledWhenLarge(nn.Module):
 @X2_GIVEN
 @TRACE
 def test_later_calls_check_their_outputs_in_the_kernels_own_pass(implementation, x2_given, trace_axes, device):
-    """After the first call per shapes the output check is left to the implementation (NOTE:
-    [Checking vmap_axes]): it still runs on every call, and catches coupling that only these
-    values show."""
+    """With ``check_vmap_axes=True``, after the first call per shapes the output check is left to
+    the implementation (NOTE: [Checking vmap_axes]): it still runs on every call, and catches
+    coupling that only these values show."""
     model = _seeded(_CoupledWhenLarge, device)
-    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=implementation)
+    ntk_fn = torchntk.empirical_ntk_fn(
+        model, trace_axes=trace_axes, vmap_axes=0, implementation=implementation, check_vmap_axes=True
+    )
     x1, x2 = _inputs(5, 3, 4)
     x2 = x2 if x2_given else None
     for _ in range(2):
@@ -308,17 +310,50 @@ def test_later_calls_check_their_outputs_in_the_kernels_own_pass(implementation,
 def test_later_calls_pay_no_forward_pass_for_the_output_check(implementation, forwards, device):
     """Jacobian contraction and structured derivatives compare the outputs of their own
     per-example pass: a later call evaluates the model on the whole batch and in that pass only
-    (AUTO picks 1 or 3 here); NTK-vector products make one more forward pass for the check.
-    The count is of ``forward`` calls, each batch traced once under vmap."""
+    (AUTO picks 1 or 3 here); NTK-vector products compare the outputs of the reverse pass that
+    forms x2's vectors (x2 is x1 here), and make one forward-mode pass for their 15 columns.
+    The count is of ``forward`` calls, each batch traced once under vmap, with
+    ``check_vmap_axes=True`` (the default checks once per key: no whole-batch pass at all)."""
     model = _seeded(_CoupledWhenLarge, device)
-    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, check_vmap_axes=True)
     x1, _ = _inputs(5, 3, 4)
     ntk_fn(x1)
     _FORWARDS.clear()
     ntk_fn(x1)
-    assert len(_FORWARDS) >= forwards
-    if implementation != 2:  # its products trace the model once per chunk of x2 entries
-        assert len(_FORWARDS) == forwards
+    assert len(_FORWARDS) == forwards
+
+
+_SIZES_AND_COUPLED_SIDES = [
+    *((sizes, "x1", x2_given) for x2_given in (False, True) for sizes in ((5, 3), (2, 2), (3, 1))),
+    *((sizes, "x2", True) for sizes in ((5, 3), (2, 2), (1, 2))),  # one example of x2 cannot show coupling
+]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "coupled", "x2_given"), _SIZES_AND_COUPLED_SIDES,
+    ids=[f"{n1}-{n2}-{side}{'' if given else '-x2None'}" for (n1, n2), side, given in _SIZES_AND_COUPLED_SIDES],
+)
+def test_ntk_vector_products_check_outputs_in_their_own_passes(sizes, coupled, x2_given, device):
+    """NOTE: [The output check of NTK-vector products]: a later call of implementation 2 compares
+    the per-example outputs of the reverse pass that forms x2's vectors (a run of at most two
+    examples too, differentiated as one batch: sizes 2-2 and 3-1), and with x2 given makes one
+    check pass over x1, whose columns come from forward mode over the whole batch. Coupling that
+    only a later call's values show is still caught on either side, and a later call evaluates
+    the model once less than with a check pass per side: one whole-batch pass per side, the
+    reverse pass, one forward-mode pass (at most 15 columns) and, with x2 given, x1's check pass."""
+    model = _seeded(_CoupledWhenLarge, device)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=2, check_vmap_axes=True)
+    x1, x2 = _inputs(*sizes, 4)
+    x2 = x2 if x2_given else None
+    expected = reference_ntk(model, x1, x2)
+    assert_kernels_close(ntk_fn(x1, x2), expected)
+    _FORWARDS.clear()
+    assert_kernels_close(ntk_fn(x1, x2), expected)
+    assert len(_FORWARDS) == (5 if x2_given else 3)
+    large = (x1 if coupled == "x1" else x2).clone()
+    large[-1, 1] = 50.0
+    with pytest.raises(ValueError, match="differs between the whole batch and a per-example evaluation"):
+        ntk_fn(*((large, x2) if coupled == "x1" else (x1, large)))
 
 
 def test_differences_near_the_rounding_tolerance_offer_to_skip_the_check(device):

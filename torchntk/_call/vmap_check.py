@@ -145,10 +145,12 @@ class VmapAxesCheck:
     the derivative of an operation (``nn.PReLU`` in PyTorch 2.x: the forward pass is right, the
     per-example Jacobians are not). Two checks guard it:
 
-    * outputs: the per-example outputs (under vmap) are compared with the whole-batch outputs on
-      every call. Jacobian contraction and structured derivatives compare the outputs of the
-      per-example pass they make anyway (``jacrev``'s primal values, the recorded pass), at no
-      cost; NTK-vector products, and kernels without an NTK, pay one more forward pass;
+    * outputs: the per-example outputs (under vmap) are compared with the whole-batch outputs,
+      on a key's first call (``check_vmap_axes="first"``, the default; NOTE: [The planning
+      stage]) or on every call (``True``). Jacobian contraction and NTK-vector products compare
+      the outputs of the per-example passes they make anyway (``jacrev``'s and ``vjp``'s primal
+      values), at no cost, except NTK-vector products' x1 with x2 given (NOTE: [The output check
+      of NTK-vector products]); kernels without an NTK pay one more forward pass;
     * derivatives: on a probe of the first two examples of x1 (of x2 too if x1 has one example),
       ``R = 2`` random vector-Jacobian products are computed per example under vmap, the ``R``
       products batched by an inner vmap exactly as ``jacrev`` batches its basis, and their sum

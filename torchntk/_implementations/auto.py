@@ -1,11 +1,11 @@
 """NTK implementation 0 (AUTO): the cheapest of 1, 2 and 3 for the shapes at hand.
 
 NOTE: [AUTO's cost model]
-Costs are analytic, in multiply-add FLOPs, from one forward pass of one example counted by
-:class:`_Counter` (``F``: the forward cost of a side's whole batch, at least two FLOPs per
-parameter and example, plus ``_ELEMENT_FLOPS`` per element any op writes, for the memory-bound
-ops the FLOP formulas ignore) and the shapes, plus a FLOP equivalent per sequential ATen call
-(NOTE: [AUTO's op-call overhead]):
+Costs are analytic, in multiply-add FLOPs, from one counted forward pass of one example, the one
+the memory model counts from too (NOTE: [One counting pass] in ``counting.py``; ``F``: the
+forward cost of a side's whole batch, at least two FLOPs per parameter and example, plus
+``_ELEMENT_FLOPS`` per element any op writes, for the memory-bound ops the FLOP formulas ignore)
+and the shapes, plus a FLOP equivalent per sequential ATen call (NOTE: [AUTO's op-call overhead]):
 
 * backward sweeps: ``B`` basis vectors (``O`` per example with ``vmap_axes``, every output entry
   without), each a backward pass over the batch: ``2 B F`` with weight gradients (1, 2), ``B F``
@@ -31,9 +31,9 @@ ops the FLOP formulas ignore) and the shapes, plus a FLOP equivalent per sequent
 NOTE: [What choosing may cost]
 Choosing must cost a small fraction of the kernel it picks, also for models whose kernel takes a
 few milliseconds, where every probe pass is a sizeable share of the kernel. Only the count is
-always made (a plain forward pass of one example plus about 5 us of Python dispatch per ATen
-call, :class:`_Counter`); everything else is made when it can change the pick and can pay for
-itself:
+always made (a plain forward pass of one example plus a few microseconds of Python dispatch per
+ATen call, NOTE: [One counting pass], once per input shapes and shared with the memory model);
+everything else is made when it can change the pick and can pay for itself:
 
 * implementation 2 is priced first with forward mode assumed, its lowest price, and probed
   (NOTE: [AUTO's feasibility filter]) only when it is still the cheapest after 3 is priced: a
@@ -79,30 +79,27 @@ MLP and CNN (docs/real_models.md records each pick against the fastest, and what
 the model still knows nothing of cache sizes or GEMM shapes, so it can be wrong when two
 estimates are close, and ``auto_choice`` reports the estimates behind a choice.
 
-The module is over 400 lines: the cost model, the order in which it probes and the counter are
-one piece of reasoning, calibrated together.
+The module is over 400 lines: the cost model and the order in which it probes are one piece of
+reasoning, calibrated together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from .._call.kernel_call import KernelCall
+from .._call.per_example import Side
 from .._layout.runs import runs
 from .._memory import KernelMemoryError, default_budget, format_bytes
-from .._model.unfused import forward_mode_kernels
 from .._utils.bounded_cache import BoundedCache
 from .._utils.types import NtkImplementation
 from .choice import AutoChoice, Estimate
+from .counting import Counter, ExampleCount, counted_example, example_shapes, uncached
 from .memory import PLAN_ADVICE, MemoryPlan, MemoryPlanner, run_count
 from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
 from .structured._cost import structured_cost
@@ -145,7 +142,7 @@ def choose(
     budget = _memory_budget(call.outputs1[0].device) if budget is None else budget
     planner = MemoryPlanner() if planner is None else planner
     try:
-        prices = _Prices(call)
+        prices = _Prices(call, planner.counts.for_call(call, key))
     except Exception as error:  # noqa: BLE001 - the most general implementation runs unpriced
         reason = f"not priced: the cost model failed ({type(error).__name__}: {error})"
         return AutoChoice(_JACOBIAN, {}, budget, {}, {}, {implementation: reason for implementation in _CANDIDATES})
@@ -312,8 +309,11 @@ def _why_not_plan(prices: "_Prices", best: Estimate, budget: float) -> Optional[
 class _Prices:
     """The cost model's quantities for one call (NOTE: [AUTO's cost model]), and the estimates."""
 
-    def __init__(self, call: KernelCall):
+    def __init__(self, call: KernelCall, count: Optional[Counter] = None):
+        """``count``: the sides' counted passes (NOTE: [One counting pass]); by default made for
+        this call alone."""
         self.call = call
+        count = uncached(call) if count is None else count
         sides = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
         self.element = max(call.model.params[0].element_size(), max(o.element_size() for o in call.outputs1))
         self.params = sum(p.numel() for p in call.model.params)
@@ -321,9 +321,9 @@ class _Prices:
         counts: dict = {}  # x2 with x1's per-example shapes is priced from x1's count
         for side, outputs in sides:
             examples = side.batch_size() if side.mapped else 1
-            shapes = _per_example_shapes(side)
+            shapes = example_shapes(side)
             if shapes is None or shapes not in counts:
-                counts[shapes] = _forward_count(side), examples
+                counts[shapes] = _forward_figures(side, count(side)), examples
             (counted, op_calls, written), counted_examples = counts[shapes]
             if not forward:
                 self.example_work = max(written, 2.0 * self.params)  # one counted pass of x1
@@ -408,131 +408,24 @@ class _Prices:
         return _PROBE_OPS * self.per_op * self.ops[0] + _PROBE_FORWARDS * self.example_work
 
 
-class _Counter(TorchDispatchMode):
-    """Counts the ATen calls of a pass, the elements of their results (those of views apart) and
-    the FLOPs of those that ``torch.utils.flop_counter`` has formulas for (matrix products,
-    convolutions, attention).
-
-    The estimates count a view's elements as written, as when their constants were fitted; that
-    prices a dense layer's transposed weight as work, which inflates ``F`` of dense models (refitting
-    without views made 2 look cheaper than it runs on GPT-2 and the small MLPs: left undone). The
-    probe's cost (:meth:`_Prices.probe_cost`, fitted later) leaves views out.
-
-    One mode instead of ``FlopCounterMode`` and a second call counter (whose module tracking hooked
-    every module call): the pass costs about 5 us more per ATen call than a plain one, most of it
-    the mode's Python dispatch. What each op overload needs is looked up once
-    (:func:`_op_counting`), and matrix products and convolutions, the counted ops of most models,
-    are priced from their shapes directly: ``flop_counter``'s formulas map every argument through
-    pytree, twice for ``addmm``, 20-60 us a call, as much as the rest of the counting of a
-    recurrent layer.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-        self.elements = 0
-        self.view_elements = 0
-        self.flops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        self.calls += 1
-        result = func(*args, **kwargs)
-        flops, is_view = _op_counting(func)
-        if flops is not None:
-            self.flops += flops(args, kwargs, result)
-        if isinstance(result, torch.Tensor):
-            elements = result.numel()
-        else:
-            elements = sum(leaf.numel() for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor))
-        self.elements += elements
-        if is_view:
-            self.view_elements += elements
-        return result
-
-
-_OpFlops = Callable[[tuple, dict, Any], int]
-
-
-def _op_counting(func: Any) -> tuple[Optional[_OpFlops], bool]:
-    """How :class:`_Counter` counts ``func`` (an ATen op overload): its FLOPs as a function of its
-    arguments and result (None: not counted), and whether it is a view. Cached per overload."""
-    counting = _OP_COUNTING.get(func)
-    if counting is None:
-        packet = func._overloadpacket
-        flops = _MATRIX_PRODUCT_FLOPS.get(packet)
-        if flops is None:
-            formula = flop_registry.get(packet)
-            if formula is not None:
-                flops = functools.partial(_registered_flops, formula)
-        counting = _OP_COUNTING[func] = (flops, bool(func.is_view))
-    return counting
-
-
-def _registered_flops(formula: Callable, args: tuple, kwargs: dict, result: Any) -> int:
-    return formula(*args, **kwargs, out_val=result)
-
-
-def _product_flops(first: int, second: int) -> _OpFlops:
-    """FLOPs of a (batched) matrix product of ``args[first]`` and ``args[second]``: ``flop_counter``'s
-    count (two per multiply-add), from the shapes."""
-
-    def flops(args: tuple, kwargs: dict, result: Any) -> int:
-        return 2 * math.prod(args[first].shape) * args[second].shape[-1]
-
-    return flops
-
-
-def _convolution_flops(args: tuple, kwargs: dict, result: Any) -> int:
-    """FLOPs of ``aten.convolution`` (input, weight, bias, stride, padding, dilation, transposed,
-    ...): ``flop_counter``'s count, two per multiply-add of every weight entry at every output
-    position (input position when transposed), from the shapes."""
-    transposed = args[6] if len(args) > 6 else kwargs["transposed"]
-    positions = (args[0] if transposed else result).shape[2:]
-    return 2 * args[0].shape[0] * math.prod(args[1].shape) * math.prod(positions)
-
-
-_aten = torch.ops.aten
-_MATRIX_PRODUCT_FLOPS: dict[Any, _OpFlops] = {
-    _aten.mm: _product_flops(0, 1), _aten.addmm: _product_flops(1, 2),
-    _aten.bmm: _product_flops(0, 1), _aten.baddbmm: _product_flops(1, 2),
-    # flop_counter's formula maps every argument through pytree: 60 us a convolution, three times
-    # the convolution itself on one example of MobileNetV3-small
-    _aten.convolution: _convolution_flops,
-}
-_OP_COUNTING: dict[Any, tuple[Optional[_OpFlops], bool]] = {}
-
-
-def _forward_count(side) -> tuple[float, int, float]:
+def _forward_figures(side: Side, count: Optional[ExampleCount]) -> tuple[float, int, float]:
     """The forward FLOPs of ``side``'s batch (multiply-adds), the ATen calls of one pass and the
-    FLOPs of the counted pass without views' elements, or zeros if the counter cannot run the
-    model (the caller then uses lower bounds).
+    FLOPs of the counted pass without views' elements, from its counted pass (NOTE: [One counting
+    pass]), or zeros without one (the caller then uses lower bounds).
 
     A mapped side is counted on its first example as a batch of one, without vmap, and its FLOPs
-    scaled by the batch size: the counter costs Python time on every call.
+    scaled by the batch size: the counter costs Python time on every call. The estimates count a
+    view's elements as written, as when their constants were fitted; that prices a dense layer's
+    transposed weight as work, which inflates ``F`` of dense models (refitting without views made
+    2 look cheaper than it runs on GPT-2 and the small MLPs: left undone). The probe's cost
+    (:meth:`_Prices.probe_cost`, fitted later) leaves views out.
     """
-    counter = _Counter()
-    example = side.narrow(0, 1) if side.mapped and side.batch_size() > 1 else side
-    try:
-        # Under forward_mode_kernels, attention and recurrent layers run the composite ops that the
-        # differentiated passes run, not the inference fast paths a no-grad pass would take.
-        with torch.no_grad(), forward_mode_kernels(bool(side.model.fused)), counter:
-            example.whole_batch()(side.model.params)
-    except Exception:  # noqa: BLE001 - a pricing aid only; the implementations report the error
+    if count is None:
         return 0.0, 0, 0.0
-    scale = side.batch_size() if example is not side else 1
-    counted = float(counter.flops) / 2 + _ELEMENT_FLOPS * counter.elements  # a multiply-add counts two
-    written = counted - _ELEMENT_FLOPS * counter.view_elements
-    return scale * counted, counter.calls, written
-
-
-def _per_example_shapes(side) -> Optional[tuple]:
-    """The shapes and dtypes of one example of a mapped side (None for whole batches)."""
-    if not side.mapped or side.batch_size() == 0:
-        return None
-    example = side.narrow(0, 1)
-    leaves = list(example.x.leaves) + [leaf for flat in example.kwargs.values() for leaf in flat.leaves]
-    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+    scale = side.batch_size() if counted_example(side) is not side else 1
+    counted = float(count.flops) / 2 + _ELEMENT_FLOPS * count.elements  # a multiply-add counts two
+    written = counted - _ELEMENT_FLOPS * count.view_elements
+    return scale * counted, count.calls, written
 
 
 # NOTE: [AUTO's op-call overhead]

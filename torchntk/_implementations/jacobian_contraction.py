@@ -21,7 +21,7 @@ stay as accurate as those of implementations 2 and 3.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -42,14 +42,7 @@ def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
     def prepare(side: Side) -> Jacobians:
         if call.vmap_check is None or not side.mapped:
             return side.jacobians(chunk_size=jacobian_chunk)
-        # The output check compares the outputs of this very pass (NOTE: [Checking vmap_axes]).
-        try:
-            jacobians, outputs = side.jacobians_and_outputs()
-        except (RuntimeError, OutputAxisError):
-            call.check_outputs(side)  # explains the failure when the model's outputs show why
-            raise
-        call.vmap_check.per_example_outputs(side, call.expected_outputs(side), outputs)
-        return jacobians
+        return checked_jacobians(call, side, side.jacobians_and_outputs)
 
     # Each parameter's term goes to its group's sum (NOTE: [Parameter groups]); without groups, one sum.
     groups = call.groups if call.groups is not None else (tuple(range(len(call.model.params))),)
@@ -80,6 +73,28 @@ def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
         prepare, prepare, contract, reuse_prepared=True, run_length=call.run_length,
         keep_prepared=call.chunk_size is None,
     )
+
+
+def checked_jacobians(
+    call: KernelCall, side: Side, jacobians_and_outputs: Callable[[], tuple[Jacobians, tuple[torch.Tensor, ...]]]
+) -> Jacobians:
+    """The Jacobians of ``jacobians_and_outputs()``, a per-example pass over ``side`` that also
+    returns its per-example outputs, once the call's pending output check (NOTE: [Checking
+    vmap_axes]) has compared those outputs with the whole batch's: the check costs no pass of its
+    own. Implementation 2 forms its x2 vectors the same way.
+
+    Raises:
+        ValueError: the outputs differ (coupled examples, wrong axes), or the pass failed and the
+            model's outputs show why (the check's own forward pass then explains it).
+        RuntimeError: the pass failed for another reason.
+    """
+    try:
+        jacobians, outputs = jacobians_and_outputs()
+    except (RuntimeError, OutputAxisError):
+        call.check_outputs(side)  # explains the failure when the model's outputs show why
+        raise
+    call.vmap_check.per_example_outputs(side, call.expected_outputs(side), outputs)
+    return jacobians
 
 
 def _flatten_param(jacobian: torch.Tensor, output_ndim: int) -> torch.Tensor:

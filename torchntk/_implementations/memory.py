@@ -17,12 +17,13 @@ derivative is taken:
    with the extra derivative passes their blocks cost, and picks the cheapest plan that fits.
 
 The model. Sizes come from the call (``N`` examples per side, ``O`` output entries per example,
-``P`` parameter entries, the kernel's entries, the dtypes) and from one forward pass of one
-example counted by :class:`_ElementCounter` (once per input shapes): ``A``, the elements its
-operations write (what autograd keeps for the backward pass, an upper bound), ``A_max``, the
-largest of them, and the parameters used more than once (whose gradients autograd sums). Without
-``vmap_axes`` the whole batch is one example and ``O`` counts all its output entries. A run of
-``n`` examples then holds, in bytes (``e``: the element size):
+``P`` parameter entries, the kernel's entries, the dtypes) and from one counted forward pass of
+one example, the one AUTO prices from too (NOTE: [One counting pass] in ``counting.py``, once per
+input shapes): ``A``, the elements its operations write (what autograd keeps for the backward
+pass, an upper bound), ``A_max``, the largest of them, and the parameters used more than once
+(whose gradients autograd sums). Without ``vmap_axes`` the whole batch is one example and ``O``
+counts all its output entries. A run of ``n`` examples then holds, in bytes (``e``: the element
+size):
 
 * its Jacobians (implementation 1; implementation 2's x2 vectors): ``n O P e``, plus for each
   parameter used more than once a second copy of its part (the sum autograd forms), and a second
@@ -59,21 +60,14 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Optional
 
-import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from .._call.kernel_call import KernelCall
-from .._call.per_example import Side
 from .._layout.runs import runs
 from .._layout.tiles import Placement
 from .._memory import KernelMemoryError, MemoryPlanWarning, format_bytes
-from .._model.aliases import storage_key
-from .._model.unfused import forward_mode_kernels
 from .._utils.bounded_cache import BoundedCache
 from .._utils.checks import user_stacklevel
-from .._utils.threads import FORWARD_MODE_LOCK
 from .._utils.types import NtkImplementation
+from .counting import Counter, ExampleCount, ExampleCounts, example_shapes, uncached
 from .ntk_vector_products import default_run_length
 from .structured._cost import structured_cost
 
@@ -110,7 +104,8 @@ class Activations:
     """One counted forward pass (of one example when mapped, else of the whole batch).
 
     Attributes:
-        written: elements written by operations that are not views.
+        written: elements written by operations that are neither views nor the functional
+            model's copies of its inputs and parameters.
         largest: the largest such result, in elements.
         reused: indices of the parameters consumed by more than one operation.
     """
@@ -120,51 +115,12 @@ class Activations:
     reused: tuple[int, ...] = ()
 
 
-class _ElementCounter(TorchDispatchMode):
-    """Counts what each ATen call writes and which parameters it consumes (by storage)."""
-
-    def __init__(self, params: tuple) -> None:
-        super().__init__()
-        self.written = 0
-        self.largest = 0
-        self._storages = {storage_key(param): index for index, param in enumerate(params)}
-        self._storages.pop(None, None)
-        self.uses = [0] * len(params)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        if func._overloadpacket in _IGNORED or func.is_view:
-            return result
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and self._storages:
-                index = self._storages.get(storage_key(leaf))
-                if index is not None:
-                    self.uses[index] += 1
-        for leaf in pytree.tree_leaves(result):
-            if isinstance(leaf, torch.Tensor):
-                self.written += leaf.numel()
-                self.largest = max(self.largest, leaf.numel())
-        return result
-
-
-_IGNORED = frozenset({torch.ops.aten.detach, torch.ops.aten.clone, torch.ops.aten._to_copy, torch.ops.aten.lift_fresh})
-"""Copies of parameters and inputs the functional model makes: not the model's activations."""
-
-
-def count_activations(side: Side) -> Optional[Activations]:
-    """The :class:`Activations` of ``side`` (its first example when mapped), or None when the
-    counter cannot run the model (the model then uses the outputs' sizes alone)."""
-    example = side.narrow(0, 1) if side.mapped and side.batch_size() > 1 else side
-    params = side.model.params
-    counter = _ElementCounter(params)
-    try:
-        # The lock: forward_mode_kernels sets process-wide flags (NOTE: [Threads]).
-        with FORWARD_MODE_LOCK, torch.no_grad(), forward_mode_kernels(bool(side.model.fused)), counter:
-            example.whole_batch()(params)
-    except Exception:  # noqa: BLE001 - an estimate only; the implementation reports the model's error
+def activations_of(count: Optional[ExampleCount]) -> Optional[Activations]:
+    """The :class:`Activations` of a counted pass (NOTE: [One counting pass]), or None without a
+    count (the model then uses the outputs' sizes alone)."""
+    if count is None:
         return None
-    reused = tuple(index for index, uses in enumerate(counter.uses) if uses > 1)
-    return Activations(float(counter.written), float(counter.largest), reused)
+    return Activations(float(count.written), float(count.largest), count.reused)
 
 
 # -- the sizes of a call ---------------------------------------------------------------------------
@@ -217,23 +173,20 @@ class CallSizes:
         return implementation != _PRODUCTS or any(kind in ("diagonal", "trace") for kind in self.kinds)
 
 
-def call_sizes(call: KernelCall, bound: Optional[Activations] = None) -> CallSizes:
-    """The sizes of ``call``: one counted forward pass per side with its own per-example shapes, or
+def call_sizes(call: KernelCall, bound: Optional[Activations] = None, count: Optional[Counter] = None) -> CallSizes:
+    """The sizes of ``call``: each side's counted forward pass (``count``, by default made for this
+    call alone; x2 shares x1's when its examples have x1's shapes, NOTE: [One counting pass]), or
     ``bound``'s activations for every side (an upper bound known without counting)."""
     params = call.model.params
     element = max(params[0].element_size(), max(output.element_size() for output in call.outputs1))
     mapped = call.side1.mapped
+    if bound is None and count is None:
+        count = uncached(call)
     sides = []
-    counted: dict = {}
     pairs = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
     for side, outputs in pairs:
         examples = side.batch_size() if mapped else 1
-        shapes = _example_shapes(side)
-        if bound is not None:
-            counted[shapes] = bound
-        elif shapes not in counted or shapes is None:
-            counted[shapes] = count_activations(side)
-        activations = counted[shapes]
+        activations = bound if bound is not None else activations_of(count(side))
         entries = sum(output.numel() for output in outputs)
         per_example = entries / max(1, examples)
         if activations is None:  # the counter failed: the outputs are the only sizes known
@@ -254,14 +207,6 @@ def call_sizes(call: KernelCall, bound: Optional[Activations] = None) -> CallSiz
         mapped, call.side2 is None, element, sum(p.numel() for p in params), tuple(p.numel() for p in params),
         sides[0], sides[1], tuple(kinds), tuple(entries), tuple(sizes), float(output_bytes),
     )
-
-
-def _example_shapes(side: Side) -> Optional[tuple]:
-    if not side.mapped or side.batch_size() == 0:
-        return None
-    example = side.narrow(0, 1)
-    leaves = list(example.x.leaves) + [leaf for flat in example.kwargs.values() for leaf in flat.leaves]
-    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves)
 
 
 # -- the peaks -------------------------------------------------------------------------------------
@@ -499,6 +444,7 @@ class MemoryPlanner:
         self._sizes = BoundedCache(_REMEMBERED)
         self._peaks = BoundedCache(_REMEMBERED * 8)
         self._warned = False
+        self.counts = ExampleCounts()  # NOTE: [One counting pass]: AUTO prices from the same counts
 
     @staticmethod
     def _key(call: KernelCall, key: Hashable) -> Optional[Hashable]:
@@ -509,7 +455,7 @@ class MemoryPlanner:
         cache_key = self._key(call, key)
         found = self._sizes.get(cache_key) if cache_key is not None else None
         if found is None:
-            found = call_sizes(call)
+            found = call_sizes(call, count=self.counts.for_call(call, key))
             if cache_key is not None:
                 self._sizes[cache_key] = found
         return found
@@ -521,7 +467,7 @@ class MemoryPlanner:
         example writing at most ``written`` elements (all of them one tensor) and every parameter
         used twice. None where the bound cannot be made (x2's examples shaped unlike x1's, no
         ``written``). AUTO takes it for a candidate that fits its budget even so."""
-        if not written > 0 or (call.side2 is not None and _example_shapes(call.side1) != _example_shapes(call.side2)):
+        if not written > 0 or (call.side2 is not None and example_shapes(call.side1) != example_shapes(call.side2)):
             return None
         activations = Activations(written, written, tuple(range(len(call.model.params))))
         structured = None if structured_plan is None else structured_memory(call, structured_plan)

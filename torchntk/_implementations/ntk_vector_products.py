@@ -14,6 +14,23 @@ The PyTorch tutorial vmaps the product over pairs of examples ``(x1[n], x2[m])``
 output entry gives one tangent, used once for the whole x1 batch: ``N2 O`` tangents in all,
 bounded further by ``chunk_size``.
 
+NOTE: [The output check of NTK-vector products]
+With ``vmap_axes``, a call whose output check is left to the implementation (``KernelCall.vmap_check``,
+NOTE: [Checking vmap_axes]) compares the outputs of passes it makes anyway, like implementations 1
+and 3: the reverse pass that forms x2's vectors evaluates every x2 example per example (a run of
+at most ``_MIN_RUN`` examples too, see :func:`_run_jacobians`) and returns those outputs. With x2
+None, these are x1's examples, and the check costs a warm call no model evaluation beyond the
+whole-batch forward pass. x1's columns come from forward-mode passes over the whole x1 batch,
+whose primal outputs are whole-batch outputs. Mapping those passes per example would give
+per-example outputs, but it costs a vmap level in every pass, and a call makes one per 24 x2
+output entries: on an 8-32-32-4 MLP each pass took 0.3 ms longer, as long as the check's own
+forward pass over x1 (on the benchmark CNN the two ways were within 5%). So with x2 given, x1
+keeps one per-example forward pass for the check, once per call. Against a check pass per side,
+warm calls with ``check_vmap_axes=True`` (2-core CPU, one thread) took 0-6% less time on an
+8-32-32-4 MLP (N = 2 to 16) and 3% less on the benchmark CNN; on the benchmark MLP, whose runs
+of two x2 examples each made a check pass, 8 of 25 model evaluations went, within the noise of
+its 160 ms.
+
 NOTE: [NTK-vector products without forward mode]
 Some operations have no forward-mode derivative in PyTorch: ``grid_sampler_2d``, ``_embedding_bag``,
 custom ``torch.autograd.Function`` classes without ``jvp``, and the fused kernels the forward-mode
@@ -36,6 +53,7 @@ graph of x1, and on the benchmark MLP the double-VJP path was no faster (timings
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -50,6 +68,7 @@ from .._call.per_example import Side
 from .._model.torch_errors import missing_forward_mode
 from .._model.unfused import forward_mode_kernels, math_attention
 from .._utils.threads import FORWARD_MODE_LOCK
+from .jacobian_contraction import checked_jacobians
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -75,16 +94,26 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
     columns = [_Columns(forward_mode) for _ in groups]
 
     def prepare_x1(side: Side) -> Side:
-        if not call.reuses_x1:  # else prepare_x2 checks x1's examples
+        # NOTE: [The output check of NTK-vector products]: forward mode over the whole x1 batch has
+        # no per-example outputs; with x2 None, prepare_x2's passes check x1's examples.
+        if not call.reuses_x1:
             call.check_outputs(side)
         return side
 
     def prepare_x2(side: Side) -> Jacobians:
-        call.check_outputs(side)  # the products compute no per-example outputs to compare
-        if side.mapped and side.batch_size() <= _MIN_RUN:
-            # See NOTE: [Run lengths of NTK-vector products]: rank-2 instead of rank-1 products.
-            return jacrev(side.whole_batch())(side.model.params)
-        return side.jacobians(chunk_size=vector_chunk)
+        if not side.mapped:
+            return side.jacobians(chunk_size=vector_chunk)
+        if side.batch_size() > _MIN_RUN:
+            if call.vmap_check is None:
+                return side.jacobians()
+            reverse_pass = side.jacobians_and_outputs
+        else:  # NOTE: [Run lengths of NTK-vector products]: rank-2 instead of rank-1 products
+            reverse_pass = functools.partial(_run_jacobians, side)
+            if call.vmap_check is None:
+                return reverse_pass()[0]
+        # NOTE: [The output check of NTK-vector products]: the pass that forms the vectors gives the
+        # per-example outputs the check compares.
+        return checked_jacobians(call, side, reverse_pass)
 
     def contract(side1: Side, jacobians2: Jacobians, needed: Sequence[bool]) -> list[Optional[Any]]:
         if call.groups is None:
@@ -144,12 +173,31 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
 #   allocated (fresh memory costs ~0.4 s/GB in page faults here);
 # * runs of at least _MIN_RUN examples, differentiated as one small batch, were ~20% faster on the
 #   MLP than per-example vmap: the weight gradients become rank-2 matrix products, which the BLAS
-#   runs far better than rank-1 ones (the cross-example blocks are zero under the vmap_axes promise);
+#   runs far better than rank-1 ones. The run's forward pass is still mapped per example
+#   (:func:`_run_jacobians`): its cross-example blocks are then zero by construction, not only
+#   under the vmap_axes promise, and its outputs are the per-example outputs the output check
+#   compares (NOTE: [The output check of NTK-vector products]);
 # * pushing a run's vectors through forward mode in equal chunks of at most TANGENTS_PER_PASS
 #   avoided a small trailing chunk that cost a whole extra forward pass.
 _RUN_BYTES = 32 * 2**20
 _MIN_RUN = 2
 TANGENTS_PER_PASS = 24
+
+
+def _run_jacobians(side: Side) -> tuple[Jacobians, tuple[torch.Tensor, ...]]:
+    """The Jacobians of a short run of ``side`` differentiated as one batch, and its outputs.
+
+    The examples are evaluated per example (vmap, or the example loop) inside one reverse-mode
+    pass over the run: the backward pass still forms the weight gradients of all the run's
+    examples in one matrix product (NOTE: [Run lengths of NTK-vector products]), and the outputs
+    are per-example outputs, which the output check compares with the whole batch's.
+    """
+    def outputs(params: tuple) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        stacked = side.per_example(lambda x, kwargs, p: side.evaluate(p, x, kwargs), (params,), (None,))
+        leaves = tuple(leaf.movedim(0, axis) for leaf, axis in zip(stacked, side.out_axes))
+        return leaves, tuple(leaf.detach() for leaf in leaves)
+
+    return jacrev(outputs, has_aux=True)(side.model.params)
 
 
 def _even_chunks(count: int) -> int:
