@@ -10,7 +10,8 @@ The pieces, in the order they run:
 
 * ``_recorder.py``: a ``TorchFunctionMode`` that sees every op consuming a parameter;
 * ``_plan.py``: which parameters the rules cover (the rest go to the Jacobian fallback);
-* ``_side.py``: ``G`` and the operands of each use, per side (``_joint.py``: x1 and x2 in one pass);
+* ``_side.py``: ``G`` and the operands of each use, per side (``_joint.py``: x1 and x2 in one pass;
+  ``_whole_batch.py``: whether the passes may run over the whole batch instead of per example);
 * ``_merge.py``: the uses of one parameter stated alike, merged into one;
 * ``_contract.py``: the pair contractions;
 * ``_verify.py``: the check of a plan against autograd (when it is made, or on every call).
@@ -36,6 +37,7 @@ from ._plan import Plan, make_plan
 from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, probe, side_factors
 from ._verify import disagreements, verify
+from ._whole_batch import with_whole_batch
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ def plan_for(
     both sides (needed when the model's operations depend on the data). The plan is then checked
     against autograd on the probed examples (NOTE: [Checking a plan against autograd]) and every
     parameter that fails goes to the fallback, its reason kept in :attr:`Plan.reasons`; with
-    ``verify=True`` the check runs on every call instead and raises.
+    ``verify=True`` the check runs on every call instead and raises. Last, whether its passes may
+    run over the whole batch is decided and checked (NOTE: [Whole-batch pullback]).
 
     Args:
         probed: the quick probes of ``call`` made already (:func:`probe_plan`), to check.
@@ -131,15 +134,22 @@ def plan_for(
     if probed is None or probed.thorough != thorough:
         probed = probe_plan(call, options, thorough)
     plan = probed.build({})
-    if options.verify or len(plan.fallback) == n_params:  # verify=True checks every call; nothing to check
-        return _with_probe(plan, probed.calls, thorough)
-    demoted: dict[int, str] = {}
-    for side in _probed_sides(call, thorough):
-        try:
-            demoted.update(disagreements(side, plan))
-        except PlanMismatch:
-            raise _nondeterministic(call.where) from None
-    return _with_probe(probed.build(demoted) if demoted else plan, probed.calls, thorough)
+    if not (options.verify or len(plan.fallback) == n_params):  # verify=True checks every call; nothing to check
+        demoted: dict[int, str] = {}
+        for side in _probed_sides(call, thorough):
+            try:
+                demoted.update(disagreements(side, plan))
+            except PlanMismatch:
+                raise _nondeterministic(call.where) from None
+        plan = probed.build(demoted) if demoted else plan
+    plan = _with_probe(plan, probed.calls, thorough)
+    if thorough:  # probed on every example: no one-example probe to read the whole batch by
+        return dataclasses.replace(plan, whole_batch_reason="the plan comes from probes of every example")
+    grouped = _within_groups(plan, call.groups) if call.groups is not None else None
+    try:
+        return with_whole_batch(call, plan, grouped)
+    except PlanMismatch:
+        raise _nondeterministic(call.where) from None
 
 
 def _with_probe(plan: Plan, calls: list[RuleCall], thorough: bool) -> Plan:
@@ -260,10 +270,23 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
     param_sizes = [param.numel() for param in call.model.params]
     out_axes = call.side1.out_axes if call.side1.mapped else None
 
-    def prepare(side: Side) -> SideFactors:
-        factors = side_factors(side, plan, inner_chunk)
-        if call.vmap_check is not None:
+    # A pending output check of vmap_axes (check_vmap_axes=True, on calls after the first) compares
+    # per-example outputs with the whole batch's: the per-example pass gives them for free, where a
+    # whole-batch pass would need the check's own per-example forward pass on top of its own
+    # evaluation of the model (NOTE: [Whole-batch pullback]). Such calls keep the per-example pass.
+    whole_batch = call.vmap_check is None
+
+    def check_outputs(side: Side, factors: SideFactors) -> None:
+        if call.vmap_check is None:
+            return
+        if factors.per_example:
             call.vmap_check.per_example_outputs(side, call.expected_outputs(side), factors.outputs)
+        else:  # never skipped: a whole-batch pass has no per-example outputs, the check makes its own
+            call.check_outputs(side)
+
+    def prepare(side: Side) -> SideFactors:
+        factors = side_factors(side, plan, inner_chunk, whole_batch=whole_batch)
+        check_outputs(side, factors)
         return factors
 
     pending: dict[int, SideFactors] = {}  # x1's half of a joint pass, until prepare1 asks for it
@@ -274,13 +297,12 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
         both = joined(call.side1, side, per_example) if side is call.side2 else None
         if both is None:
             return prepare(side)
-        factors = side_factors(both, plan, inner_chunk)
+        factors = side_factors(both, plan, inner_chunk, whole_batch=whole_batch)
         size1 = call.side1.batch_size()
         first = factors.narrow(0, size1, out_axes)
         second = factors.narrow(size1, side.batch_size(), out_axes)
-        if call.vmap_check is not None:
-            for one, part in ((call.side1, first), (side, second)):
-                call.vmap_check.per_example_outputs(one, call.expected_outputs(one), part.outputs)
+        for one, part in ((call.side1, first), (side, second)):
+            check_outputs(one, part)
         pending[id(call.side1)] = first
         return second
 

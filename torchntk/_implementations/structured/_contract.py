@@ -23,6 +23,7 @@ import collections
 import functools
 import math
 import string
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import opt_einsum
@@ -190,7 +191,7 @@ def _pair(
         shapes = tuple(tuple(t.shape) for t in tensors)
         if not _starts_within_a_side(equation, shapes, 1 + len(first.role.operands)):
             tensors = [tensor.to(dtype) for tensor in tensors]
-            term = _expression(equation, shapes)(*tensors, backend="torch")
+            term = contract_tensors(equation, tensors)
             scale = first.role.scale * second.role.scale
             return term if scale == 1.0 else term * scale
     out_symbols, _, _ = output_symbols(layout)
@@ -331,7 +332,7 @@ def dense_jacobian(
         # (opt_einsum would swap the operands and J would need a copy: fresh memory costs page faults)
         seen = torch.einsum(convert_to_valid_einsum_chars(equation), *tensors)
     else:
-        seen = _expression(equation, tuple(tuple(t.shape) for t in tensors))(*tensors, backend="torch")
+        seen = contract_tensors(equation, tensors)
     if role.scale != 1.0:
         seen = seen * role.scale
     seen = seen.reshape(*seen.shape[: len(out_symbols)], math.prod(role.param_shape))
@@ -369,6 +370,187 @@ def output_symbols(layout: KernelLayout) -> tuple[list[str], list[str], list[str
     return first, second, result
 
 
+def contract_tensors(equation: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``equation`` on ``tensors`` in opt_einsum's order (:func:`_path`), each step one batched
+    matrix product (NOTE: [Pairwise products])."""
+    shapes = tuple(tuple(tensor.shape) for tensor in tensors)
+    steps = _pairwise_steps(equation, shapes, tuple(tensor.stride() for tensor in tensors))
+    if steps is None:
+        return _expression(equation, shapes)(*tensors, backend="torch")
+    return _run_steps(steps, tensors)
+
+
 @functools.lru_cache(maxsize=1024)
 def _expression(equation: str, shapes: tuple[tuple[int, ...], ...]):
     return opt_einsum.contract_expression(equation, *shapes, optimize=[list(step) for step in _path(equation, shapes)])
+
+
+# NOTE: [Pairwise products]
+# opt_einsum's torch backend runs every step of a path through ``torch.einsum``, which views each
+# operand with every letter of the step (one ``unsqueeze`` per letter it lacks), permutes, and
+# permutes and reshapes again around its batched product: about 17 ATen calls per step, 43 per
+# pair contraction of a normalisation layer, which made the contraction half of a warm ResNet-18
+# call's ATen calls (each a host-side cost on a GPU). A step is one batched matrix product: the
+# letters both operands share and a later term or the result keeps are its batch, the other
+# shared letters are summed by the product, the rest are each side's own. Planned once per
+# equation, shapes and strides, a step is a permute and a reshape per operand (each skipped when it
+# is the identity), one ``bmm`` and one view. Within each group the letters are ordered by the
+# operand's strides, and a matrix is taken transposed where its memory runs that way, so that the
+# reshapes are views where the layout allows: ``G`` from a whole-batch pass is a permuted view
+# (NOTE: [Whole-batch pullback] in ``_side.py``), which a fixed order of letters would copy.
+# Equations this does not cover (a letter repeated within a term, a size-1 axis broadcast against a
+# larger one, a step of more than two operands) go through opt_einsum's expression.
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """How one operand of a step becomes a matrix: summed over ``sums``, permuted by
+    ``permutation`` (None: as it is), reshaped to ``matrix``, then transposed (``transposed``)."""
+
+    sums: tuple[int, ...]
+    permutation: Optional[tuple[int, ...]]
+    matrix: tuple[int, int, int]
+    transposed: bool
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Operands ``first`` and ``second`` of the current list, whose product, viewed as ``shape``,
+    is appended (as opt_einsum's paths say)."""
+
+    first: int
+    second: int
+    operands: tuple[_Operand, _Operand]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Steps:
+    steps: tuple[_Step, ...]
+    final: Optional[tuple[int, ...]]  # the permutation into the result's letters
+
+
+@dataclass
+class _Term:
+    """An operand while planning: its letters, sizes and strides."""
+
+    letters: str
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    def size(self, letter: str) -> int:
+        return self.sizes[self.letters.index(letter)]
+
+    def stride(self, letter: str) -> int:
+        return self.strides[self.letters.index(letter)]
+
+    def summed(self, keep: set[str]) -> tuple["_Term", tuple[int, ...]]:
+        sums = tuple(axis for axis, letter in enumerate(self.letters) if letter not in keep)
+        if not sums:
+            return self, ()
+        letters = "".join(letter for letter in self.letters if letter in keep)
+        sizes = tuple(self.size(letter) for letter in letters)
+        return _Term(letters, sizes, _contiguous_strides(sizes)), sums
+
+
+def _contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    strides, stride = [], 1
+    for size in reversed(sizes):
+        strides.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pairwise_steps(
+    equation: str, shapes: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...]
+) -> Optional[_Steps]:
+    """The steps of NOTE: [Pairwise products] for ``equation``, or None where they do not apply."""
+    inputs, output = equation.split("->")
+    terms = inputs.split(",")
+    sizes: dict[str, int] = {}
+    for term, shape in zip(terms, shapes):
+        if len(set(term)) != len(term) or len(term) != len(shape):
+            return None
+        for letter, size in zip(term, shape):
+            if sizes.setdefault(letter, size) != size:
+                return None  # a size-1 axis broadcast against a larger one
+    if len(terms) < 2 or len(set(output)) != len(output) or any(letter not in sizes for letter in output):
+        return None
+    current = [_Term(term, shape, stride) for term, shape, stride in zip(terms, shapes, strides)]
+    steps = []
+    for step in _path(equation, shapes):
+        if len(step) != 2:
+            return None
+        rest = [term for index, term in enumerate(current) if index not in step]
+        keep = set(output).union(*(term.letters for term in rest))
+        one, two = current[step[0]], current[step[1]]
+        one, sums_one = one.summed(keep | set(two.letters))
+        two, sums_two = two.summed(keep | set(one.letters))
+
+        def by_stride(term: _Term, letters: list[str]) -> list[str]:
+            return sorted(letters, key=lambda letter: -term.stride(letter))  # stable: ties keep their order
+
+        shared = [letter for letter in one.letters if letter in two.letters]
+        batch = by_stride(one, [letter for letter in shared if letter in keep])
+        inner = by_stride(one, [letter for letter in shared if letter not in keep])
+        rows = by_stride(one, [letter for letter in one.letters if letter not in two.letters])
+        columns = by_stride(two, [letter for letter in two.letters if letter not in one.letters])
+        first = _as_matrix(one, sums_one, batch, rows, inner)
+        second = _as_matrix(two, sums_two, batch, inner, columns)
+        steps.append(_Step(step[0], step[1], (first, second), tuple(sizes[letter] for letter in batch + rows + columns)))
+        letters = "".join(batch + rows + columns)
+        result_sizes = tuple(sizes[letter] for letter in letters)
+        current = rest + [_Term(letters, result_sizes, _contiguous_strides(result_sizes))]
+    (result,) = current
+    if sorted(result.letters) != sorted(output):
+        return None
+    final = tuple(result.letters.index(letter) for letter in output)
+    return _Steps(tuple(steps), None if final == tuple(range(len(output))) else final)
+
+
+def _as_matrix(term: _Term, sums: tuple[int, ...], batch: list[str], rows: list[str], columns: list[str]) -> _Operand:
+    """How ``term`` (already summed over ``sums``) becomes ``(batch, rows, columns)``: directly, or
+    as the transpose of ``(batch, columns, rows)`` where that reshape is a view and this one is not."""
+    candidates = []
+    for transposed, order in ((False, batch + rows + columns), (True, batch + columns + rows)):
+        groups = (batch, columns, rows) if transposed else (batch, rows, columns)
+        sizes = [term.size(letter) for letter in order]
+        strides = [term.stride(letter) for letter in order]
+        bounds = [0, len(groups[0]), len(groups[0]) + len(groups[1]), len(order)]
+        spans = [list(range(bounds[index], bounds[index + 1])) for index in range(3)]
+        viewed = all(_merges(sizes, strides, span) for span in spans)
+        last = [axis for axis in spans[2] if sizes[axis] != 1]
+        unit = not last or strides[last[-1]] == 1  # a BLAS matrix: its rows (or columns) contiguous
+        candidates.append((not (viewed and unit), not viewed, transposed, order))
+    _, _, transposed, order = min(candidates)
+    permutation = tuple(term.letters.index(letter) for letter in order)
+    matrix = tuple(math.prod(term.size(letter) for letter in group) for group in (batch, rows, columns))
+    if transposed:
+        matrix = (matrix[0], matrix[2], matrix[1])
+    return _Operand(sums, None if permutation == tuple(range(len(order))) else permutation, matrix, transposed)
+
+
+def _merges(sizes: Sequence[int], strides: Sequence[int], axes: list[int]) -> bool:
+    """Whether ``axes`` (consecutive) of a tensor flatten into one without a copy."""
+    kept = [axis for axis in axes if sizes[axis] != 1]
+    return all(strides[outer] == strides[inner] * sizes[inner] for outer, inner in zip(kept, kept[1:]))
+
+
+def _run_steps(planned: _Steps, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    current = list(tensors)
+    for step in planned.steps:
+        pair = (current[step.first], current[step.second])
+        for index in sorted((step.first, step.second), reverse=True):
+            del current[index]
+        matrices = []
+        for tensor, operand in zip(pair, step.operands):
+            if operand.sums:
+                tensor = tensor.sum(operand.sums)
+            if operand.permutation is not None:
+                tensor = tensor.permute(operand.permutation)
+            tensor = tensor.reshape(operand.matrix)
+            matrices.append(tensor.transpose(1, 2) if operand.transposed else tensor)
+        current.append(torch.bmm(*matrices).view(step.shape))
+    (result,) = current
+    return result if planned.final is None else result.permute(planned.final)

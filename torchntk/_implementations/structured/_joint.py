@@ -2,7 +2,8 @@
 
 NOTE: [One pass for both sides]
 With ``vmap_axes`` every example's factors come from its own pass (NOTE: [df/dy by perturbed
-passes]), so the two sides' examples may as well share one batched pass: the fixed cost of a pass
+passes]), or from a whole-batch pass read per example (NOTE: [Whole-batch pullback]), so the two
+sides' examples may as well share one batched pass: the fixed cost of a pass
 (recording, ``vjp``, ``vmap`` over the output basis: about 2 ms on a 2-core CPU, most of a call at
 N=16) is paid once, and every backward matrix product is one product with twice the rows, which
 a CPU runs nearer its peak (a ``(640, 2048) x (2048, 2048)`` product at 322 GFLOP/s against 276

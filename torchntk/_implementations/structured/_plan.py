@@ -29,6 +29,10 @@ class Plan:
         perturbed_shapes: the rule calls that contribute and their output shapes (per example) and
             dtypes, as seen by the probe; a pass on inputs of other shapes finds its own.
         reasons: why each fallback parameter is in the fallback (by index).
+        whole_batch: with ``vmap_axes``, where the examples lie in the whole-batch pass of NOTE:
+            [Whole-batch pullback] (``_side.py``), checked when the plan was made; None: every pass
+            runs per example.
+        whole_batch_reason: why :attr:`whole_batch` is None (None when it is set, or not decided).
     """
 
     ruled: frozenset[int]
@@ -40,6 +44,8 @@ class Plan:
     first_example_calls: Optional[tuple[RuleCall, ...]] = dataclasses.field(default=None, compare=False)
     """The rule calls of the probe of x1's first example, when the plan comes from that probe alone
     (AUTO prices the plan from them without probing again)."""
+    whole_batch: Optional["WholeBatchLayout"] = dataclasses.field(default=None, compare=False)
+    whole_batch_reason: Optional[str] = dataclasses.field(default=None, compare=False)
 
     def roles(self, call: RuleCall) -> list[Role]:
         """The roles of ``call`` that contribute: ruled parameters, joint pairs stated jointly."""
@@ -71,6 +77,44 @@ class Plan:
             if units and (joint is None or units != {joint.unit}):
                 return False
         return True
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Where a whole-batch tensor holds the per-example ones (NOTE: [Whole-batch pullback] in
+    ``_side.py``).
+
+    Attributes:
+        axis: the axis holding the examples: one of size 1 per example, or one whose per-example
+            size ``S`` is ``n S`` for ``n`` examples (a rule flattened the example into it). None:
+            the tensor is shared by every example.
+        inner: the example is the inner factor of a flattened axis (``(S, n)`` flattened, as a
+            time-major sequence gives), not the outer one (``(n, S)``).
+    """
+
+    axis: Optional[int]
+    inner: bool = False
+
+
+@dataclass(frozen=True)
+class WholeBatchLayout:
+    """Where a whole-batch pass holds the examples (NOTE: [Whole-batch pullback] in ``_side.py``).
+
+    Attributes:
+        output_folds: for every perturbed rule call (by position), where its whole-batch output
+            (and so its ``G``) holds the examples.
+        operand_folds: the same for every operand of the kept roles, in the pass's order.
+        example_signature: the per-example shapes of the inputs the plan's probe saw
+            (:func:`~._side.example_signature`): only sides whose examples look alike take the
+            whole-batch pass, as their per-example shapes are those of the plan's probe.
+        checked_on: how many examples the layout was checked on against the per-example pass when
+            the plan was made (0: not checked, only tests do that).
+    """
+
+    output_folds: Mapping[int, Fold]
+    operand_folds: tuple[Fold, ...]
+    example_signature: tuple
+    checked_on: int
 
 
 def make_plan(

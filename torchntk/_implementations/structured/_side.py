@@ -10,20 +10,55 @@ the ``y_k`` and never form parameter-shaped tensors. With ``vmap_axes`` this run
 under ``vmap`` (so the model never needs to say where its batch axis is inside), and ``O`` is the
 output size of one example; without it the whole batch is one "example" and the basis covers
 every output entry (which is what batch-coupled models such as BatchNorm in training mode need).
+
+NOTE: [Whole-batch pullback]
+Under ``vmap_axes`` the pass above is ``vmap`` over the examples of (the VJP of the perturbed
+model, then ``vmap`` over the ``O`` basis vectors of its pullback): every op of the forward and of
+the ``O`` backward sweeps goes through two levels of batching rules, whose views, permutes and
+clones were a sixth of the ATen calls of a ResNet-18 kernel, and on a GPU the host's time. The
+examples are independent (``vmap_axes`` says so, and is checked), so one VJP of the perturbed
+model over the whole batch gives the same ``G``: with basis vector ``o`` set for every example at
+once, the cotangent reaching example ``n``'s entries of ``y_k`` is ``d out_n[o] / d y_k``, as
+example ``n``'s outputs depend on its own entries of ``y_k`` only. That is ``O`` backward sweeps
+of the whole batch, batched by one ``vmap`` over the basis, and no per-example ``vmap``.
+
+The whole-batch tensors (each ``y_k``, and the operands the rules build from the ops' inputs) are
+then read as the per-example ones stacked, without a copy: the examples lie on one axis (its
+one-example size 1), or are the outer factor of an axis that a rule flattened (``F.linear``'s
+positions: one example's ``(T, F)`` is the whole batch's ``(n T, F)`` when the batch axis came
+first), or the tensor is shared by all examples (an operand computed from buffers only). Where
+that holds is decided from the shapes and checked once per plan (``_whole_batch.py``): when the
+plan is made, the whole-batch pass and the per-example pass of a few examples must agree on every
+``G`` (contracted with a random cotangent) and operand, or the plan keeps the per-example pass and
+says why (:attr:`~._plan.Plan.whole_batch_reason`). Shapes alone cannot tell: a time-major
+recurrence (``nn.RNN`` with ``batch_first=False``, and every recurrent layer inside, see NOTE:
+[Unfused kernels]) projects its ``(T, n, F)`` input with one ``F.linear``, whose operand
+``(T n, F)`` holds the example as the *inner* factor, and a ``(T, F)`` example looks the same.
+Every pass checks the shapes against the plan's (a side of other per-example shapes, or a rule
+that states one example differently from the batch, takes the per-example pass), and the rules'
+roles against the probe's.
+
+Sides mapped by an example loop or not mapped keep the per-example pass (which, unmapped, is the
+whole batch already). The output check of ``vmap_axes`` cannot use this pass's outputs, which are
+the whole batch's: a call with a pending check (``check_vmap_axes=True`` after the first call)
+keeps the per-example pass, whose outputs the check compares for free, rather than pay the
+check's own per-example forward pass (``KernelCall.check_outputs``) on top of this one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.func import jacfwd, jacrev, vjp, vmap
 
-from ..._call.per_example import Side
-from ._plan import Plan
+from ..._call.per_example import Side, vmap_errors
+from ..._model.unfused import Unfused, math_attention
+from ._plan import Fold, Plan, WholeBatchLayout
 from ._recorder import Recorder, ShapeMismatch
 from ._roles import OutputSpec, Role, RuleCall, letters
 
@@ -42,11 +77,17 @@ class Use:
 
 @dataclass
 class SideFactors:
-    """Everything one side contributes to the contraction, and the side's per-example outputs."""
+    """Everything one side contributes to the contraction, and the side's outputs.
+
+    ``per_example``: whether :attr:`outputs` come from a per-example evaluation (mapped sides), so
+    that the output check of ``vmap_axes`` may compare them with the whole batch's; False after a
+    whole-batch pass (NOTE: [Whole-batch pullback]), whose outputs are the whole batch's.
+    """
 
     uses: list[Use]
     fallback: Optional[tuple[tuple[torch.Tensor, ...], ...]]
     outputs: tuple[torch.Tensor, ...]
+    per_example: bool = True
 
     def narrow(self, start: int, length: int, out_axes: tuple[int, ...]) -> "SideFactors":
         """The factors of examples ``start .. start + length - 1`` (mapped sides: operands' axis 0)."""
@@ -67,7 +108,7 @@ class SideFactors:
                 for per_leaf, axis in zip(self.fallback, out_axes)
             )
         outputs = tuple(output.narrow(axis, start, length) for output, axis in zip(self.outputs, out_axes))
-        return SideFactors(uses, fallback, outputs)
+        return SideFactors(uses, fallback, outputs, self.per_example)
 
 
 class PlanMismatch(Exception):
@@ -158,14 +199,29 @@ class _KeptRoles:
 
 
 def side_factors(
-    side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None
+    side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None,
+    whole_batch: bool = True,
 ) -> SideFactors:
     """``G`` and operands of every contributing use, plus the fallback parameters' Jacobians.
 
     With ``cotangents`` (shaped like the outputs) ``G`` is contracted with them instead of a basis:
     ``gradients`` then holds one tensor of shape ``role.y_shape`` (after the example axis when
     mapped), the ``G``-side of ``J^T v`` (used by ``verify``).
+
+    The factors come from one whole-batch pass where the plan allows it, the side fits and
+    ``whole_batch`` is True (NOTE: [Whole-batch pullback]), else from the per-example pass.
     """
+    if whole_batch and plan.whole_batch is not None and takes_whole_batch(side, plan.whole_batch):
+        factors = whole_batch_factors(side, plan, plan.whole_batch, cotangents)
+        if factors is not None:
+            return factors
+    return per_example_factors(side, plan, chunk_size, cotangents)
+
+
+def per_example_factors(
+    side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None
+) -> SideFactors:
+    """:func:`side_factors` from the per-example pass of NOTE: [df/dy by perturbed passes]."""
     params = side.model.params
     kept_roles = _KeptRoles()
 
@@ -253,7 +309,7 @@ def _uses(
         else:
             per_leaf = tuple(
                 _place(part, shape, role.y_shape, side, leaf)
-                for leaf, (part, shape) in enumerate(zip(gradient.split(sizes, dim=example_axes), output_shapes))
+                for leaf, (part, shape) in enumerate(zip(_split(gradient, sizes, example_axes), output_shapes))
             )
         uses.append(Use(role, per_leaf))
     return uses
@@ -264,7 +320,13 @@ def _place(gradient: torch.Tensor, output_shape: tuple, y_shape: tuple, side: Si
     if not side.mapped:
         return gradient.reshape(*output_shape, *y_shape)
     gradient = gradient.reshape(gradient.shape[0], *output_shape, *y_shape)
-    return gradient.movedim(0, side.out_axes[leaf])
+    axis = side.out_axes[leaf]
+    return gradient if axis == 0 else gradient.movedim(0, axis)  # an identity permute is still an op
+
+
+def _split(gradient: torch.Tensor, sizes: list[int], dim: int) -> tuple[torch.Tensor, ...]:
+    """``gradient.split(sizes, dim)``, without an op for one output leaf (the usual case)."""
+    return (gradient,) if len(sizes) == 1 else gradient.split(sizes, dim=dim)
 
 
 def _identity_basis(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -293,3 +355,284 @@ def _dense_role(role: Role, mode: str) -> Role:
         role.refs, role.name, tuple(y.shape), y_letters, [(jacobian, y_letters + param_letters)], param_letters,
         tuple(seen.shape),
     )
+
+
+# -- NOTE: [Whole-batch pullback] ---------------------------------------------------------------
+
+
+def find_fold(whole: Sequence[int], single: Sequence[int], examples: int) -> Optional[Fold]:
+    """Where a tensor of shape ``whole`` over ``examples`` examples may hold tensors of shape ``single``.
+
+    The shapes must agree but on one axis whose size is ``examples`` times one example's; equal
+    shapes mean a tensor shared by every example (or, for one example, nothing to tell). None
+    when neither holds. Shapes cannot tell whether the example is the outer or the inner factor of
+    a flattened axis (the result says outer): NOTE: [Whole-batch pullback] says what decides.
+
+    Example:
+        >>> find_fold((8, 5, 3), (8, 1, 3), 5), find_fold((12, 4), (3, 4), 4), find_fold((2, 3), (3, 2), 2)
+        (Fold(axis=1, inner=False), Fold(axis=0, inner=False), None)
+    """
+    whole, single = tuple(whole), tuple(single)
+    if len(whole) != len(single):
+        return None
+    differing = [axis for axis, (one, other) in enumerate(zip(whole, single)) if one != other]
+    if not differing:
+        return Fold(None)
+    if len(differing) == 1 and whole[differing[0]] == examples * single[differing[0]]:
+        return Fold(differing[0])
+    return None
+
+
+def examples_first(tensor: torch.Tensor, fold: Fold, examples: int, lead: int = 0) -> torch.Tensor:
+    """The per-example tensors of a whole-batch one, stacked on a new axis 0: a view, no copy.
+
+    Args:
+        tensor: the whole-batch tensor, after ``lead`` axes of its own (``G``'s basis axis).
+        fold: where its examples lie, in the coordinates after the ``lead`` axes.
+        examples: how many.
+        lead: leading axes that stay, after the new example axis.
+    """
+    if fold.axis is None:
+        return tensor.unsqueeze(0).expand(examples, *tensor.shape)
+    axis = lead + fold.axis
+    size = tensor.shape[axis] // examples
+    if fold.inner:
+        return tensor.unflatten(axis, (size, examples)).movedim(axis + 1, 0)
+    if axis == 0:  # the usual batch-first layout: one view
+        return tensor.view(examples, size, *tensor.shape[1:]) if size != 1 else tensor.unsqueeze(1)
+    return tensor.unflatten(axis, (examples, size)).movedim(axis, 0)
+
+
+def whole_shape(single: Sequence[int], axis: int, examples: int) -> tuple[int, ...]:
+    """The whole-batch shape of tensors shaped ``single`` per example, held on ``axis``."""
+    shape = list(single)
+    shape[axis] *= examples
+    return tuple(shape)
+
+
+def example_signature(side: Side) -> tuple:
+    """The per-example shapes of a mapped side's inputs: mapped leaves without their example axis,
+    unmapped ones whole, with dtypes; other leaves by value. Sides of one signature run the same
+    per-example shapes through a model that does not read its inputs' values for shapes."""
+
+    def leaf(value: Any, axis: Optional[int]) -> tuple:
+        if not isinstance(value, torch.Tensor):
+            return ("value", repr(value))
+        shape = tuple(value.shape)
+        if axis is None:
+            return ("shared", shape, value.dtype, value.device)
+        return ("mapped", axis, shape[:axis] + shape[axis + 1 :], value.dtype, value.device)
+
+    signature = [leaf(value, axis) for value, axis in zip(side.x.leaves, side.x_axes or ())]
+    for key, flat in side.kwargs.items():
+        axes = (side.kwarg_axes or {}).get(key, ())
+        signature.append((key, tuple(leaf(value, axis) for value, axis in zip(flat.leaves, axes))))
+    return tuple(signature)
+
+
+def takes_whole_batch(side: Side, layout: WholeBatchLayout) -> bool:
+    """Whether ``side`` may take the whole-batch pass of a plan with ``layout``: mapped by vmap (an
+    example loop keeps its per-example pass), not empty, and shaped per example like the probe."""
+    return (
+        side.mapped and not side.loop and side.batch_size() > 0
+        and example_signature(side) == layout.example_signature
+    )
+
+
+@dataclass
+class WholeBatchPass:
+    """What a whole-batch pass gives before it is read per example.
+
+    Attributes:
+        examples: how many examples the pass held.
+        outputs: the whole-batch output leaves.
+        kept: ``(index of G, role)`` of every kept role, with one example's ``y_shape`` (the probe's).
+        gradients: per perturbed rule call (the plan's positions, sorted), ``(B, *whole y)``.
+        operands: the kept roles' operands in order, whole-batch.
+        operand_folds: where each operand holds the examples, as far as shapes tell.
+    """
+
+    examples: int
+    outputs: tuple[torch.Tensor, ...]
+    kept: list[tuple[int, Role]]
+    gradients: tuple[torch.Tensor, ...]
+    operands: tuple[torch.Tensor, ...]
+    operand_folds: tuple[Fold, ...]
+
+
+def whole_batch_pass(
+    side: Side, plan: Plan, output_axes: dict[int, int], cotangents: Optional[tuple[torch.Tensor, ...]] = None
+) -> Optional[WholeBatchPass]:
+    """One whole-batch pass of NOTE: [Whole-batch pullback]: the perturbed model's VJP over the
+    whole batch, pulled back over the basis of one example's outputs set for every example at once
+    (or over ``cotangents``, shaped like the outputs).
+
+    Returns None, before any backward sweep, when the pass does not fit the plan's probe: another
+    per-example shape, a rule stating the batch otherwise than one example, operations the plan did
+    not foresee (the per-example pass then raises what it raises).
+
+    Args:
+        side: a mapped side (see :func:`takes_whole_batch`).
+        plan: a plan with a perturbed probe (``perturbed_shapes``, ``first_example_calls``).
+        output_axes: for every perturbed rule call, the axis of its output holding the examples.
+        cotangents: as for :func:`side_factors`.
+    """
+    params = side.model.params
+    examples = side.batch_size()
+    positions = sorted(plan.perturbed_shapes)
+    zeros = tuple(
+        torch.zeros(
+            whole_shape(plan.perturbed_shapes[position][0], output_axes[position], examples),
+            dtype=plan.perturbed_shapes[position][1], device=params[0].device,
+        )
+        for position in positions
+    )
+    evaluate = side.whole_batch()
+    recorded: list[tuple[int, Role]] = []
+
+    def perturbed_model(deltas: tuple[torch.Tensor, ...]) -> tuple:
+        recorder = Recorder(params, dict(zip(positions, deltas)))
+        with recorder:
+            outputs = evaluate(params)
+        if not plan.foresees(recorder.calls, recorder.unruled):
+            raise PlanMismatch
+        kept = [(position, role) for position, call in enumerate(recorder.calls) for role in plan.roles(call)]
+        if sorted({position for position, _ in kept}) != positions:
+            raise ShapeMismatch
+        recorded[:] = kept
+        return outputs, tuple(tensor.detach() for _, role in kept for tensor, _ in role.operands)
+
+    with whole_batch_context(side):
+        try:
+            outputs, pullback, operands = vjp(perturbed_model, zeros, has_aux=True)
+        except (ShapeMismatch, PlanMismatch):
+            return None
+        checked = _probe_roles(recorded, plan, positions, examples, operands)
+        if checked is None:
+            return None
+        kept, operand_folds = checked
+        outputs = tuple(outputs)
+        if cotangents is None:
+            (gradients,) = vmap(pullback)(_whole_batch_basis(outputs, side.out_axes))
+        else:
+            (gradients,) = pullback(tuple(cotangents))
+            gradients = tuple(gradient.unsqueeze(0) for gradient in gradients)  # a basis of one vector
+    return WholeBatchPass(examples, outputs, kept, tuple(gradients), tuple(operands), operand_folds)
+
+
+def whole_batch_factors(
+    side: Side, plan: Plan, layout: WholeBatchLayout, cotangents: Optional[tuple[torch.Tensor, ...]] = None
+) -> Optional[SideFactors]:
+    """:func:`side_factors` from one whole-batch pass read by the plan's ``layout``: the factors of
+    the per-example pass, laid out alike (example axis first), as views of the whole-batch tensors.
+    None when the pass does not fit the plan (:func:`whole_batch_pass`) or its ``layout``."""
+    output_axes = {position: fold.axis for position, fold in layout.output_folds.items()}
+    done = whole_batch_pass(side, plan, output_axes, cotangents)
+    return None if done is None else read_per_example(side, plan, done, layout, cotangents is not None)
+
+
+def read_per_example(
+    side: Side, plan: Plan, done: WholeBatchPass, layout: WholeBatchLayout, contracted: bool
+) -> Optional[SideFactors]:
+    """The :class:`SideFactors` of a whole-batch pass ``done`` over ``side``, each ``G`` and operand
+    read per example by ``layout`` (None where the pass's operands do not lie as ``layout`` says).
+
+    Args:
+        contracted: the pass was pulled back over cotangents, not a basis (see :func:`side_factors`).
+    """
+    examples = done.examples
+    if len(done.operand_folds) != len(layout.operand_folds):
+        return None
+    operands = []
+    for tensor, seen, fold in zip(done.operands, done.operand_folds, layout.operand_folds):
+        if examples > 1 and seen.axis != fold.axis:
+            return None
+        operands.append(examples_first(tensor, fold, examples))
+    positions = sorted(plan.perturbed_shapes)
+    gradients = tuple(
+        examples_first(gradient, layout.output_folds[position], examples, lead=1)  # (examples, B, *y)
+        for gradient, position in zip(done.gradients, positions)
+    )
+    outputs = done.outputs
+    output_shapes = [
+        tuple(output.shape[:axis]) + tuple(output.shape[axis + 1 :]) for output, axis in zip(outputs, side.out_axes)
+    ]
+    uses = _uses(side, done.kept, output_shapes, gradients, iter(operands), contracted=contracted)
+    fallback = None
+    if plan.fallback and not contracted:
+        fallback = side.jacobians(only=plan.fallback)
+    return SideFactors(uses, fallback, outputs, per_example=False)
+
+
+def _probe_roles(
+    recorded: list[tuple[int, Role]], plan: Plan, positions: list[int], examples: int, operands: tuple
+) -> Optional[tuple[list[tuple[int, Role]], tuple[Fold, ...]]]:
+    """The roles of a whole-batch pass as :func:`_uses` takes them, ``(index of G, role)``, and
+    where their operands hold the examples by their shapes.
+
+    Each role is stated as the probe stated it for one example (its letters, ``y_shape`` and
+    parameter coordinates), which the per-example tensors read from the whole batch then fill:
+    a rule may state the batch otherwise than one example (an elementwise parameter of shape
+    ``(1, T, D)`` is broadcast over the batch's first axis, but not over one example's size-1
+    axis), and both are right. None unless every role is the probe's role of the same rule call,
+    parameters and coordinates, and every operand is shaped as the probe's for ``examples``
+    examples.
+    """
+    probed = plan.first_example_calls
+    singles = [(position, role) for position in positions for role in plan.roles(probed[position])]
+    if len(singles) != len(recorded):
+        return None
+    kept = []
+    folds = []
+    tensors = iter(operands)
+    for (position, role), (single_position, single) in zip(recorded, singles):
+        if position != single_position or not _same_use(role, single):
+            return None
+        for meta, _ in single.operands:
+            tensor = next(tensors)
+            fold = find_fold(tensor.shape, meta.shape, examples)
+            if fold is None or tensor.dtype != meta.dtype:
+                return None
+            folds.append(fold)
+        kept.append((positions.index(position), single))
+    return kept, tuple(folds)
+
+
+def _same_use(role: Role, single: Role) -> bool:
+    """Whether a whole-batch role and one example's role state the same parameters' use."""
+    return (
+        role.name == single.name and role.unit == single.unit and len(role.operands) == len(single.operands)
+        and all(one.same_coordinates(other) and one.injective == other.injective
+                for one, other in zip(role.refs, single.refs))
+    )
+
+
+def _whole_batch_basis(outputs: tuple[torch.Tensor, ...], out_axes: Sequence[int]) -> tuple:
+    """:func:`_identity_basis` of one example's outputs with every example's entry set at once:
+    ``(B, *leaf.shape)`` per leaf, ``B`` the entries of one example's outputs."""
+    singles = [tuple(output.shape[:axis]) + tuple(output.shape[axis + 1 :]) for output, axis in zip(outputs, out_axes)]
+    sizes = [math.prod(shape) for shape in singles]
+    total = sum(sizes)
+    basis = []
+    start = 0
+    for output, axis, single, size in zip(outputs, out_axes, singles, sizes):
+        eye = torch.zeros(total, size, dtype=output.dtype, device=output.device)
+        eye[start : start + size] = torch.eye(size, dtype=output.dtype, device=output.device)
+        eye = eye.reshape(total, *single).unsqueeze(1 + axis)
+        # materialised: autograd may accumulate into a cotangent in place, which an expanded one forbids
+        basis.append(eye.expand(total, *output.shape).contiguous())
+        start += size
+    return tuple(basis)
+
+
+@contextlib.contextmanager
+def whole_batch_context(side: Side) -> Iterator[None]:
+    """What the per-example pass runs under (``Side.per_example``), for the whole-batch pass: its
+    ``vmap`` over the basis meets the same kernels (fused recurrent and attention kernels)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(vmap_errors(side.where))
+        if side.model.fused:
+            stack.enter_context(Unfused())
+        if any(param.is_cuda for param in side.model.params):
+            stack.enter_context(math_attention())
+        yield

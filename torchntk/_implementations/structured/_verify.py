@@ -20,7 +20,10 @@ float32 products may run in TF32 (CUDA).
 When a plan is made this runs on the probe example(s) and demotes disagreeing parameters to the
 Jacobian fallback (:func:`disagreements`); ``verify=True`` runs it on all of x1 on every call and
 raises instead (:func:`verify`). Because ``v`` differs between examples, the check also catches
-examples that interact despite ``vmap_axes``.
+examples that interact despite ``vmap_axes``. Under a plan whose passes run over the whole batch
+(NOTE: [Whole-batch pullback] in ``_side.py``) the structured side of ``verify=True`` comes from
+that pass, so it is checked against autograd as well; the plan's own check runs before that is
+decided, on the per-example pass.
 """
 
 from __future__ import annotations

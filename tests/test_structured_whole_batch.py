@@ -1,0 +1,346 @@
+"""Structured derivatives' whole-batch pass (NOTE: [Whole-batch pullback] in ``structured/_side.py``).
+
+With ``vmap_axes`` implementation 3 takes every ``G = df/dy`` from one VJP of the whole batch
+instead of one per example, reading each whole-batch tensor as the per-example ones stacked; the
+reading is decided from shapes and checked against the per-example pass when the plan is made
+(``structured/_whole_batch.py``). These tests pin down what that check is for: models whose shapes
+look right but whose tensors do not hold the examples as their shapes suggest (a time-major
+recurrence with as many steps as examples, examples reordered inside the model) must stay exact,
+and would not be without the check. Also: runs of examples, one-example runs, other per-example
+shapes on x2, parameter groups, ``verify=True``, and the output check of ``vmap_axes``, which the
+whole-batch pass must not skip. Every kernel is float64 against ``torchntk.testing.reference_ntk``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchntk
+import torchntk._implementations.structured as structured
+from tests.cases import DEVICE
+from tests.structured_cases import STRUCTURED_CASES, make_x1_x2
+from torchntk._implementations.structured import _side, _whole_batch
+from torchntk._implementations.structured._plan import Fold, Plan
+from torchntk.testing import assert_kernels_close, reference_ntk
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:There is a performance drop because we have not yet implemented the batching rule:UserWarning"
+    ),
+]
+
+
+class Passes:
+    """What the structured passes of a test did: the plans' decisions and the passes taken."""
+
+    def __init__(self) -> None:
+        self.plans: list[Plan] = []
+        self.whole_batch = 0  # passes over the whole batch the kernels used
+        self.whole_batch_sizes: list[int] = []
+
+    @property
+    def plan(self) -> Plan:
+        return self.plans[-1]
+
+
+@pytest.fixture
+def passes(monkeypatch) -> Passes:
+    seen = Passes()
+    decide = structured.with_whole_batch
+    factors = _side.whole_batch_factors
+
+    def recorded_decision(call, plan, checked=None):
+        plan = decide(call, plan, checked)
+        seen.plans.append(plan)
+        return plan
+
+    def recorded_factors(side, plan, layout, cotangents=None):
+        result = factors(side, plan, layout, cotangents)
+        if result is not None:
+            seen.whole_batch += 1
+            seen.whole_batch_sizes.append(side.batch_size())
+        return result
+
+    monkeypatch.setattr(structured, "with_whole_batch", recorded_decision)
+    monkeypatch.setattr(_side, "whole_batch_factors", recorded_factors)
+    return seen
+
+
+def _build(module_type, *args) -> nn.Module:
+    torch.manual_seed(0)
+    return module_type(*args).double().eval().to(DEVICE)
+
+
+def _normal(*shape: int, seed: int) -> Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(DEVICE)
+
+
+def _relative_error(kernel: Tensor, expected: Tensor) -> float:
+    return ((kernel - expected).abs().max() / expected.abs().max()).item()
+
+
+# --------------------------------------------------------------------------------------------
+# Models whose whole-batch tensors do not hold the examples as their shapes suggest
+# --------------------------------------------------------------------------------------------
+
+STEPS = 3
+"""Time steps of :class:`TimeMajorRecurrence`, as many as its examples (and as the check's)."""
+
+
+class TimeMajorRecurrence(nn.Module):
+    """``(N, T, F)`` examples made time-major, ``(T, N, F)``, for an ``nn.RNN`` with
+    ``batch_first=False``; the last step's state through a linear head: ``(N, 2)``.
+
+    The recurrence projects the whole ``(T, N, F)`` sequence with one ``F.linear``, whose rule
+    flattens it into ``(T N, F)`` positions: the example is the *inner* factor, and with ``T == N``
+    nothing in the shapes (``(T N, F)`` for ``N`` examples, ``(T, F)`` for one) tells that from the
+    usual batch-first ``(N T, F)``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(3, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        states, _ = self.rnn(x.transpose(0, 1))
+        return self.head(torch.tanh(states[-1]))
+
+
+class ReversedInside(nn.Module):
+    """Reverses the order of the examples, applies two layers, and restores the order: every
+    example's output is its own, but inside, row ``m`` of the whole batch is example ``N - 1 - m``,
+    which no shape shows (one example's rows are not reordered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.second = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(torch.tanh(self.first(x.flip(0)))).flip(0)
+
+
+def _time_major_inputs() -> tuple[Tensor, Tensor]:
+    return _normal(STEPS, STEPS, 3, seed=1), _normal(STEPS, STEPS, 3, seed=2)
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
+def test_time_major_recurrence_with_as_many_steps_as_examples_is_exact(same, passes):
+    model = _build(TimeMajorRecurrence)
+    x1, x2 = _time_major_inputs()
+    x2 = None if same else x2
+    kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2, trace_axes=()))
+    # The check found where the projection holds the examples: the inner factor of its positions.
+    layout = passes.plan.whole_batch
+    assert layout is not None, passes.plan.whole_batch_reason
+    assert layout.checked_on == STEPS
+    assert any(fold.inner for fold in layout.operand_folds)
+    assert passes.whole_batch >= 1
+
+
+def test_without_the_check_the_time_major_recurrence_would_be_silently_wrong(monkeypatch, passes):
+    """What the test above guards: read by the shapes alone (the example the outer factor), the
+    time-major projection gives a wrong kernel and no error."""
+    monkeypatch.setattr(_whole_batch, "CHECK", False)
+    model = _build(TimeMajorRecurrence)
+    x1, x2 = _time_major_inputs()
+    kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())(x1, x2)
+    assert passes.plan.whole_batch is not None and passes.plan.whole_batch.checked_on == 0
+    assert _relative_error(kernel, reference_ntk(model, x1, x2, trace_axes=())) > 1e-3
+
+
+def test_examples_reordered_inside_the_model_keep_the_per_example_pass(passes):
+    model = _build(ReversedInside)
+    x1, x2 = _normal(5, 4, seed=1), _normal(4, 4, seed=2)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())
+    for second in (x2, None):
+        assert_kernels_close(ntk_fn(x1, second), reference_ntk(model, x1, second, trace_axes=()))
+        assert passes.plan.whole_batch is None
+        assert "no reading of the whole-batch tensor" in passes.plan.whole_batch_reason
+    assert passes.whole_batch == 0
+
+
+def test_without_the_check_reordered_examples_would_be_silently_wrong(monkeypatch):
+    monkeypatch.setattr(_whole_batch, "CHECK", False)
+    model = _build(ReversedInside)
+    x1, x2 = _normal(5, 4, seed=1), _normal(4, 4, seed=2)
+    kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())(x1, x2)
+    assert _relative_error(kernel, reference_ntk(model, x1, x2, trace_axes=())) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# Where the whole-batch pass is taken, and what must keep working with it
+# --------------------------------------------------------------------------------------------
+
+WHOLE_BATCH_CASES = [
+    "mlp", "cnn_stride_dilation_groups", "conv_padding_modes", "conv1d", "conv3d", "resnet_bn_eval",
+    "transformer_block", "cross_attention", "tied_embedding_lm", "linear_twice", "recurrent_cell",
+    "mixed_ruled_unruled", "tuple_output", "layernorm_groupnorm",
+]
+
+
+@pytest.mark.parametrize("case_id", WHOLE_BATCH_CASES)
+def test_the_structured_cases_take_the_whole_batch_pass(case_id, passes):
+    """Exactness on these models is ``tests/test_structured.py``'s; here: that they do not quietly
+    fall back to the per-example pass (attention is time-major inside ``nn.MultiheadAttention``)."""
+    case = STRUCTURED_CASES[case_id]()
+    x1, x2 = make_x1_x2(case)
+    kernel = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=3, trace_axes=())(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(case.module, x1, x2, trace_axes=()))
+    assert passes.plan.whole_batch is not None, passes.plan.whole_batch_reason
+    assert passes.whole_batch >= 1
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
+def test_runs_of_examples_are_whole_batch_passes_of_their_own(same, passes):
+    """``chunk_size=3`` over 7 examples: runs of 3, 3 and 1, each one whole-batch pass (the last
+    of a single example)."""
+    model = _build(_mlp)
+    x1, x2 = _normal(7, 4, seed=1), _normal(4, 4, seed=2)
+    x2 = None if same else x2
+    kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), chunk_size=3)(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2, trace_axes=()))
+    assert 1 in passes.whole_batch_sizes and 3 in passes.whole_batch_sizes
+
+
+def test_one_example_on_x1_is_checked_on_the_examples_of_x2(passes):
+    model = _build(_mlp)
+    x1, x2 = _normal(1, 4, seed=1), _normal(5, 4, seed=2)
+    kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2, trace_axes=()))
+    assert passes.plan.whole_batch is not None and passes.plan.whole_batch.checked_on == 3
+
+
+class _FeaturesFirst(nn.Module):
+    """Examples on the last axis of the input and of the output: ``(4, N) -> (3, N)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.second = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(torch.tanh(self.first(x.T))).T
+
+
+class _BatchFirst(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x.T).T
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
+def test_examples_on_other_axes_than_the_first(same, passes):
+    model = _build(_FeaturesFirst)
+    x1, x2 = _normal(4, 5, seed=1), _normal(4, 3, seed=2)
+    x2 = None if same else x2
+    kernel = torchntk.empirical_ntk_fn(model, vmap_axes=(1, 1, None), implementation=3, trace_axes=())(x1, x2)
+    batch_first = _BatchFirst(model)  # the same parameters, examples on axis 0: (N1, N2, 3, 3)
+    expected = reference_ntk(batch_first, x1.T, None if same else x2.T, trace_axes=())
+    assert_kernels_close(kernel, expected.permute(2, 3, 0, 1))
+    assert passes.whole_batch >= 1
+
+
+class _PooledCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.conv(x)).mean(dim=(2, 3)))
+
+
+def test_x2_with_other_per_example_shapes_takes_the_per_example_pass(passes):
+    """The plan's probe saw x1's per-example shapes; x2's images are larger, so x2 is prepared by
+    the per-example pass (and x1 by the whole-batch one)."""
+    model = _build(_PooledCNN)
+    x1, x2 = _normal(4, 2, 5, 5, seed=1), _normal(3, 2, 7, 6, seed=2)
+    kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())(x1, x2)
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2, trace_axes=()))
+    assert passes.whole_batch_sizes == [4]
+
+
+def test_parameter_groups_and_verify(passes):
+    model = _build(_mlp)
+    x1, x2 = _normal(5, 4, seed=1), _normal(4, 4, seed=2)
+    grouped = torchntk.empirical_ntk_fn(
+        model, vmap_axes=0, implementation=3, trace_axes=(), groups={"first": "0", "rest": "*"}
+    )(x1, x2)
+    assert_kernels_close(sum(grouped.values()), reference_ntk(model, x1, x2, trace_axes=()))
+    first = {name: param for name, param in model.named_parameters() if name.startswith("0.")}
+    assert_kernels_close(grouped["first"], reference_ntk(model, x1, x2, params=first, trace_axes=()))
+    assert passes.plan.whole_batch is not None
+    # verify=True checks the whole-batch pass against autograd on every call
+    verified = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), verify=True)(x1, x2)
+    assert_kernels_close(verified, reference_ntk(model, x1, x2, trace_axes=()))
+
+
+class _CoupledUnlessAlike(nn.Module):
+    """Independent examples while all examples are alike; otherwise each output gains the squared
+    distance of its example from the batch mean, which couples the examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        spread = (x - x.mean(0, keepdim=True)).pow(2).sum(-1, keepdim=True)
+        return self.layer(x) + spread
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["as-chosen", "whole-batch-forced"])
+def test_the_output_check_of_vmap_axes_still_runs(forced, monkeypatch, passes):
+    """With ``check_vmap_axes=True`` a later call's output check is the implementation's (deferred).
+    Such a call takes the per-example pass, whose outputs the check compares; were its pass over the
+    whole batch (``forced``), which has no per-example outputs, the check would make its own
+    per-example forward pass: in neither case is it skipped."""
+    if forced:
+        side_factors = structured.side_factors
+        monkeypatch.setattr(
+            structured, "side_factors", lambda *args, whole_batch=True, **kwargs: side_factors(*args, **kwargs)
+        )
+    model = _build(_CoupledUnlessAlike)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), check_vmap_axes=True)
+    alike = _normal(1, 4, seed=1).expand(4, 4).contiguous()
+    ntk_fn(alike)  # the checks pass, the plan takes the whole-batch pass
+    assert passes.plan.whole_batch is not None and passes.whole_batch == 1
+    with pytest.raises(ValueError, match="differs between the whole batch and a per-example evaluation"):
+        ntk_fn(_normal(4, 4, seed=2))
+    assert passes.whole_batch == (2 if forced else 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading whole-batch tensors per example
+# --------------------------------------------------------------------------------------------
+
+
+def test_readings_of_whole_batch_tensors():
+    examples, steps = 3, 2
+    per_example = torch.arange(examples * steps * 4.0).reshape(examples, steps, 4)
+    batch_first = per_example.reshape(examples * steps, 4)
+    time_major = per_example.transpose(0, 1).reshape(steps * examples, 4)
+    assert _side.find_fold(batch_first.shape, (steps, 4), examples) == Fold(0)
+    assert torch.equal(_side.examples_first(batch_first, Fold(0), examples), per_example)
+    assert torch.equal(_side.examples_first(time_major, Fold(0, inner=True), examples), per_example)
+    # a size-1 axis per example, behind a leading axis of G's basis
+    gradients = torch.arange(2 * 5 * examples * 1.0).reshape(2, 5, examples)
+    read = _side.examples_first(gradients, Fold(1), examples, lead=1)
+    assert read.shape == (examples, 2, 5, 1) and torch.equal(read[1, :, :, 0], gradients[:, :, 1])
+    # shared by every example, or not readable
+    assert _side.find_fold((4, 5), (4, 5), examples) == Fold(None)
+    assert _side.examples_first(torch.ones(4, 5), Fold(None), examples).shape == (examples, 4, 5)
+    assert _side.find_fold((6, 5), (4, 5), examples) is None
+    assert _side.find_fold((3, 3), (1, 1), examples) is None

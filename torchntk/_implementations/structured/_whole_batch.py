@@ -1,0 +1,297 @@
+"""Whether a plan's passes run over the whole batch: decided and checked once, when the plan is made.
+
+NOTE: [Whole-batch pullback] (``_side.py``) says what the whole-batch pass computes and why its
+layout needs a check; this module makes that check. With ``vmap_axes`` and a plan probed on one
+example, a recording pass over a few examples of the call (at most :data:`CHECK_EXAMPLES`, at
+least two) finds the axis of every perturbed op's output that holds the examples; then the
+whole-batch pass and the per-example pass of those examples, with one random cotangent, must agree
+on every use's ``G`` and every operand, example by example, within a tolerance far below what a
+wrong reading gives (another example's values). Comparing ``J^T v`` summed over the examples would
+not do: a reading that permutes the examples consistently leaves that sum unchanged. Cotangents
+differ between examples, so ``G`` tells examples apart even where the inputs do not.
+
+A plan whose check fails, or that cannot be checked (fewer than two examples of one per-example
+shape, examples mapped by a loop, a plan probed on every example, dense local Jacobians), keeps the
+per-example pass, and :attr:`~._plan.Plan.whole_batch_reason` says why. The check costs one
+recording pass, one whole-batch and one per-example backward pass of those few examples, once per
+plan (that is, per input shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional, Union
+
+import torch
+
+from ..._call.kernel_call import KernelCall
+from ..._call.per_example import Side, is_out_of_memory
+from ..._utils.precision import requested_mode
+from ._plan import Fold, Plan, WholeBatchLayout
+from ._recorder import Recorder, ShapeMismatch
+from ._roles import Role
+from ._side import (
+    PlanMismatch,
+    SideFactors,
+    WholeBatchPass,
+    example_signature,
+    examples_first,
+    find_fold,
+    per_example_factors,
+    read_per_example,
+    under_a_transform,
+    whole_batch_context,
+    whole_batch_pass,
+)
+
+CHECK = True
+"""Whether the whole-batch pass is checked against the per-example pass when a plan is made. Only
+a test switches it off, to show what the check catches."""
+
+CHECK_EXAMPLES = 3
+"""Examples the check runs on (fewer when the call has fewer)."""
+
+_SEED = 0
+
+_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+"""Of the largest entry of a tensor: both passes compute the same products, batched otherwise, so
+they differ by rounding only; a wrong reading gives other examples' values, of the order of 1."""
+_LOW_PRECISION_RTOL = 5e-2
+_REDUCED_FLOAT32_RTOL = 2e-2
+"""Float32 products in TF32 or bfloat16 (CUDA's TF32 flags, ``torchntk.precision``)."""
+
+
+def with_whole_batch(call: KernelCall, plan: Plan, checked: Optional[Plan] = None) -> Plan:
+    """``plan`` with its :attr:`~._plan.Plan.whole_batch` layout when the whole-batch pass is checked
+    to agree with the per-example pass on ``call``'s examples, else with the reason it is not.
+
+    Args:
+        call: the call the plan is made for (its first examples are checked).
+        plan: the plan, checked against autograd already.
+        checked: the plan as the call's passes state their roles (parameter groups split joint
+            roles), when it differs from ``plan``.
+    """
+    layout, reason = _layout(call, checked or plan)
+    return dataclasses.replace(plan, whole_batch=layout, whole_batch_reason=reason)
+
+
+def _layout(call: KernelCall, plan: Plan) -> tuple[Optional[WholeBatchLayout], Optional[str]]:
+    side = call.side1
+    if not side.mapped:
+        return None, "without vmap_axes the pass is over the whole batch already"
+    if side.loop:
+        return None, "the examples are mapped by a loop"
+    if plan.local_jacobian is not None:
+        return None, "dense local Jacobians (closed_form_rules=False) are computed per example"
+    if plan.perturbed_shapes is None or plan.first_example_calls is None:
+        return None, "the plan comes from probes of every example (the model's operations depend on the data)"
+    if not plan.perturbed_shapes:
+        return None, "no rule call contributes"
+    signature = example_signature(side)
+    examples = _examples_to_check(call, signature)
+    if examples is None:
+        return None, "fewer than two examples of one per-example shape to check the whole-batch pass on"
+    output_axes, reason = _output_axes(examples, plan)
+    if output_axes is None:
+        return None, reason
+    cotangents = _random_cotangents(call.expected_outputs(examples))
+    try:
+        done = whole_batch_pass(examples, plan, output_axes, cotangents)
+    except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
+        if is_out_of_memory(error):
+            raise
+        text = str(error).strip()
+        return None, f"the whole-batch pass failed ({type(error).__name__}: {text.splitlines()[0] if text else ''})"
+    if done is None:
+        return None, "the whole-batch pass states its rule calls otherwise than one example's pass"
+    if not CHECK:  # the readings shapes suggest, unchecked (only tests do this)
+        folds = {position: Fold(axis) for position, axis in output_axes.items()}
+        return WholeBatchLayout(folds, done.operand_folds, signature, 0), None
+    single = per_example_factors(examples, plan, cotangents=cotangents)
+    readings = _readings(done, plan, single, call.model.names)
+    if isinstance(readings, str):
+        return None, readings
+    layout = WholeBatchLayout(*readings, signature, done.examples)
+    # the factors exactly as the kernel's passes will read them, against the per-example pass's
+    reason = _compare(read_per_example(examples, plan, done, layout, True), single, call.model.names)
+    return (None, reason) if reason is not None else (layout, None)
+
+
+def _examples_to_check(call: KernelCall, signature: tuple) -> Optional[Side]:
+    """The first examples of x1 (or of x2, when x1 has one) that the check runs on."""
+    for side in (call.side1, call.side2):
+        if side is None or side.loop or side.batch_size() < 2 or example_signature(side) != signature:
+            continue
+        return side.narrow(0, min(side.batch_size(), CHECK_EXAMPLES))
+    return None
+
+
+def _output_axes(examples: Side, plan: Plan) -> tuple[Optional[dict[int, int]], Optional[str]]:
+    """The axis of each perturbed rule call's whole-batch output that holds the examples, from a
+    recording pass over ``examples`` (None and why, when one has none)."""
+    params = examples.model.params
+    evaluate = examples.whole_batch()
+    recorder = Recorder(params)
+
+    def record() -> None:
+        with torch.no_grad(), recorder:
+            evaluate(params)
+
+    with whole_batch_context(examples):
+        under_a_transform(record)
+    if not plan.foresees(recorder.calls, recorder.unruled):
+        return None, "a pass over the whole batch consumes the parameters otherwise than one example's pass"
+    count = examples.batch_size()
+    axes = {}
+    for position, (shape, dtype) in plan.perturbed_shapes.items():
+        if position >= len(recorder.calls) or not plan.roles(recorder.calls[position]):
+            return None, "a pass over the whole batch makes other rule calls than one example's pass"
+        output = recorder.calls[position].output
+        fold = find_fold(output.shape, shape, count)
+        if fold is None or fold.axis is None or output.dtype != dtype:
+            return None, (
+                f"rule call {position} gives {tuple(output.shape)} for {count} examples but {shape} for one: "
+                f"its output does not hold the examples on one axis"
+            )
+        axes[position] = fold.axis
+    return axes, None
+
+
+def _readings(
+    done: WholeBatchPass, plan: Plan, single: SideFactors, names: tuple[str, ...]
+) -> Union[tuple[dict[int, Fold], tuple[Fold, ...]], str]:
+    """Where the whole-batch pass ``done`` holds the examples of every ``G`` and operand: the one
+    reading its shapes allow that gives the per-example pass's values (``single``, from the same
+    cotangents), or why there is none. A flattened axis allows two (the example the outer or the
+    inner factor), which only the values tell apart; when both fit, nothing can be told and the
+    plan keeps the per-example pass."""
+    if len(done.kept) != len(single.uses):
+        return "the whole-batch pass keeps other uses than the per-example pass"
+    positions = sorted(plan.perturbed_shapes)
+    examples = done.examples
+    output_folds: dict[int, Fold] = {}
+    operand_folds: list[Fold] = []
+    tensors = iter(zip(done.operands, done.operand_folds))
+    for (index, role), use in zip(done.kept, single.uses):
+        what = f"the {role.name} use of {', '.join(repr(names[param]) for param in role.unit)}"
+        position = positions[index]
+        shape_axis = find_fold(done.gradients[index].shape[1:], plan.perturbed_shapes[position][0], examples).axis
+
+        def gradient(fold: Fold, raw: torch.Tensor = done.gradients[index], role: Role = role) -> torch.Tensor:
+            return examples_first(raw, fold, examples, lead=1).reshape(examples, *role.y_shape)
+
+        flattened = plan.perturbed_shapes[position][0][shape_axis] > 1
+        fold = _reading(gradient, use.gradients[0], shape_axis, flattened, output_folds.get(position))
+        if isinstance(fold, str):
+            return f"G of {what}: {fold}"
+        output_folds[position] = fold
+        for number, (expected, _) in enumerate(use.role.operands):
+            tensor, seen = next(tensors)
+            flattened = seen.axis is not None and tensor.shape[seen.axis] > examples
+            read = functools.partial(examples_first, tensor, examples=examples)
+            fold = _reading(read, expected, seen.axis, flattened)
+            if isinstance(fold, str):
+                return f"operand {number} of {what}: {fold}"
+            operand_folds.append(fold)
+    return output_folds, tuple(operand_folds)
+
+
+def _reading(
+    read: Callable[[Fold], torch.Tensor], expected: torch.Tensor, axis: Optional[int], flattened: bool,
+    decided: Optional[Fold] = None,
+) -> Union[Fold, str]:
+    """The fold by which ``read`` gives ``expected`` (its per-example value): on ``axis``, the
+    example the outer or (``flattened``: one example's size along it is not 1) the inner factor;
+    only ``decided`` when another use of the same tensor decided already."""
+    if decided is not None:
+        candidates = [decided]
+    else:
+        candidates = [Fold(axis)] + ([Fold(axis, inner=True)] if flattened else [])
+    fitting = []
+    last = None
+    for fold in candidates:
+        last = _relative_difference(read(fold), expected)
+        if last is not None and last <= _tolerance(expected):
+            fitting.append(fold)
+    if len(fitting) == 1:
+        return fitting[0]
+    if fitting:
+        return "the examples checked cannot tell whether the example is the outer or the inner factor of its axis"
+    return (
+        f"no reading of the whole-batch tensor gives the per-example pass's value (relative difference "
+        f"{last:.3g}): the model does not keep each example on one axis of its tensors as their shapes suggest"
+        if last is not None else "the whole-batch tensor does not have the per-example pass's shape"
+    )
+
+
+def _random_cotangents(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Standard normal cotangents shaped like ``outputs``, from a fixed seed (the user's random
+    stream is left alone)."""
+    generator = torch.Generator().manual_seed(_SEED)
+    return tuple(
+        torch.randn(output.shape, generator=generator, dtype=torch.float64).to(dtype=output.dtype, device=output.device)
+        for output in outputs
+    )
+
+
+def _compare(whole: Optional[SideFactors], single: SideFactors, names: tuple[str, ...]) -> Optional[str]:
+    """Why the factors of a whole-batch pass differ from the per-example pass's (None: they agree)."""
+    if whole is None:
+        return "the whole-batch pass's operands do not lie where their shapes say"
+    if len(whole.uses) != len(single.uses):
+        return "the whole-batch pass keeps other uses than the per-example pass"
+    for one, other in zip(whole.uses, single.uses):
+        what = f"the {one.role.name} use of {', '.join(repr(names[index]) for index in one.role.unit)}"
+        if one.role.unit != other.role.unit:
+            return "the whole-batch pass keeps its uses in another order than the per-example pass"
+        pairs = [("G", one.gradients[0], other.gradients[0])]
+        pairs += [
+            (f"operand {index}", mine, theirs)
+            for index, ((mine, _), (theirs, _)) in enumerate(zip(one.role.operands, other.role.operands))
+        ]
+        for name, mine, theirs in pairs:
+            difference = _relative_difference(mine, theirs)
+            if difference is None:
+                return (
+                    f"{name} of {what} has shape {tuple(mine.shape)} in the whole-batch pass but "
+                    f"{tuple(theirs.shape)} per example"
+                )
+            if not difference <= _tolerance(theirs):
+                return (
+                    f"{name} of {what} differs between the whole-batch pass and the per-example pass "
+                    f"(relative difference {difference:.3g}): the model does not keep each example on one "
+                    f"axis of the whole-batch tensors as their shapes suggest (e.g. a time-major recurrence)"
+                )
+    return None
+
+
+def _relative_difference(mine: torch.Tensor, theirs: torch.Tensor) -> Optional[float]:
+    """``max |mine - theirs| / max |theirs, mine|`` (0 for empty or all-zero tensors; NaN where
+    one holds NaN the other does not; None for different shapes)."""
+    if mine.shape != theirs.shape:
+        return None
+    if not mine.numel():
+        return 0.0
+    mine, theirs = mine.detach().to(torch.float64), theirs.detach().to(torch.float64)
+    same = (mine == theirs) | (mine.isnan() & theirs.isnan())  # equal infinities and NaNs agree
+    gap = torch.where(same, torch.zeros((), dtype=mine.dtype, device=mine.device), (mine - theirs).abs())
+    scale = torch.maximum(mine.abs(), theirs.abs()).nan_to_num(nan=0.0, posinf=0.0).max()
+    error, scale = torch.stack([gap.max(), scale]).tolist()
+    if error == 0.0:
+        return 0.0
+    return error / scale if scale > 0 else float("inf")
+
+
+def _tolerance(tensor: torch.Tensor) -> float:
+    dtype = tensor.dtype
+    if dtype == torch.float64:
+        return _RTOL[dtype]
+    if dtype != torch.float32:
+        return _LOW_PRECISION_RTOL
+    reduced = requested_mode() != "float32" or (
+        tensor.device.type == "cuda"
+        and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+             or torch.get_float32_matmul_precision() != "highest")
+    )
+    return _REDUCED_FLOAT32_RTOL if reduced else _RTOL[dtype]
