@@ -57,7 +57,7 @@ Rows (``--rows``, default all):
   ``(N, 32)`` int64, no attention mask (no padding: transformers' SDPA mask builder tests
   ``mask.all()``, data-dependent control flow that the tutorial's ``vmap`` over examples cannot
   run), the 2 logits out; full kernel. Its tutorial row is the same recipe over the same
-  (trainable) parameters, the frozen ones passed as constants (:func:`tutorial_over_trainable`).
+  (trainable) parameters, the frozen ones passed as constants (``tutorial_ntk_fn`` differentiates the trainable parameters only).
   Skipped, saying why, where transformers or peft do not import;
 * ``tiny``: MLP 8-32-32-4, N = 2, AUTO only, traced, against the tutorial: a call that is nothing
   but host work. Timed in ``--tiny-rounds`` rounds alternating the two, ``--tiny-repeats`` calls
@@ -100,7 +100,6 @@ sys.path.append(REPO_ROOT)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.func import functional_call, jacrev, vmap  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import torchntk  # noqa: E402
@@ -262,7 +261,7 @@ def bench_row(name: str, n: int, quick: bool, device: torch.device) -> Row:
         layers = 2 if quick else 12
         return Row(name, f"BERT-base-size ({layers} layers) + LoRA r=8 (q, v; {count:,} parameters), "
                    f"{TOKENS} tokens, N = {n}, full", model, x[:n], x[n:], False,
-                   tutorial_over_trainable(model, False))
+                   tutorial_ntk_fn(model, False))
     raise ValueError(name)
 
 
@@ -298,28 +297,6 @@ def bert_lora(layers: int, n: int, device: torch.device) -> tuple[nn.Module, tor
         model = _Logits(peft.get_peft_model(base, lora).eval()).eval().to(device)
     generator = torch.Generator().manual_seed(1)
     return model, torch.randint(3, vocab, (n, TOKENS), generator=generator).to(device)
-
-
-def tutorial_over_trainable(model: nn.Module, traced: bool) -> Callable:
-    """``tutorial_ntk_fn``'s recipe over the parameters with ``requires_grad`` only (what torchntk
-    differentiates); frozen parameters and buffers are constants of ``functional_call``."""
-    params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-    constants = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
-    constants.update(model.named_buffers())
-
-    def one_example(parameters: dict, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(model, (parameters, constants), (x.unsqueeze(0),)).squeeze(0)
-
-    jacobians = vmap(jacrev(one_example), (None, 0))
-    equation = "naf,maf->nm" if traced else "naf,mbf->nmab"
-
-    def ntk(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        jacobian1 = [j.flatten(2) for j in jacobians(params, x1).values()]
-        jacobian2 = [j.flatten(2) for j in jacobians(params, x2).values()]
-        kernel = torch.stack([torch.einsum(equation, j1, j2) for j1, j2 in zip(jacobian1, jacobian2)]).sum(0)
-        return kernel / jacobian1[0].shape[1] if traced else kernel
-
-    return ntk
 
 
 # ===========================================================================

@@ -42,6 +42,21 @@ class OutputAxisError(ValueError):
         super().__init__(f"{where}: with `vmap_axes`, {self.symptom}. Check `vmap_axes`, or pass vmap_axes=None.")
 
 
+@contextlib.contextmanager
+def transformed(model: FunctionalModel, where: str) -> Iterator[None]:
+    """What a pass of ``model`` under ``torch.func`` transforms runs under: vmap's errors explained,
+    the kernels vmap cannot batch computed as plain ops (the model's fused recurrent and weight-norm
+    kernels, NOTE: [Unfused kernels]) and, on CUDA, the fused attention kernels
+    (``_model/unfused.math_attention``)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(vmap_errors(where))
+        if model.fused:
+            stack.enter_context(Unfused())
+        if any(param.is_cuda for param in model.params):
+            stack.enter_context(math_attention())
+        yield
+
+
 @dataclass(frozen=True)
 class Side:
     """The model and the inputs of one side, plus the axes to map (or None for whole batches).
@@ -98,12 +113,7 @@ class Side:
         if self.loop:
             yield
             return
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(vmap_errors(self.where))
-            if self.model.fused:
-                stack.enter_context(Unfused())
-            if any(param.is_cuda for param in self.model.params):
-                stack.enter_context(math_attention())
+        with transformed(self.model, self.where):
             yield
 
     def batch_size(self) -> int:

@@ -21,12 +21,15 @@ from torch.func import functional_call, jacrev, vmap
 def tutorial_ntk_fn(model: nn.Module, traced: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The tutorial's Jacobian-contraction NTK of ``model``: ``(N, M)`` traced over the outputs
     (``traced``; divided by ``O``, the mean that torchntk's ``trace_axes=(-1,)`` gives, as
-    neural-tangents does), else ``(N, M, O, O)``, the layout of torchntk's ``trace_axes=()``."""
-    params = {name: tensor.detach() for name, tensor in model.named_parameters()}
-    buffers = dict(model.named_buffers())
+    neural-tangents does), else ``(N, M, O, O)``, the layout of torchntk's ``trace_axes=()``.
+    Like torchntk, it differentiates the parameters with ``requires_grad`` (LoRA adapters of a
+    frozen model) and keeps the others and the buffers constant."""
+    params = {name: tensor.detach() for name, tensor in model.named_parameters() if tensor.requires_grad}
+    constants = {name: tensor.detach() for name, tensor in model.named_parameters() if not tensor.requires_grad}
+    constants.update(model.named_buffers())  # frozen parameters and buffers: what torchntk keeps constant
 
     def one_example(parameters: dict, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(model, (parameters, buffers), (x.unsqueeze(0),)).squeeze(0)
+        return functional_call(model, (parameters, constants), (x.unsqueeze(0),)).squeeze(0)
 
     jacobians = vmap(jacrev(one_example), (None, 0))
     equation = "naf,maf->nm" if traced else "naf,mbf->nmab"

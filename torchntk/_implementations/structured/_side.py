@@ -56,8 +56,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.func import jacfwd, jacrev, vjp, vmap
 
-from ..._call.per_example import Side, vmap_errors
-from ..._model.unfused import Unfused, math_attention
+from ..._call.per_example import Side, transformed
 from ._plan import Fold, Plan, WholeBatchLayout
 from ._recorder import Recorder, ShapeMismatch
 from ._roles import OutputSpec, Role, RuleCall, letters
@@ -629,10 +628,5 @@ def _whole_batch_basis(outputs: tuple[torch.Tensor, ...], out_axes: Sequence[int
 def whole_batch_context(side: Side) -> Iterator[None]:
     """What the per-example pass runs under (``Side.per_example``), for the whole-batch pass: its
     ``vmap`` over the basis meets the same kernels (fused recurrent and attention kernels)."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(vmap_errors(side.where))
-        if side.model.fused:
-            stack.enter_context(Unfused())
-        if any(param.is_cuda for param in side.model.params):
-            stack.enter_context(math_attention())
+    with transformed(side.model, side.where):
         yield
