@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Hashable
 
 from .._utils.checks import user_stacklevel
 from .per_example import VmapLimitation, first_line
@@ -37,8 +36,8 @@ class ExampleLoops:
         self._warned = False
         self._lock = threading.Lock()
 
-    def switch(self, key: Hashable, error: VmapLimitation, where: str) -> None:
-        """Warns on the first switch of this kernel function (``key``: the plan key that switched)."""
+    def switch(self, error: VmapLimitation, where: str) -> None:
+        """Warns on the first switch of this kernel function."""
         with self._lock:
             if self._warned:
                 return

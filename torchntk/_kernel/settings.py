@@ -267,7 +267,7 @@ class NtkSettings:
     def _switch_to_loop(self, key: tuple, error: VmapLimitation, where: str) -> None:
         """NOTE: [Switching to example loops]: later plans of ``key`` map examples by a loop."""
         self.planner.learn(key, example_loop=True)
-        self.example_loops.switch(key, error, where)
+        self.example_loops.switch(error, where)
 
     def _admission(self, where: str, caller: Optional[CallerPlan]) -> Optional[Callable[..., None]]:
         """``admit(shapes, dtypes, device)`` for :func:`prepare_call`: raises the refusal of a kernel

@@ -41,7 +41,6 @@ class Facts:
 
     Attributes:
         derivatives_checked: the derivative part of NOTE: [Checking vmap_axes] passed.
-        outputs_checked: the output check passed once.
         aliases_checked: NOTE: [Aliased parameters]'s check of the module's parameter references passed.
         outputs: the description of the outputs (``OutputShapes``) that later calls may stand in
             with, or None.
@@ -49,7 +48,6 @@ class Facts:
     """
 
     derivatives_checked: bool = False
-    outputs_checked: bool = False
     aliases_checked: bool = False
     outputs: Any = None
     example_loop: bool = False
