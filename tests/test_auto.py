@@ -9,6 +9,7 @@ kernel against the float64 brute force.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from unittest import mock
 
@@ -68,11 +69,13 @@ class _Spies:
             patch.__exit__(*exc_info)
 
 
-def test_a_tiny_model_is_chosen_for_without_making_the_structured_plan():
+def test_a_tiny_unmapped_model_is_chosen_for_without_making_the_structured_plan():
+    # Without vmap_axes, 3's passes sweep every output entry of the batch and cannot take the
+    # whole-batch pass: its lower bound alone exceeds 2's price (mapped, 3 is the fastest here)
     model = _tiny()
     x1, x2 = _inputs(3)
     with _Spies() as spies:
-        auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
+        auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=None, implementation=0)
         choice = auto.auto_choice(x1, x2)
         plans_for_choice = spies.plans.call_count
         actual = auto(x1, x2)
@@ -230,7 +233,15 @@ def test_one_df_dy_pass_for_both_sides_is_priced_where_the_sides_join():
         assert not structured_joint.joinable(call.side1, call.side2, per_example)
         assert structured_joint.joined(call.side1, call.side2, per_example) is None
         apart = prices.structured_derivatives(plan).flops
-    # the ATen calls of one side's df/dy pass are saved: 4 per call of the counted pass (forward and sweep)
+    # the ATen calls of one side's df/dy pass are saved: 2 per call of the counted pass (forward and
+    # sweep, both over the whole batch: NOTE: [Whole-batch pullback])
+    assert plan.whole_batch is not None
+    assert apart - joint == pytest.approx(auto_module._WHOLE_BATCH_OPS * prices.per_op * prices.per_example_ops[1])
+    # per example (a plan whose whole-batch pass was refused), 4 per call
+    per_example_plan = dataclasses.replace(plan, whole_batch=None, whole_batch_reason="refused")
+    joint = prices.structured_derivatives(per_example_plan).flops
+    with mock.patch.object(structured_joint, "MAX_JOINED_GRADIENTS", 0):
+        apart = prices.structured_derivatives(per_example_plan).flops
     assert apart - joint == pytest.approx(4 * prices.per_op * prices.per_example_ops[1])
     assert not structured_joint.joinable(call.side1, call.side2, None)
 
@@ -240,8 +251,10 @@ def test_implementation_2_is_never_picked_unprobed_and_is_excluded_when_its_prob
     model = _tiny()
     x1, x2 = _inputs(3)
     expensive = mock.patch.object(auto_module._Prices, "jacobian_contraction", lambda self: Estimate(1e30, 0.0))
+    # 3, the cheapest on this model, priced above 2 so that 2 is the pick to probe
+    dear = mock.patch.object(auto_module._Prices, "structured_derivatives", lambda self, plan: Estimate(1e29, 0.0))
 
-    with expensive, _Spies() as spies:
+    with expensive, dear, _Spies() as spies:
         choice = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0).auto_choice(x1, x2)
     assert spies.probes.call_count == 1 and choice.implementation != JACOBIAN
     assert PRODUCTS not in choice.unprobed
@@ -249,7 +262,7 @@ def test_implementation_2_is_never_picked_unprobed_and_is_excluded_when_its_prob
     def cannot_run(side):
         raise ValueError("no derivative of this model")
 
-    with expensive, mock.patch.object(auto_module, "vector_products_method", cannot_run):
+    with expensive, dear, mock.patch.object(auto_module, "vector_products_method", cannot_run):
         auto = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)
         choice = auto.auto_choice(x1, x2)
         actual = auto(x1, x2)
@@ -540,3 +553,26 @@ def test_stacking_shapes_gives_the_shape_stacking_tensors_gives(dim):
     assert torch.stack(shapes, dim).shape == expected.shape
     with pytest.raises(TypeError):
         torch.cat(shapes)  # pricing needs stacking only: anything else fails loudly
+
+
+def test_the_whole_batch_pass_is_priced_and_priced_again_where_the_checked_plan_refuses_it():
+    """NOTE: [Whole-batch pullback]: 3's passes over the whole batch make fewer ATen calls than its
+    per-example passes (``_WHOLE_BATCH_OPS`` against 4 per counted call); a plan whose check keeps
+    the per-example pass is priced as such before it is picked."""
+    model = _wide()
+    x1, x2 = _inputs(16, 6, 4)
+    with mock.patch.object(auto_module, "_PROBE_EVERYTHING", True):
+        whole = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0).auto_choice(x1, x2)
+
+        def refused(call, plan, checked=None):
+            return dataclasses.replace(plan, whole_batch=None, whole_batch_reason="refused by the test")
+
+        with mock.patch.object(structured_module, "with_whole_batch", refused):
+            auto = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)
+            per_example = auto.auto_choice(x1, x2)
+            actual = auto(x1, x2)
+    call = _first_call(model, x1, x2)
+    prices = auto_module._Prices(call)
+    saved = (4 - auto_module._WHOLE_BATCH_OPS) * prices.per_op * prices.per_example_ops[0]  # one joint pass
+    assert per_example.estimates[STRUCTURED].flops - whole.estimates[STRUCTURED].flops == pytest.approx(saved)
+    assert_kernels_close(actual, reference_ntk(model, x1, x2), rtol=1e-10)
