@@ -221,7 +221,7 @@ def test_a_plan_that_cannot_fit_is_refused_naming_its_smallest_peak():
     with pytest.raises(torchntk.KernelMemoryError, match="even with one example per block") as refused:
         ntk_fn(_x(8))
     assert refused.value.needed_bytes > 20_000 and not refused.value.kernel_alone
-    unmapped = torchntk.empirical_ntk_fn(model, implementation=1, memory=20_000)
+    unmapped = torchntk.empirical_ntk_fn(model, vmap_axes=None, implementation=1, memory=20_000)
     with pytest.raises(torchntk.KernelMemoryError, match="Pass vmap_axes if the examples are independent"):
         unmapped(_x(8))
 
@@ -230,7 +230,7 @@ def test_without_vmap_axes_the_plan_bounds_the_vectors_differentiated_at_once():
     model = _mlp(width=64, outputs=8)
     x = _x(12)
     expected = torchntk.empirical_ntk_fn(model, trace_axes=(), memory=math.inf)(x)
-    settings = torchntk.empirical_ntk_fn(model, trace_axes=(), implementation=1)._settings
+    settings = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=None, implementation=1)._settings
     key = torchntk._kernel.settings.input_shape_key(x, None, None, {})
     call = settings.prepare(x, None, None, {}, "ntk_fn", shape_key=key)
     planner = torchntk._implementations.memory_planner(settings.table)
@@ -238,7 +238,7 @@ def test_without_vmap_axes_the_plan_bounds_the_vectors_differentiated_at_once():
     one = planner.peak(call, key, torchntk.NtkImplementation(1), 1)
     budget = (whole.planned + one.planned) / 2
     with pytest.warns(torchntk.MemoryPlanWarning, match="output entries differentiated at once"):
-        actual = torchntk.empirical_ntk_fn(model, trace_axes=(), implementation=1, memory=budget)(x)
+        actual = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=None, implementation=1, memory=budget)(x)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -372,7 +372,7 @@ def test_batch_auto_refuses_a_result_too_large_and_writes_it_to_out_instead(tmp_
 
 def test_batch_auto_without_vmap_axes_plans_each_worker_within_its_share(monkeypatch):
     model = _mlp(width=64, outputs=4)
-    ntk_fn = torchntk.empirical_ntk_fn(model, implementation=1)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=None, implementation=1)
     budgets = []
     original = torchntk._kernel.settings.NtkSettings.budget
     monkeypatch.setattr(torchntk._kernel.settings.NtkSettings, "budget",

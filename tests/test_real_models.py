@@ -68,3 +68,47 @@ def test_zoo_model_against_reference(name: str, implementation: int) -> None:
 @pytest.mark.parametrize("name", sorted(zoo.SLOW))
 def test_large_zoo_model_against_reference(name: str, implementation: int) -> None:
     _check_zoo_model(name, implementation)
+
+
+def _check_defaults(name: str) -> None:
+    """``empirical_ntk_fn(model)(x1, x2)`` with nothing else given (NOTE: [Found vmap_axes]): the
+    exact kernel, the examples mapped as the case's own ``vmap_axes`` map them."""
+    case = _case(name)
+    snapshot = ModuleSnapshot.of(case.module)
+    ntk_fn = torchntk.empirical_ntk_fn(case.module, output_fn=case.output_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torchntk.ExampleLoopWarning)
+        kernel = ntk_fn(case.x1, case.x2, **case.kwargs)
+        choice = ntk_fn.auto_choice(case.x1, case.x2, **case.kwargs)
+    expected = _reference(name, "traced")
+    assert_kernels_close(kernel.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    assert choice.vmap_axes is not None, choice.vmap_axes_reason
+    assert choice.vmap_axes[2] == (case.vmap_axes[2] if isinstance(case.vmap_axes, tuple) else None)
+    snapshot.assert_unchanged()
+
+
+@pytest.mark.parametrize("name", sorted(zoo.FAST))
+def test_zoo_model_with_the_defaults(name: str) -> None:
+    _check_defaults(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(zoo.SLOW))
+def test_large_zoo_model_with_the_defaults(name: str) -> None:
+    _check_defaults(name)
+
+
+@pytest.mark.slow
+def test_resnet18_in_training_mode_with_the_defaults() -> None:
+    """As constructed (training mode): batch statistics couple the examples, so the kernel is that
+    of the model as called on the whole batch, and its running statistics stay as they were."""
+    torch.manual_seed(0)
+    case = zoo.resnet18()
+    module = case.module.train().to(DEVICE)
+    x1, x2 = to_device(case.x1), to_device(case.x2)
+    snapshot = ModuleSnapshot.of(module)
+    with pytest.warns(UserWarning, match=r"training mode, BatchNorm2d at 'bn1' \(batch statistics\).*model.eval\(\)"):
+        kernel = torchntk.empirical_ntk_fn(module)(x1, x2)
+    snapshot.assert_unchanged()
+    expected = reference_ntk(module, x1, x2)
+    assert_kernels_close(kernel.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())

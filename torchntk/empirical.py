@@ -50,8 +50,13 @@ from ._utils.types import Axes, Model, NtkImplementation, PyTree, VMapAxes
 
 __all__ = ["empirical_ntk_fn", "empirical_nngp_fn", "empirical_kernel_fn", "empirical_ntk_vp_fn"]
 
-DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.JACOBIAN_CONTRACTION
-"""Jacobian contraction: exact, general, and the fastest of 1 and 2 for traced kernels."""
+DEFAULT_NTK_IMPLEMENTATION = NtkImplementation.AUTO
+"""AUTO: the cheapest of 1, 2 and 3 that fits the memory budget, exact like each of them (neural-tangents'
+default is 1; docs/migrating.md says why ours differs)."""
+
+DEFAULT_VMAP_AXES = "auto"
+"""Found per input structure where the checks prove the examples independent (NOTE: [Found
+vmap_axes]); neural-tangents' default is None."""
 
 
 _CALL_ARGS = """
@@ -100,7 +105,7 @@ def empirical_ntk_fn(
     f: Model,
     trace_axes: Axes = (-1,),
     diagonal_axes: Axes = (),
-    vmap_axes: VMapAxes = None,
+    vmap_axes: VMapAxes = DEFAULT_VMAP_AXES,
     implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
     *,
     chunk_size: Optional[int] = None,
@@ -129,14 +134,20 @@ def empirical_ntk_fn(
         diagonal_axes: output axes of which only the diagonal (equal x1 and x2 indices) is kept.
             Default: ``()``.
         vmap_axes: certifies that ``f`` treats examples independently along these axes, which
-            lets Jacobians be formed per example (``O(N)`` instead of ``O(N^2)`` work). ``None``
-            (no such promise), an int (same axis for inputs and outputs, e.g. ``0``), a pytree of
-            axes, or ``(in_axes, out_axes, kwargs_axes)``. See NOTE: [vmap_axes contract] in
-            ``torchntk/_call/vmap_axes.py``. Default: ``None``.
+            lets Jacobians be formed per example (``O(N)`` instead of ``O(N^2)`` work). ``"auto"``
+            (find them: the leading axis of the inputs, outputs and per-example keyword arguments,
+            adopted only where the checks of ``check_vmap_axes`` pass on the first call per input
+            structure, else the whole-batch computation; ``ntk_fn.auto_choice(x1, x2).vmap_axes``
+            says what was found and ``vmap_axes_reason`` why not), ``None`` (no such promise), an
+            int (same axis for inputs and outputs, e.g. ``0``), a pytree of axes, or ``(in_axes,
+            out_axes, kwargs_axes)``. See NOTE: [vmap_axes contract] in
+            ``torchntk/_call/vmap_axes.py`` and NOTE: [Found vmap_axes]. Default: ``"auto"``
+            (neural-tangents: ``None``).
         implementation: an :class:`NtkImplementation` or its int value: ``1`` (Jacobian
             contraction), ``2`` (NTK-vector products), ``3`` (structured derivatives) or ``0``
-            (AUTO: the cheapest of the three for the input shapes, see ``ntk_fn.auto_choice``).
-            Default: ``1``, exact for every model; ``docs/structured.md`` says when each wins.
+            (AUTO: the cheapest of the three for the input shapes that fits the memory budget, see
+            ``ntk_fn.auto_choice``). Every implementation is exact. Default: ``0`` (neural-tangents:
+            ``1``); ``docs/structured.md`` says when each wins.
         chunk_size: bounds peak memory. With ``vmap_axes``: at most this many examples of x1 and of
             x2 have their derivatives in memory at once (the kernel is assembled from blocks;
             with x2 None only blocks on and above the diagonal are computed). Without
@@ -146,7 +157,7 @@ def empirical_ntk_fn(
             fit in about 32 MB (faster than all at once; see ``docs/design.md``). With
             NTK-vector products x1 is never cut (unless its batch axis is traced or diagonal).
             Default: ``None``.
-        check_vmap_axes: when ``vmap_axes`` is given, compare the per-example outputs with a
+        check_vmap_axes: when ``vmap_axes`` is given or found, compare the per-example outputs with a
             whole-batch forward pass, and random vector-Jacobian products of two examples per
             example and as a batch, and raise a ValueError naming the cause if they differ
             (NaN/Inf, unmapped keyword arguments, a PyTorch vmap bug, or coupling), so that
@@ -156,7 +167,8 @@ def empirical_ntk_fn(
             checks and the whole-batch forward pass (a model whose coupling depends on the values,
             not on the shapes, such as a mixture of experts whose capacity overflows for some
             batches, is caught only if the first call shows it). ``True``: the output check, and
-            its whole-batch forward pass, on every call as well. ``False``: no check.
+            its whole-batch forward pass, on every call as well. ``False``: no check (and with
+            ``vmap_axes="auto"``, no axes found: nothing would prove them).
             Default: ``"first"`` (``docs/guarantees.md`` says why).
         structure_rules: implementation 3 (and AUTO) only. ``False`` sends every parameter to the
             Jacobian fallback, which makes implementation 3 compute Jacobian contraction (a test
@@ -397,7 +409,7 @@ def empirical_kernel_fn(
     f: Model,
     trace_axes: Axes = (-1,),
     diagonal_axes: Axes = (),
-    vmap_axes: VMapAxes = None,
+    vmap_axes: VMapAxes = DEFAULT_VMAP_AXES,
     implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
     *,
     chunk_size: Optional[int] = None,

@@ -60,6 +60,52 @@ def parse_vmap_axes(vmap_axes: Any, where: str) -> ParsedVmapAxes:
     return ParsedVmapAxes(in_axes, out_axes, kwargs_axes)
 
 
+FOUND = "auto"
+"""The default ``vmap_axes`` of the kernel builders: the axes are found per input structure
+(NOTE: [Found vmap_axes])."""
+
+
+def candidate_vmap_axes(x1: Any, x2: Any, kwargs: Mapping[str, Any]) -> Optional[ParsedVmapAxes]:
+    """The ``vmap_axes`` that ``vmap_axes="auto"`` tries on these inputs, or None where none can apply.
+
+    NOTE: [Found vmap_axes]
+    Without ``vmap_axes`` the user promises nothing, and the kernel is computed on whole batches:
+    exact for any model, but ``O(N^2)`` in derivatives where independent examples need ``O(N)``.
+    The builders' default ``"auto"`` looks for the axes the user would most likely have given: the
+    leading axis of every input leaf and output leaf, and of every keyword argument whose tensor
+    leaves all lead with the examples (an attention mask), the others passed whole. They are tried
+    only where every input leaf is a tensor of at least two dimensions whose leading size is its
+    side's number of examples, and adopted only when NOTE: [Checking vmap_axes] passes on the first
+    call of a key (``_kernel/settings.py``) and the kernel's layout keeps the leading output axis
+    (so that the same ``trace_axes`` mean the same kernel with and without axes): structural
+    coupling (batch statistics, dropout in training mode), per-example outputs that differ from
+    the whole batch's, or derivatives that differ, keep the whole-batch computation for that key,
+    whose values are the same. ``check_vmap_axes=False`` finds nothing
+    (nothing would prove the axes). The decision is a fact of the plan key (``_plan``): a change of
+    shapes, structure or train/eval mode decides again.
+    """
+    sizes = []
+    for x in (x1,) if x2 is None else (x1, x2):
+        leaves = Flat.of(x).leaves
+        # A 1-D input is one unbatched example to some models (nn.Linear) and many scalar examples to
+        # others; without a promise it stays one, as with vmap_axes=None
+        if not leaves or any(not isinstance(leaf, torch.Tensor) or leaf.ndim < 2 for leaf in leaves):
+            return None
+        if len({leaf.shape[0] for leaf in leaves}) != 1:
+            return None
+        sizes.append(leaves[0].shape[0])
+    halves = split_kwargs(kwargs, x2_is_none=False, where="")
+    mapped = {}
+    for key in kwargs:
+        leads = []
+        for half, size in zip(halves, sizes):
+            leaves = [leaf for leaf in Flat.of(half[key]).leaves if isinstance(leaf, torch.Tensor)]
+            leads.append(bool(leaves) and all(leaf.ndim > 0 and leaf.shape[0] == size for leaf in leaves))
+        if all(leads):
+            mapped[key] = 0
+    return ParsedVmapAxes(0, 0, mapped or None)
+
+
 def _check_axis_tree(tree: Any, name: str, where: str) -> None:
     if tree is None:
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .._utils.types import NtkImplementation
 
@@ -66,6 +66,11 @@ class AutoChoice:
             mode assumed and not checked to run (it was not the cheapest either way), and
             implementation 3 is not priced (no entry in ``estimates``, no
             ``fallback_parameters``). A candidate is never picked unprobed.
+        vmap_axes: the ``vmap_axes`` the call maps its examples with, as
+            ``(in_axes, out_axes, kwargs_axes)``, or None where it computes on whole batches: the
+            user's, or with ``vmap_axes="auto"`` (the default) those found for these inputs
+            (NOTE: [Found vmap_axes]).
+        vmap_axes_reason: with ``vmap_axes="auto"``, why no axes were found (None otherwise).
     """
 
     implementation: NtkImplementation
@@ -74,6 +79,8 @@ class AutoChoice:
     fallback_parameters: dict = field(default_factory=dict)
     excluded: dict = field(default_factory=dict)
     unprobed: dict = field(default_factory=dict)
+    vmap_axes: Any = None
+    vmap_axes_reason: Optional[str] = None
 
     @property
     def chunk_size(self) -> Optional[int]:

@@ -80,7 +80,7 @@ class KernelFunction:
 
     Example:
         >>> import torch, torchntk
-        >>> ntk_fn = torchntk.empirical_ntk_fn(torch.nn.Linear(3, 2), vmap_axes=0)
+        >>> ntk_fn = torchntk.empirical_ntk_fn(torch.nn.Linear(3, 2), vmap_axes=0, implementation=1)
         >>> isinstance(ntk_fn, torchntk.KernelFunction), ntk_fn(torch.randn(4, 3)).shape
         (True, torch.Size([4, 4]))
         >>> ntk_fn.auto_choice(torch.randn(4, 3)).implementation

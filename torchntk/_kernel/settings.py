@@ -23,8 +23,8 @@ from .._call.example_loop import ExampleLoops
 from .._call.groups import ParameterGroups, groups_argument
 from .._call.kernel_call import KernelCall, bind_call, prepare_call
 from .._call.outputs import output_fn_argument
-from .._call.per_example import VmapLimitation
-from .._call.vmap_axes import ParsedVmapAxes, parse_vmap_axes
+from .._call.per_example import VmapLimitation, first_line
+from .._call.vmap_axes import FOUND, ParsedVmapAxes, candidate_vmap_axes, parse_vmap_axes
 from .._implementations import implementation_table, memory_plan, memory_planner
 from .._implementations.memory import OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, kernel_refusal, with_chunk
 from .._implementations.choice import AutoChoice
@@ -38,9 +38,11 @@ from .._memory import (
     resolve_budget,
 )
 from .._model.aliases import alias_checks
-from .._plan import CallPlan, CallTemplate, Planner, Purpose, input_shape_key, plan_key
+from .._model.functional import training_mode_layers
+from .._plan import UNDECIDED, CallPlan, CallTemplate, Planner, Purpose, input_shape_key, plan_key
 from .._model.torch_errors import explained
 from .._utils import checks as _checks
+from .._utils.bounded_cache import BoundedCache
 from .._utils.threads import serialised
 from .._utils.tree import is_all_none
 from .._utils.types import Model, NtkImplementation, PyTree
@@ -108,6 +110,9 @@ class NtkSettings:
     groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
     captured: Optional[CapturedCalls] = None  # NOTE: [Captured kernels]; None: every call eager
     memory: Optional[float] = None  # NOTE: [Memory budgets]; None: the default, a share of the free memory
+    finds_axes: bool = False  # vmap_axes="auto": found per key (NOTE: [Found vmap_axes])
+    variants: dict = field(default_factory=dict, compare=False)  # these settings with found axes, shared
+    reported: BoundedCache = field(default_factory=lambda: BoundedCache(64), compare=False)  # auto_choice's
 
     @classmethod
     def validate(cls, f: Model, given: NtkOptions, *, where: str) -> "NtkSettings":
@@ -128,14 +133,21 @@ class NtkSettings:
                 f"{where}: `verify=True` checks every call against autograd, which a replayed graph "
                 f"would skip; use one of `verify` and `compile`."
             )
+        checks = check_mode_argument(given.check_vmap_axes, where)
+        finds_axes = isinstance(given.vmap_axes, str) and given.vmap_axes == FOUND
+        if isinstance(given.vmap_axes, str) and not finds_axes:
+            raise TypeError(
+                f"{where}: `vmap_axes` must be 'auto', None, an int, a pytree of ints or "
+                f"(in_axes, out_axes, kwargs_axes), got {_checks.show(given.vmap_axes)}."
+            )
         return cls(
             f,
             _checks.axes_argument(given.trace_axes, "trace_axes", where),
             _checks.axes_argument(given.diagonal_axes, "diagonal_axes", where),
-            parse_vmap_axes(given.vmap_axes, where),
+            parse_vmap_axes(None if finds_axes else given.vmap_axes, where),
             chosen,
             _checks.positive_int_argument(given.chunk_size, "chunk_size", where, none_allowed=True),
-            check_mode_argument(given.check_vmap_axes, where),
+            checks,
             options,
             implementation_table(options),
             given,
@@ -144,6 +156,7 @@ class NtkSettings:
             groups=parsed_groups,
             captured=None if backend is None else CapturedCalls(backend, f, where),
             memory=memory_argument(given.memory, where),
+            finds_axes=finds_axes and checks is not False,  # nothing would prove the axes found
         )
 
     def called(self, compute: Callable[..., Any], *arguments: Any, caller: Optional[CallerPlan] = None) -> Any:
@@ -187,6 +200,12 @@ class NtkSettings:
         does not depend on the values); the output check on every call with
         ``check_vmap_axes=True``, on the first per key with ``"first"`` (the default)."""
         shape_key = shape_key or input_shape_key(x1, x2, params, kwargs)
+        if self.finds_axes and for_ntk:
+            options = dict(
+                for_ntk=for_ntk, computes_ntk=computes_ntk, forward_run_length=forward_run_length,
+                shape_key=shape_key, needs_outputs=needs_outputs, admit=admit, caller=caller,
+            )
+            return self._prepare_finding_axes(x1, x2, params, kwargs, where, options)
         key = plan_key(self.f, shape_key)
         mapped = for_ntk and self.maps_examples
         purpose = Purpose(mapped, for_ntk, computes_ntk, needs_outputs, forward_run_length, admit, self.check_vmap_axes)
@@ -197,6 +216,86 @@ class NtkSettings:
                 return replace(call, plan_key=key)
         prepared = self._prepare_in_full(key, purpose, plan, x1, x2, params, kwargs, where, shape_key, caller)
         return replace(prepared, plan_key=key)
+
+    def found(self, x1: Any, x2: Any, params: Any, kwargs: dict, shape_key: Optional[tuple] = None) -> "NtkSettings":
+        """These settings with the ``vmap_axes`` found for the call's key where they were decided
+        (NOTE: [Found vmap_axes]); ``self`` where the axes are the user's or not decided yet."""
+        if not self.finds_axes:
+            return self
+        key = plan_key(self.f, shape_key or input_shape_key(x1, x2, params, kwargs))
+        found = self.planner.facts(key).found_axes
+        return self if found is UNDECIDED else self._with_axes(found)
+
+    def _with_axes(self, axes: Optional[ParsedVmapAxes]) -> "NtkSettings":
+        """These settings with ``vmap_axes`` ``axes`` (None: no axes), sharing every cache."""
+        name = None if axes is None else (repr(axes.in_axes), repr(axes.out_axes), repr(axes.kwargs_axes))
+        variant = self.variants.get(name)
+        if variant is None:
+            parsed = axes if axes is not None else parse_vmap_axes(None, "")
+            variant = self.variants[name] = dataclasses.replace(self, vmap_axes=parsed, finds_axes=False)
+        return variant
+
+    def _prepare_finding_axes(
+        self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, options: dict
+    ) -> KernelCall:
+        """:meth:`prepare` with ``vmap_axes="auto"`` (NOTE: [Found vmap_axes]): with the axes found for
+        the key, or on its first call with the candidate axes, whose checks decide (:meth:`_trial`);
+        where none are found, without axes."""
+        key = plan_key(self.f, options["shape_key"])
+        found = self.planner.facts(key).found_axes
+        if found is UNDECIDED:
+            call = self._trial(key, x1, x2, params, kwargs, where, options)
+            if call is not None:
+                return call
+            found = None
+        return self._with_axes(found).prepare(x1, x2, params, kwargs, where, **options)
+
+    def _trial(
+        self, key: Any, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, options: dict
+    ) -> Optional[KernelCall]:
+        """The first call of ``key`` prepared with the candidate axes, which are then the key's; None,
+        preparing nothing more, where there is no candidate or its checks refuse it (or vmap cannot
+        evaluate the model): the key then has no axes, and the reason is kept
+        (``auto_choice(...).vmap_axes_reason``)."""
+        coupled, random = training_mode_layers(self.f) if isinstance(self.f, torch.nn.Module) else ((), ())
+        if coupled or random:  # decided before any forward pass: the plan key holds the train/eval modes
+            reason = f"{(coupled + random)[0]} couples the examples in training mode"
+            candidate = None
+        else:
+            reason = "the inputs have no leading axis of examples shared by every tensor leaf"
+            candidate = candidate_vmap_axes(x1, x2, kwargs)
+        if candidate is not None:
+            # learnt first: the trial's own facts then keep the plan it makes (NOTE: [The planning stage])
+            self.planner.learn(key, found_axes=candidate)
+            try:
+                call = self._with_axes(candidate).prepare(x1, x2, params, kwargs, where, **options)
+            except (ValueError, VmapLimitation) as error:
+                reason = first_line(error)
+            else:
+                kinds = {layout.kind(axis) for layout, axis in zip(call.layouts, call.side1.out_axes or ())}
+                if kinds <= {"kept"}:
+                    return call
+                # the layout would treat the leading output axis as the examples' where, without axes,
+                # it is traced or diagonal: the same arguments would mean another kernel
+                reason = "`trace_axes` or `diagonal_axes` name the leading output axis"
+        self.planner.learn(key, found_axes=None, found_reason=reason)
+        return None
+
+    def with_axes_reported(self, choice: AutoChoice, shape_key: tuple) -> AutoChoice:
+        """``choice`` with the ``vmap_axes`` its call maps with (NOTE: [Found vmap_axes])."""
+        axes, reason = self.vmap_axes, None
+        if self.finds_axes:
+            facts = self.planner.facts(plan_key(self.f, shape_key))
+            axes, reason = (None if facts.found_axes is UNDECIDED else facts.found_axes), facts.found_reason
+        shown = None
+        if axes is not None and not (is_all_none(axes.in_axes) and axes.kwargs_axes is None):
+            shown = (axes.in_axes, axes.out_axes, axes.kwargs_axes)
+        reported = self.reported.get(id(choice))  # the same object for the same cached choice
+        if reported is None or reported[0] is not choice or reported[1] != (shown, reason):
+            reported = self.reported[id(choice)] = (
+                choice, (shown, reason), dataclasses.replace(choice, vmap_axes=shown, vmap_axes_reason=reason)
+            )
+        return reported[2]
 
     def _bind(self, plan: CallPlan, x1: Any, x2: Any, params: Any, kwargs: dict) -> Optional[KernelCall]:
         """A warm call: the plan's template with this call's tensors, or None where the differentiated
@@ -301,10 +400,20 @@ class NtkSettings:
     ) -> Optional[BlockSource]:
         """The call as a :class:`BlockSource` for ``batch``, or None without ``vmap_axes`` (see
         NOTE: [Prepared spans]); the NNGP's forward passes are mapped by ``vmap_axes`` too."""
-        if not self.maps_examples:
-            return None  # before any forward pass: without vmap_axes the model sees whole batches
         forward_runs = None if request.block_size is None else max(request.block_size, FORWARD_RUN)
         shape_key = input_shape_key(x1, x2, params, kwargs)
+        if self.finds_axes:  # NOTE: [Found vmap_axes]: the key's first call decides them
+            found = self.found(x1, x2, params, kwargs, shape_key)
+            if found is self:  # only the trial: without axes, batch computes block by block
+                options = dict(
+                    for_ntk=True, computes_ntk="ntk" in names, forward_run_length=forward_runs, shape_key=shape_key,
+                    needs_outputs="nngp" in names, admit=False, caller=None,
+                )
+                self._trial(plan_key(self.f, shape_key), x1, x2, params, kwargs, where, options)
+                found = self.found(x1, x2, params, kwargs, shape_key)
+            return found.open_blocks(request, x1, x2, params, kwargs, names=names, bare=bare, where=where)
+        if not self.maps_examples:
+            return None  # before any forward pass: without vmap_axes the model sees whole batches
         call = self.prepare(
             x1, x2, params, kwargs, where, computes_ntk="ntk" in names, forward_run_length=forward_runs,
             shape_key=shape_key, needs_outputs="nngp" in names,  # the NTK's spans read output shapes only
@@ -412,7 +521,8 @@ class NtkSettings:
             key = input_shape_key(x1, x2, params, kwargs)
             # prepared as the NTK call prepares it (its working-set runs among what is priced), so
             # that the cached choice is the same whichever of the two comes first
-            return self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key, needs_outputs=False), key)
+            choice = self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key, needs_outputs=False), key)
+            return self.with_axes_reported(choice, key)
 
         published = KernelFunction(kernel_fn, spec, doc, auto_choice)
         published._settings = self  # for the memory model's tests and benchmarks (tests/_memory_grid.py)

@@ -430,11 +430,11 @@ def warn_training_mode(model: FunctionalModel, where: str) -> None:
     layers = [f"{layer} (batch statistics)" for layer in model.batch_coupled]
     layers += [f"{layer} (random in training mode)" for layer in model.random]
     if layers:
+        # One short line: a ResNet has 20 BatchNorms, and the notice is what most users need to read
+        shown = ", ".join(layers[:2]) + (f" and {len(layers) - 2} more" if len(layers) > 2 else "")
         warnings.warn(
-            f"{where}: {', '.join(layers)} {'makes' if len(layers) == 1 else 'make'} the output "
-            f"depend on the rest of the batch or on random numbers, so the kernel is not that of a "
-            f"fixed per-example function. Call model.eval() for the kernel of the evaluation-mode "
-            f"network.",
+            f"{where}: training mode, {shown}: the kernel is that of the model as called, examples coupled "
+            f"(buffers unchanged); model.eval() gives the usual per-example kernel.",
             UserWarning,
             stacklevel=user_stacklevel(),
         )

@@ -5,10 +5,10 @@ function's facts and plans.
 """
 
 from .key import PlanKey, input_shape_key, plan_key, structure_key, training_modes
-from .plan import CallPlan, CallTemplate, Facts, Purpose
+from .plan import UNDECIDED, CallPlan, CallTemplate, Facts, Purpose
 from .stage import Planner
 
 __all__ = [
-    "CallPlan", "CallTemplate", "Facts", "PlanKey", "Planner", "Purpose", "input_shape_key", "plan_key", "structure_key",
-    "training_modes",
+    "CallPlan", "CallTemplate", "Facts", "PlanKey", "Planner", "Purpose", "UNDECIDED", "input_shape_key", "plan_key",
+    "structure_key", "training_modes",
 ]

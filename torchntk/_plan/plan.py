@@ -32,7 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
-__all__ = ["CallPlan", "CallTemplate", "Facts", "Purpose"]
+__all__ = ["CallPlan", "CallTemplate", "Facts", "Purpose", "UNDECIDED"]
+
+UNDECIDED = "undecided"
+""":attr:`Facts.found_axes` before the key's first call decided them."""
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,18 @@ class Facts:
         outputs: the description of the outputs (``OutputShapes``) that later calls may stand in
             with, or None.
         example_loop: vmap cannot evaluate the model; examples are mapped by a loop.
+        found_axes: with ``vmap_axes="auto"``, the ``vmap_axes`` found for the key (NOTE: [Found
+            vmap_axes]: ``ParsedVmapAxes``, or None where the examples are not mapped), or
+            :data:`UNDECIDED` before its first call.
+        found_reason: why no axes were found (None when they were, or not decided).
     """
 
     derivatives_checked: bool = False
     aliases_checked: bool = False
     outputs: Any = None
     example_loop: bool = False
+    found_axes: Any = "undecided"
+    found_reason: Optional[str] = None
 
     def learnt(self, **facts: Any) -> "Facts":
         return replace(self, **facts)

@@ -16,8 +16,9 @@ Axes = Union[int, Sequence[int]]
 VMapAxis = Optional[PyTree]
 """``None``, an ``int`` for every leaf, or a pytree of ``int``/``None`` matching a prefix of the data."""
 
-VMapAxes = Union[VMapAxis, Tuple[VMapAxis, VMapAxis, Mapping[str, VMapAxis]]]
-"""Either one :data:`VMapAxis` used for inputs and outputs, or ``(in_axes, out_axes, kwargs_axes)``."""
+VMapAxes = Union[str, VMapAxis, Tuple[VMapAxis, VMapAxis, Mapping[str, VMapAxis]]]
+"""``"auto"`` (found per input structure, NOTE: [Found vmap_axes]), one :data:`VMapAxis` used for
+inputs and outputs, or ``(in_axes, out_axes, kwargs_axes)``."""
 
 ApplyFn = Callable[..., PyTree]
 """A functional model ``f(params, x, **kwargs) -> output pytree``."""

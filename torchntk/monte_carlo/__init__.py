@@ -68,7 +68,7 @@ from .._utils.checks import show
 from .._utils.types import Axes, Model, NtkImplementation, VMapAxes
 from ..batching import batch
 from ..distributed import DEFAULT_TIMEOUT
-from ..empirical import DEFAULT_NTK_IMPLEMENTATION, empirical_kernel_fn
+from ..empirical import DEFAULT_NTK_IMPLEMENTATION, DEFAULT_VMAP_AXES, empirical_kernel_fn
 from ._draws import sample_seed as sample_seed
 from ._estimates import MonteCarloKernel as MonteCarloKernel
 from ._estimates import monte_carlo_kernel_type as monte_carlo_kernel_type
@@ -89,7 +89,7 @@ def monte_carlo_kernel_fn(
     devices: Optional[Sequence[Union[str, torch.device]]] = None,
     trace_axes: Axes = (-1,),
     diagonal_axes: Axes = (),
-    vmap_axes: VMapAxes = None,
+    vmap_axes: VMapAxes = DEFAULT_VMAP_AXES,
     implementation: Union[NtkImplementation, int] = DEFAULT_NTK_IMPLEMENTATION,
     progress: bool = False,
     distributed: str = "auto",
