@@ -104,11 +104,13 @@ def test_resnet18_in_training_mode_with_the_defaults() -> None:
     of the model as called on the whole batch, and its running statistics stay as they were."""
     torch.manual_seed(0)
     case = zoo.resnet18()
-    module = case.module.train().to(DEVICE)
-    x1, x2 = to_device(case.x1), to_device(case.x2)
+    # float64: batch statistics of 2 or 3 examples over layer4's 1x1 maps are ill-conditioned, and
+    # float32 rounding there moves the kernel by its own size
+    module = case.module.train().double().to(DEVICE)
+    x1, x2 = to_device(case.x1.double()), to_device(case.x2.double())
     snapshot = ModuleSnapshot.of(module)
     with pytest.warns(UserWarning, match=r"training mode, BatchNorm2d at 'bn1' \(batch statistics\).*model.eval\(\)"):
         kernel = torchntk.empirical_ntk_fn(module)(x1, x2)
     snapshot.assert_unchanged()
     expected = reference_ntk(module, x1, x2)
-    assert_kernels_close(kernel.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    assert_kernels_close(kernel, expected, rtol=1e-8, atol=1e-10 * expected.abs().max().item())
