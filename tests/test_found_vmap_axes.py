@@ -184,3 +184,12 @@ def test_one_dimensional_inputs_stay_one_example_and_traced_example_axes_stay_un
     assert kernel.shape == () and traced.auto_choice(x1, x2).vmap_axes is None
     assert "leading output axis" in traced.auto_choice(x1, x2).vmap_axes_reason
     assert_kernels_close(kernel, reference_ntk(scalar, x1, x2), rtol=1e-10)
+
+
+def test_a_refusal_of_an_unmapped_training_mode_model_says_why_it_is_unmapped():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 4)).double().to(DEVICE)
+    x1, x2 = _inputs()
+    with pytest.warns(UserWarning, match="training mode"):
+        with pytest.raises(torchntk.KernelMemoryError, match=r"model\.eval\(\) lets them be\) because BatchNorm1d"):
+            torchntk.empirical_ntk_fn(model.train(), trace_axes=(), memory=2_000)(x1, x2)

@@ -485,7 +485,7 @@ class NtkSettings:
                 )
             except KernelMemoryError as refusal:
                 if chunking or refusal.kernel_alone:
-                    raise
+                    raise self._explained(refusal, call) from None
                 return NEEDS_BLOCKS  # NOTE: [Budgets of callers]: the caller cuts x1 too
             if plan.chosen and not chunking:
                 return NEEDS_BLOCKS
@@ -503,6 +503,21 @@ class NtkSettings:
 
         # NOTE: [Out of memory at the kernel boundary]
         return out_of_memory_boundary(compute, call.where, described, OUT_OF_MEMORY_ADVICE, call.outputs1[0].device)
+
+    def _explained(self, refusal: KernelMemoryError, call: KernelCall) -> KernelMemoryError:
+        """``refusal`` of a call that ``vmap_axes="auto"`` left unmapped, with the reason first: a
+        model in training mode needs whole batches only because of its batch statistics."""
+        if not self.finds_axes or call.side1.mapped or call.plan_key is None:
+            return refusal
+        reason = self.planner.facts(call.plan_key).found_reason
+        if reason is None:
+            return refusal
+        advice = " (model.eval() lets them be)" if "training mode" in reason else ""
+        explained = KernelMemoryError(
+            f"{refusal} The examples are not mapped one by one{advice} because {reason}.",
+            refusal.needed_bytes, refusal.budget_bytes, kernel_alone=refusal.kernel_alone,
+        )
+        return explained
 
     def publish(
         self, kernel_fn: KernelFn, kind: str, builder: Callable[..., KernelFn], open_blocks: Callable[..., Any],
