@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 # Only where CI asks for it (TORCHNTK_TEST_STUB_TORCHVISION_OPS=1, see tests/zoo.py): PyPI's
-# CUDA-built torchvision imported beside a CPU torch, for every test, docs examples included.
+# CUDA-built torchvision imported beside a CPU torch, for every test, docs examples included. Only
+# the floor of CI's matrix needs it; the other releases install torch and torchvision together.
 from tests import zoo  # noqa: E402 - needs the repository root on sys.path
 
 zoo.skip_torchvision_op_registrations()
@@ -63,8 +64,16 @@ def device_option(name: str) -> torch.device:
     return device
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    return f"torchntk test device: {config.getoption('--device')} (--device)"
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    # Which torch ran, and whether torchvision's op registrations were stubbed: CI runs the suite on
+    # several releases (.ci/run), and only the floor's step stubs them.
+    stub = sys.modules.get("torchvision._meta_registrations")
+    stubbed = stub is not None and getattr(stub, "__file__", None) is None
+    registrations = f"stubbed ({zoo.STUB_VARIABLE}=1)" if stubbed else "not stubbed"
+    return [
+        f"torchntk test device: {config.getoption('--device')} (--device)",
+        f"torch {torch.__version__}; torchvision's op registrations {registrations}",
+    ]
 
 
 _CPU_ONLY_REASONS = pytest.StashKey[collections.Counter]()

@@ -572,6 +572,6 @@ def test_a_problem_is_described_alike_in_a_fresh_process(tmp_path):
         SCALE = 2.0
     ntk_fn = torchntk.empirical_ntk_fn(_model(), vmap_axes=0)
     x = _inputs()[0]
-    fingerprints = [torchntk.batching._disk.fingerprint(ntk_fn.spec, (x, None, (params,), {}), 3, None)["inputs"]
+    fingerprints = [json.dumps(torchntk.batching._disk.fingerprint(ntk_fn.spec, (x, None, (params,), {}), 3, None))
                     for params in (None, {"0.weight": torch.ones(8, 3)}, {"2.weight": torch.ones(8, 3)})]
     assert len(set(fingerprints)) == 3  # the params argument counts, names included

@@ -121,7 +121,7 @@ def test_a_kernel_larger_than_the_budget_is_refused_in_under_a_second_without_th
     error = refused.value
     assert isinstance(error, MemoryError) and error.kernel_alone
     assert error.needed_bytes == 20_000 * 20_000 * 10 * 10 * 4 and error.budget_bytes == 1e9
-    for text in ("160 GB", "20000x20000x10x10", "memory budget of 1 GB", "torchntk.batch(kernel_fn, out=",
+    for text in ("160 GB", "20000x20000x10x10", "memory budget of 1 GB", "torchntk.batch(kernel_fn)(x1, x2, out=",
                  "trace_axes", "output_fn", "memory="):
         assert text in str(error)
 

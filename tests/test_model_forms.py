@@ -1,6 +1,6 @@
 """Models in the forms users hold them: compiled modules (NOTE: [Compiled modules]), parameters
 reached around their registered names (NOTE: [Aliased parameters]) and reentrant checkpoints
-(NOTE: [Reentrant checkpoints]). Kernels are checked against the float64 brute force of an
+(NOTE: [Checkpoints run plain]). Kernels are checked against the float64 brute force of an
 equivalent plain module, and the user's objects with ModuleSnapshot."""
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import re
 from typing import NamedTuple, Optional
 
 import pytest
+from packaging.version import Version
 
 from tests import zoo
 
@@ -111,32 +112,71 @@ def _section(page: pathlib.Path, title: str) -> list[Block]:
     return [block for block in fenced_blocks(page) if first_line < block.line < last_line]
 
 
-def test_the_readme_sets_up_with_one_install_and_one_test_run():
+def test_the_readme_sets_up_top_to_bottom():
+    """One block, in the order it runs: the CPU build of PyTorch (where wanted) before the install
+    that would otherwise pull PyPI's build, then the tests."""
     [setup, *_] = _section(ROOT / "README.md", "Install and test")
     assert setup.language == "bash"
-    assert _commands(setup.code) == ['pip install -e ".[test]"', "python -m pytest"]
+    assert _commands(setup.code) == [
+        "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu",
+        'pip install -e ".[test]"',
+        "python -m pytest",
+    ]
+
+
+def _ci_matrix() -> list[dict[str, str]]:
+    """The matrix of ``.ci/run``, one entry per tested torch release, as its lines say them."""
+    block = re.search(r"^MATRIX=\(\n(.*?)^\)$", (ROOT / ".ci" / "run").read_text(), re.M | re.S)[1]
+    entries = [line.strip().strip('"').split() for line in block.splitlines() if line.strip()]
+    assert all(len(entry) == 3 for entry in entries), entries
+    return [dict(zip(("torch", "torchvision", "kind"), entry)) for entry in entries]
 
 
 def test_ci_runs_the_readme_set_up():
-    ci = (ROOT / ".ci" / "run").read_text()
-    commands = _commands(ci)
-    torch_pin = commands.index("python3 -m pip install --quiet torch==2.13.0")
-    install = commands.index('python3 -m pip install --quiet -e ".[test]"')
-    tests, slow = commands.index("python3 -m pytest"), commands.index("python3 -m pytest -m slow")
-    assert torch_pin < install < tests < slow
+    commands = _commands((ROOT / ".ci" / "run").read_text().replace("\\\n", " "))
+    installs = [i for i, command in enumerate(commands) if command.endswith('-m pip install --quiet -e ".[test]"')]
+    tests, slow = commands.index('"$python" -m pytest'), commands.index('"$python" -m pytest -m slow')
+    assert installs and max(installs) < tests < slow
+    # torch pinned in every install that names it, so that nothing pulls another build.
+    for command in commands:
+        if "pip install" in command and "torch" in command.replace("torchvision", ""):
+            assert '"torch==$torch_version"' in command, command
     # The zoo's libraries, installed before the tests, and required by them (tests/zoo.py).
-    zoo_install = next(i for i, command in enumerate(commands) if "torchvision" in command and "timm" in command)
-    assert install < zoo_install < tests
+    zoo_installs = [i for i, command in enumerate(commands) if "torchvision" in command and "timm" in command]
+    assert zoo_installs and max(zoo_installs) < tests
     assert f"export {zoo.REQUIRE_VARIABLE}=1" in commands and f"export {zoo.STUB_VARIABLE}=1" in commands
+    assert f"unset {zoo.STUB_VARIABLE}" in commands  # a matched torchvision runs without the stub
 
 
-def test_the_torch_that_ci_installs_satisfies_the_requirement():
+def test_ci_tests_the_floor_and_the_newest_release_with_the_real_torchvision():
+    matrix = _ci_matrix()
+    versions = [Version(entry["torch"]) for entry in matrix]
+    assert len(matrix) >= 2 and versions == sorted(versions) and len(set(versions)) == len(versions)
+    assert all(entry["kind"] in ("matched", "stubbed") for entry in matrix)
+    # The stub stands in for a torchvision that does not match its CPU torch: the floor only.
+    assert all(entry["kind"] == "matched" for entry in matrix[1:])
+
+
+def test_the_requirement_admits_the_tested_releases_from_the_floor_on():
     from packaging.requirements import Requirement
 
     setup = (ROOT / "setup.cfg").read_text()
     requirements = re.search(r"install_requires =\n((?:    .+\n)+)", setup)[1].split()
     [torch_requirement] = [Requirement(line) for line in requirements if Requirement(line).name == "torch"]
-    assert torch_requirement.specifier.contains("2.13.0")
+    matrix = [Version(entry["torch"]) for entry in _ci_matrix()]
+    assert all(torch_requirement.specifier.contains(version) for version in matrix)
+    # The requirement's floor is the minor release of the matrix's first line: nothing older.
+    lower = [Version(spec.version) for spec in torch_requirement.specifier if spec.operator in (">=", "~=")]
+    assert lower and max(lower).release[:2] == matrix[0].release[:2], (torch_requirement, matrix[0])
+
+
+def test_the_supported_versions_are_the_matrix():
+    text = (ROOT / "docs" / "guarantees.md").read_text()
+    start = text.index("\n## Supported PyTorch versions\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end != -1 else None]
+    rows = re.findall(r"^\| (\d+\.\d+\.\d+) \| (\d+\.\d+\.\d+) \|", section, re.M)
+    assert rows == [(entry["torch"], entry["torchvision"]) for entry in _ci_matrix()]
 
 
 def test_the_user_set_up_has_no_workaround_of_the_tests():

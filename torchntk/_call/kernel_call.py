@@ -29,8 +29,8 @@ from .._utils.checks import input_argument, leaves_with_names, show
 from .._utils.tree import Flat, describe, is_all_none
 from .groups import GroupKernels, ParameterGroups
 from .per_example import Side, is_out_of_memory
-from .vmap_axes import ParsedVmapAxes, resolve_inputs, resolve_outputs, split_kwargs
-from .vmap_check import PROBE_EXAMPLES, VmapAxesCheck
+from .vmap_axes import ParsedVmapAxes, broadcast_axes, resolve_inputs, resolve_outputs, split_kwargs
+from .vmap_check import PROBE_EXAMPLES, VmapAxesCheck, miscounted_examples
 
 
 @dataclass(frozen=True)
@@ -304,6 +304,10 @@ def prepare_call(
                 output1 = _whole_batch(model, x1, kwargs1, resolved1, vmap_axes, run_length, where)
             with model_failures(model, x2, "x2", where, worked=x1):
                 output2 = output1 if reuse else _whole_batch(model, x2, kwargs2, resolved2, vmap_axes, run_length, where)
+    if resolved1 is not None and not reuse:
+        _reject_miscounted_inputs(
+            vmap_axes, (("x1", x1, kwargs1, resolved1), ("x2", x2, kwargs2, resolved2)), (output1, output2), where
+        )
     _check_outputs(output1, output2, where)
     leaves1, leaves2 = output1.leaves, output2.leaves
     if computes_ntk:
@@ -378,7 +382,8 @@ def bind_call(
     return replace(template, model=model, side1=side1, side2=side2, groups=index_groups)
 
 
-Admit = Callable[[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...], torch.device], None]
+Admit = Callable[[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...], torch.device, tuple[int, int]], None]
+"""``admit(kernel shapes, dtypes, device, (N1, N2))``: raises to refuse the kernel (NOTE: [Memory plans])."""
 
 EARLY_ADMISSION = 1024
 """Examples on a side above which a call's NTK is admitted from one example's outputs, before the
@@ -412,7 +417,7 @@ def _admit_early(model, first: tuple, second: Optional[tuple], vmap_axes, trace_
             dtypes.append(torch.promote_types(one.dtype, model.param_dtype))
     except Exception:  # noqa: BLE001 - the full validation explains it
         return
-    admit(tuple(shapes), tuple(dtypes), outputs[0].leaves[0].device)
+    admit(tuple(shapes), tuple(dtypes), outputs[0].leaves[0].device, (sizes[0], sizes[-1]))
 
 
 def _examples(x: Any, kwargs: Mapping[str, Any], resolved) -> int:
@@ -445,6 +450,42 @@ def _whole_batch(model, x, kwargs, resolved, vmap_axes, run_length: Optional[int
     out_axes = resolve_outputs(vmap_axes, first.rebuild(first.leaves), where)
     leaves = [torch.cat([part.leaves[index] for part in parts], dim=axis) for index, axis in enumerate(out_axes)]
     return Flat.of(first.rebuild(leaves))
+
+
+def _reject_miscounted_inputs(vmap_axes: ParsedVmapAxes, sides: tuple, outputs: tuple[Flat, Flat], where: str) -> None:
+    """Raises ValueError when, with ``vmap_axes`` mapping both inputs, an output leaf has another
+    number of axes for x1 than for x2 and one side's leaf does not hold that side's examples on its
+    out axis (a 1-D input whose entries became examples): the input is named with the message the
+    per-example check gives x1 alone, not the generic one about output axes. ``sides``: ``(name,
+    x, kwargs, resolved axes)`` of x1 and x2."""
+    output1, output2 = outputs
+    if not output1.same_structure(output2):
+        return
+    for index, pair in enumerate(zip(output1.leaves, output2.leaves)):
+        if not all(isinstance(leaf, torch.Tensor) for leaf in pair) or pair[0].ndim == pair[1].ndim:
+            continue
+        for (name, x, kwargs, resolved), output, leaf, (other_name, other) in zip(
+            sides, outputs, pair, (("x2", pair[1]), ("x1", pair[0]))
+        ):
+            axis = _out_axis(vmap_axes, output, index, where)
+            if axis is None:
+                continue
+            message = miscounted_examples(
+                name, x, resolved.x_axes, _examples(x, kwargs, resolved), index, leaf, axis, where,
+                f"while on {other_name} it has shape {tuple(other.shape)}",
+            )
+            if message is not None:
+                raise ValueError(message)
+
+
+def _out_axis(vmap_axes: ParsedVmapAxes, output: Flat, index: int, where: str) -> Optional[int]:
+    """The out axis ``vmap_axes`` gives output leaf ``index``; an int given for a leaf with too few
+    axes is that int (the leaf then misses the examples), a tree that does not fit is None (the
+    generic checks explain it)."""
+    try:
+        return broadcast_axes(vmap_axes.out_axes, output.rebuild(output.leaves), "vmap_axes (out_axes)", where)[index]
+    except ValueError:
+        return int(vmap_axes.out_axes) if isinstance(vmap_axes.out_axes, int) else None
 
 
 def _check_outputs(output1: Flat, output2: Flat, where: str) -> None:

@@ -7,7 +7,7 @@ failure is explained.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.func import vjp
@@ -390,31 +390,14 @@ class VmapAxesCheck:
         """Raises ValueError when the per-example evaluation failed and the whole-batch output does
         not hold one entry per example either: the inputs are not batched along the mapped axis
         (a 1-D input whose entries became examples, a batch axis elsewhere than `vmap_axes` says)."""
-        count = side.batch_size()
         for index, (leaf, axis) in enumerate(zip(leaves, side.out_axes)):
-            if leaf.ndim > axis and leaf.shape[axis] == count:
-                continue
-            named = dict(leaves_with_names(side.x.rebuild(side.x.leaves), side.name))
-            mapped = [
-                (name, value, axis)
-                for (name, value), axis in zip(named.items(), side.x_axes or ())
-                if axis is not None and isinstance(value, torch.Tensor)
-            ]
-            listing = ", ".join(f"axis {axis} of {name}, of shape {tuple(value.shape)}" for name, value, axis in mapped)
-            if any(value.ndim == 1 for _, value, _ in mapped):
-                hint = (
-                    f"A 1-D input under `vmap_axes` makes each of its entries one example. For a single example "
-                    f"of a model that takes unbatched inputs, give it a batch axis ({side.name}[None]) or pass "
-                    f"vmap_axes=None"
-                )
-            else:
-                hint = "Put the examples on the axis `vmap_axes` maps (or map the axis that holds them)"
-            raise ValueError(
-                f"{self.where}: `vmap_axes` maps {count} examples of `{side.name}` ({listing or 'keyword arguments'}), "
-                f"but the model's output leaf {index} on {side.name} has shape {tuple(leaf.shape)}, without "
-                f"{count} entries on its out axis {axis}, and the model fails on one example. {hint}. "
-                f"PyTorch said: {_first_line(error)}"
-            ) from error
+            message = miscounted_examples(
+                side.name, side.x.rebuild(side.x.leaves), side.x_axes, side.batch_size(), index, leaf, axis,
+                self.where, "and the model fails on one example", f" PyTorch said: {_first_line(error)}",
+            )
+            if message is not None:
+                raise ValueError(message) from error
+
 
     def _raise_unmapped_kwargs(self, side: Side, symptom: str, error: Optional[BaseException] = None) -> None:
         """Raises ValueError when keyword arguments left unmapped probably hold one entry per example."""
@@ -434,6 +417,40 @@ class VmapAxesCheck:
             f"batch size {batch_size} (an int `vmap_axes` maps no keyword argument). Pass "
             f"{suggested_vmap_axes(self.vmap_axes, found)} to map {'them' if plural else 'it'} with the examples."
         ) from error
+
+
+def miscounted_examples(
+    name: str, x: Any, x_axes: Optional[tuple[Optional[int], ...]], count: int, index: int, leaf: torch.Tensor,
+    axis: int, where: str, symptom: str, said: str = "",
+) -> Optional[str]:
+    """The message for an input whose mapped axis does not hold its examples: ``vmap_axes`` maps
+    ``count`` examples of ``name`` (``x``, with input axes ``x_axes``), but output leaf ``index``
+    (``leaf``) has no ``count`` entries on its out axis ``axis``. None when it has them.
+    ``symptom`` says what else went wrong, ``said`` ends the message (PyTorch's error)."""
+    if leaf.ndim > axis and leaf.shape[axis] == count:
+        return None
+    named = dict(leaves_with_names(x, name))
+    mapped = [
+        (leaf_name, value, leaf_axis)
+        for (leaf_name, value), leaf_axis in zip(named.items(), x_axes or ())
+        if leaf_axis is not None and isinstance(value, torch.Tensor)
+    ]
+    listing = ", ".join(
+        f"axis {leaf_axis} of {leaf_name}, of shape {tuple(value.shape)}" for leaf_name, value, leaf_axis in mapped
+    )
+    if any(value.ndim == 1 for _, value, _ in mapped):
+        hint = (
+            f"A 1-D input under `vmap_axes` makes each of its entries one example. For a single example "
+            f"of a model that takes unbatched inputs, give it a batch axis ({name}[None]) or pass "
+            f"vmap_axes=None"
+        )
+    else:
+        hint = "Put the examples on the axis `vmap_axes` maps (or map the axis that holds them)"
+    return (
+        f"{where}: `vmap_axes` maps {count} examples of `{name}` ({listing or 'keyword arguments'}), "
+        f"but the model's output leaf {index} on {name} has shape {tuple(leaf.shape)}, without "
+        f"{count} entries on its out axis {axis}, {symptom}. {hint}.{said}"
+    )
 
 
 class VmapUnsupported(ValueError, VmapLimitation):

@@ -60,10 +60,12 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Optional
 
+import torch
+
 from .._call.kernel_call import KernelCall
 from .._layout.runs import runs
 from .._layout.tiles import Placement
-from .._memory import KernelMemoryError, MemoryPlanWarning, format_bytes
+from .._memory import KernelMemoryError, MemoryPlanWarning, available_bytes, format_bytes
 from .._utils.bounded_cache import BoundedCache
 from .._utils.checks import user_stacklevel
 from .._utils.types import NtkImplementation
@@ -374,29 +376,91 @@ def result_bytes(shapes: Any, dtypes: Any, groups: int = 1) -> float:
 def result_refusal(call: KernelCall, budget: float) -> Optional[KernelMemoryError]:
     """The error for a call whose result alone exceeds ``budget``, or None (computes nothing)."""
     groups = len(call.groups) if call.groups is not None else 1
-    return kernel_refusal(call.kernel_shapes(), call.dtypes, groups, budget, call.where)
+    examples = None
+    if call.side1.mapped:
+        examples = (call.side1.batch_size(), (call.side2 or call.side1).batch_size())
+    return kernel_refusal(
+        call.kernel_shapes(), call.dtypes, groups, budget, call.where, call.outputs1[0].device, examples
+    )
 
 
-def kernel_refusal(shapes: Any, dtypes: Any, groups: int, budget: float, where: str) -> Optional[KernelMemoryError]:
-    """The error for kernels of these shapes and dtypes (per group) that alone exceed ``budget``, or None."""
+def kernel_refusal(
+    shapes: Any, dtypes: Any, groups: int, budget: float, where: str, device: Optional[torch.device] = None,
+    examples: Optional[tuple[int, int]] = None,
+) -> Optional[KernelMemoryError]:
+    """The error for kernels of these shapes and dtypes (per group) that alone exceed ``budget``, or
+    None. ``device``: where the kernel would be held (what it has free decides whether more memory
+    is a way out); ``examples``: ``(N1, N2)`` when ``vmap_axes`` maps them (the advice then says
+    what the smallest layout would take)."""
     needed = result_bytes(shapes, dtypes, groups)
     if needed <= budget:
         return None
     described = ", ".join("x".join(map(str, shape)) for shape in shapes)
     per_group = f" for each of {groups} parameter groups" if groups > 1 else ""
     names = ", ".join(sorted({str(dtype).replace("torch.", "") for dtype in dtypes}))
+    advice = result_advice(needed, dtypes, groups, device, examples)
     return KernelMemoryError(
         f"{where}: the kernel alone takes {format_bytes(needed)} (shape {described}{per_group}, {names}), more "
-        f"than the memory budget of {format_bytes(budget)}. {RESULT_ADVICE}",
+        f"than the memory budget of {format_bytes(budget)}. {advice}",
         needed, budget, kernel_alone=True,
     )
 
 
-RESULT_ADVICE = (
-    "Ways out: write it to disk block by block with torchntk.batch(kernel_fn, out=np.lib.format.open_memmap(...)); "
-    "trace more output axes (trace_axes: a full kernel holds O1 x O2 entries per pair of examples); keep fewer "
-    "outputs (output_fn=...) or examples; or allow more memory (memory=..., e.g. memory='64GB')."
-)
+SUGGESTED_HEADROOM = 1.5
+"""A budget suggested for a kernel that alone exceeds its budget: this many times the kernel, room
+for the blocks of derivatives the plan then cuts around it."""
+PLANNED_SLACK = (1.4, 16e6)
+"""A planned call's measured peak stays under ``1.4 * budget + 16 MB`` (docs/batching.md, "The
+memory model, and how it was checked"): a suggested budget must leave that much free."""
+
+
+def result_advice(
+    needed: float, dtypes: Any, groups: int, device: Optional[torch.device], examples: Optional[tuple[int, int]],
+) -> str:
+    """The ways out for a kernel of ``needed`` bytes that alone exceeds its budget (NOTE: [Memory
+    plans]): a larger ``memory=`` only where ``device`` has it free, slack included; otherwise
+    writing the kernel to disk and smaller layouts, with nothing suggesting memory the device lacks."""
+    free = available_bytes(device) if device is not None else math.inf
+    suggested = _round_up(SUGGESTED_HEADROOM * needed)
+    disk = (
+        f"write it to disk block by block with torchntk.batch(kernel_fn)(x1, x2, "
+        f"out=np.lib.format.open_memmap(path, mode='w+', dtype=..., shape=...)) ({format_bytes(needed)} of disk)"
+    )
+    layout = "trace more output axes (trace_axes: a full kernel holds O1 x O2 entries per pair of examples); "
+    if examples is not None:
+        smallest = float(examples[0] * examples[1] * sum(dtype.itemsize for dtype in dtypes) * groups)
+        layout = "" if needed <= smallest else (
+            f"trace more output axes (trace_axes: the kernel holds {round(needed / smallest):,} entries per pair of "
+            f"examples; with every output axis traced but the examples', it takes {format_bytes(smallest)}); "
+        )
+    fewer = "keep fewer outputs (output_fn=...) or examples"
+    if not math.isfinite(free):
+        return f"Ways out: {disk}; {layout}{fewer}; or allow more memory (memory=...)."
+    factor, slack = PLANNED_SLACK
+    if suggested * factor + slack <= free:
+        return (
+            f"Ways out: allow more memory (memory='{format_bytes(suggested).replace(' ', '')}'; the kernel's device, "
+            f"{device}, has {format_bytes(free)} free); {disk}; {layout}or {fewer}."
+        )
+    return (
+        f"The kernel's device, {device}, has {format_bytes(free)} free, too little to hold it, so a larger memory= "
+        f"is no way out. Ways out: {disk}; {layout}or {fewer}."
+    )
+
+
+def _round_up(amount: float) -> float:
+    """``amount`` rounded up to two significant digits (a budget to type: 24 GB, 1.6 GB).
+
+    Example:
+        >>> _round_up(2.31e9), _round_up(1.5e6)
+        (2400000000.0, 1500000.0)
+    """
+    if not 0 < amount < math.inf:
+        return amount
+    scale = 10.0 ** (math.floor(math.log10(amount)) - 1)
+    return math.ceil(round(amount / scale, 6)) * scale
+
+
 PLAN_ADVICE = (
     "Ways out: allow more memory (memory=...); another implementation (3 holds no per-parameter Jacobians; 0 picks "
     "the fastest that fits); fewer parameters (params=...) or outputs (trace_axes, output_fn); or "

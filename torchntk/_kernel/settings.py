@@ -33,6 +33,7 @@ from .._memory import (
     KernelMemoryError,
     NEEDS_BLOCKS,
     CallerPlan,
+    format_bytes,
     memory_argument,
     out_of_memory_boundary,
     resolve_budget,
@@ -375,8 +376,9 @@ class NtkSettings:
             return None
         groups = len(self.groups.names) if self.groups is not None else 1
 
-        def admit(shapes: tuple, dtypes: tuple, device: torch.device) -> None:
-            refusal = kernel_refusal(shapes, dtypes, groups, resolve_budget(self.memory, device, caller), where)
+        def admit(shapes: tuple, dtypes: tuple, device: torch.device, examples: Optional[tuple] = None) -> None:
+            budget = resolve_budget(self.memory, device, caller)
+            refusal = kernel_refusal(shapes, dtypes, groups, budget, where, device, examples)
             if refusal is not None:
                 raise refusal
 
@@ -499,10 +501,17 @@ class NtkSettings:
                 return kernels if kernels is NEEDS_BLOCKS else call.normalise(kernels)
 
         def described() -> str:
-            return attempted[-1].describe() if attempted else f"implementation {int(self.implementation)}"
+            if attempted:
+                return attempted[-1].describe()
+            return f"implementation {int(self.implementation)} (budget {format_bytes(budget)})"
+
+        def planned_budget() -> float:
+            return attempted[-1].budget if attempted else budget
 
         # NOTE: [Out of memory at the kernel boundary]
-        return out_of_memory_boundary(compute, call.where, described, OUT_OF_MEMORY_ADVICE, call.outputs1[0].device)
+        return out_of_memory_boundary(
+            compute, call.where, described, OUT_OF_MEMORY_ADVICE, call.outputs1[0].device, planned_budget
+        )
 
     def _explained(self, refusal: KernelMemoryError, call: KernelCall) -> KernelMemoryError:
         """``refusal`` of a call that ``vmap_axes="auto"`` left unmapped, with the reason first: a

@@ -32,7 +32,8 @@ class KernelMemoryError(MemoryError):
     Attributes:
         needed_bytes: the estimated peak of the smallest plan (or of the result alone), in bytes;
             None when an allocation failed during the computation.
-        budget_bytes: the budget it was measured against, in bytes.
+        budget_bytes: the budget it was measured against, in bytes; after an allocation failure,
+            the budget the failed plan was made within.
         kernel_alone: whether the kernel itself (the result) exceeds the budget, which no plan of
             the computation can change (``batch(..., out=...)`` writes it to disk instead).
     """
@@ -75,10 +76,12 @@ def release_memory(device: torch.device) -> None:
 
 
 def out_of_memory_boundary(
-    compute: Callable[[], T], where: str, attempted: Callable[[], str], advice: str, device: torch.device
+    compute: Callable[[], T], where: str, attempted: Callable[[], str], advice: str, device: torch.device,
+    budget: Callable[[], Optional[float]] = lambda: None,
 ) -> T:
     """``compute()``, its allocation failures re-raised as a :class:`KernelMemoryError` (NOTE: [Out of
-    memory at the kernel boundary]); ``attempted()`` describes the plan, ``advice`` the ways out.
+    memory at the kernel boundary]); ``attempted()`` describes the plan, ``advice`` the ways out,
+    ``budget()`` is the budget in bytes it was planned within (the error's ``budget_bytes``).
 
     A function, not a context manager: ``__exit__`` runs while the error is still being handled,
     with its traceback (and the failed computation's tensors) alive.
@@ -93,5 +96,6 @@ def out_of_memory_boundary(
     # Out of the except clause: the failed computation's frames and tensors are unreachable now.
     release_memory(device)
     raise KernelMemoryError(
-        f"{where}: ran out of memory computing the kernel with {attempted()}. {advice} PyTorch said: {said}"
+        f"{where}: ran out of memory computing the kernel with {attempted()}. {advice} PyTorch said: {said}",
+        budget_bytes=budget(),
     )

@@ -42,6 +42,7 @@ from .._utils.checks import show, user_stacklevel
 from .._utils.tree import Flat
 from .aliases import storage_key, watched
 from .names import parameter_names
+from .requires_grad import ignored_by_global_hooks
 from .shell import private_shell
 from .unfused import fused_layers, recurrent_layers_without_cudnn
 from .wrappers import compiled_function, compiled_wrapper, plain_checkpoints
@@ -366,8 +367,10 @@ def _private_evaluation(module: nn.Module) -> Callable[[dict, tuple, dict], Any]
             shell = local.shell = private_shell(module)
         on_cuda = recurrent and any(tensor.is_cuda for tensor in tensors.values())
         with plain_checkpoints(), (recurrent_layers_without_cudnn() if on_cuda else contextlib.nullcontext()):
-            # NOTE: [Reentrant checkpoints]; cuDNN: see recurrent_layers_without_cudnn
-            return torch.func.functional_call(shell, tensors, args, kwargs, tie_weights=True, strict=False)
+            # NOTE: [Checkpoints run plain], NOTE: [Hooks that ask for gradients]; cuDNN: see
+            # recurrent_layers_without_cudnn
+            with ignored_by_global_hooks():
+                return torch.func.functional_call(shell, tensors, args, kwargs, tie_weights=True, strict=False)
 
     return evaluate
 
@@ -403,7 +406,7 @@ def _callable_model(f: Callable, params: Any, where: str) -> FunctionalModel:
     )
 
     def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-        with plain_checkpoints():  # NOTE: [Reentrant checkpoints]
+        with plain_checkpoints():  # NOTE: [Checkpoints run plain]
             return f(flat.rebuild(param_leaves), *args, **kwargs)
 
     return FunctionalModel(call, leaves, names, params_tree=flat)

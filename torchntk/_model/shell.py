@@ -10,7 +10,11 @@ torchntk's tensors into it. A shell is a copy of the module tree made of new mod
 ``_modules`` and hook dictionaries (so swapping, attribute writes and hook registrations stay in
 the shell), sharing the tensors, the submodule classes and every other attribute value.
 Submodules shared in the original (tied modules) are shared in the shell. A module compiled in place
-(``module.compile()``) is shelled uncompiled (NOTE: [Compiled modules] in ``_model/wrappers.py``).
+(``module.compile()``), and a submodule wrapped by ``torch.compile``, are shelled uncompiled (NOTE:
+[Compiled modules] in ``_model/wrappers.py``).
+The shell's forward hooks and forward pre-hooks are the module's, each run under a mode that makes
+their requests for gradients harmless (NOTE: [Hooks that ask for gradients] in
+``_model/requires_grad.py``).
 
 TorchScript modules cannot be shelled (nor evaluated by ``functional_call`` at all);
 ``_model/functional.py`` refuses them before a shell is asked for.
@@ -22,9 +26,16 @@ import collections
 
 from torch import nn
 
+from .requires_grad import harmless_hook
+from .wrappers import uncompiled_forward
+
 _CONTAINER_TYPES = (dict, collections.OrderedDict, list, set)
 """Attribute values copied one level deep: the tensor, submodule and hook tables, and the plain
 containers a forward pass might append to."""
+
+_FORWARD_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks")
+"""The hook tables whose hooks the shell runs through :func:`harmless_hook`; their keys (which the
+tables of ``with_kwargs`` and ``always_call`` hooks refer to) and order are kept."""
 
 
 def private_shell(module: nn.Module) -> nn.Module:
@@ -50,10 +61,17 @@ def private_shell(module: nn.Module) -> nn.Module:
             for key, value in original.__dict__.items()
         }
         state["_modules"] = {name: None if sub is None else copy(sub) for name, sub in original._modules.items()}
+        for table in _FORWARD_HOOK_TABLES:
+            hooks = state.get(table)
+            if isinstance(hooks, dict) and hooks:
+                state[table] = type(hooks)((key, harmless_hook(hook)) for key, hook in hooks.items())
         if state.get("_compiled_call_impl") is not None:
             # ``module.compile()`` bound its compiled call to the original module, which would run
             # with the original's tensors (NOTE: [Compiled modules]); the shell runs eagerly.
             state["_compiled_call_impl"] = None
+        forward = uncompiled_forward(original, state["_modules"])
+        if forward is not None:  # a compile wrapper's forward calls the user's module (NOTE: [Compiled modules])
+            state["forward"] = forward
         object.__setattr__(shell, "__dict__", state)
         return shell
 

@@ -19,8 +19,11 @@ function's kind, ``trace_axes`` and ``diagonal_axes``; the builder's options tha
 (``output_fn``, ``groups``, ``vmap_axes``, any option not known to leave them alone; not the
 implementation, ``chunk_size`` or the checks, which are exact or raise: ``_NOT_VALUES``); the
 module's structure (per submodule its class, plain attributes, hooks and train/eval mode) and a
-hash of its parameters and buffers (names, ``requires_grad``, values); a hash of the inputs and
-every other argument (``params`` among them, with their key paths); ``batch_size``; the rank and
+hash of its parameters and buffers (names, ``requires_grad``, values); what ``params`` decides:
+for a module the names of the parameters it selects (patterns spelled differently, a predicate or
+None that select the same ones are the same problem) and a hash of the values a mapping gives, for
+a function model a hash of its parameter tree; a hash of the inputs and every other argument
+(with their key paths); ``batch_size``; the rank and
 world size in shard mode; every output leaf's shape and dtype. It is JSON data equal in every
 process for the same problem: functions (``output_fn``, hooks, predicates) are described by their
 code, closures and defaults, never by address (``_describe.py``). A record with another
@@ -44,13 +47,14 @@ import tempfile
 import threading
 import time
 import zlib
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
 from .._call.groups import ParameterGroups
+from .._model.functional import functional_model
 from .._utils.tree import Flat, key_entry
 from ._describe import describe, tensor_bytes, text
 
@@ -180,9 +184,13 @@ _TABLES = ("_parameters", "_buffers", "_modules")
 
 def fingerprint(spec: Any, inputs: Any, batch_size: int, shard: Optional[list[int]]) -> dict:
     """What a progress record must agree on; ``inputs`` is ``(x1, x2, args, kwargs)`` (``params``
-    is among them), ``shard`` ``[rank, world_size]`` in shard mode. JSON data, equal between
-    processes for the same problem (``_describe.py``)."""
+    is among them, and recorded apart: :func:`_parameters_differentiated`), ``shard`` ``[rank,
+    world_size]`` in shard mode. JSON data, equal between processes for the same problem
+    (``_describe.py``)."""
     model = spec.f
+    x1, x2, args, kwargs = inputs
+    params, args, kwargs = _split_params(spec.kind, args, kwargs)
+    inputs = (x1, x2, args, kwargs)
     options = None
     if spec.options is not None:
         options = {name: _option(value) for name, value in spec.options.items() if name not in _NOT_VALUES}
@@ -204,10 +212,40 @@ def fingerprint(spec: Any, inputs: Any, batch_size: int, shard: Optional[list[in
         "options": options,
         "model": structure,
         "parameters": parameters,
+        "params": _parameters_differentiated(model, params),
         "inputs": input_digest.hexdigest(),
         "batch_size": batch_size,
         "shard": shard,
     }
+
+
+def _split_params(kind: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """``(params, the other positional arguments, the other keyword arguments)`` of a call of a
+    kernel function of ``kind``: ``params`` follows ``x2`` (``get`` and then ``params`` for
+    ``"kernel"``), or is a keyword; None when not given."""
+    position = 1 if kind == "kernel" else 0
+    if len(args) > position:
+        return args[position], args[:position] + args[position + 1:], kwargs
+    rest = {key: value for key, value in kwargs.items() if key != "params"}
+    return kwargs.get("params"), args, rest
+
+
+def _parameters_differentiated(model: Any, params: Any) -> dict:
+    """What ``params`` decides, as JSON data: for a module, the names of the parameters it selects
+    (so that ``"*.lora_*"``, ``["*.lora_A*", "*.lora_B*"]``, a predicate or ``None`` that select the
+    same ones are the same problem) and, for a mapping of tensors, a digest of the values it gives;
+    for a function model, a digest of its parameter tree. ``spelling`` stands in for the names
+    where the selection cannot be resolved (the kernel call then raises)."""
+    digest = hashlib.blake2b(digest_size=16)
+    _hash_tensors(params, digest)
+    if not isinstance(model, torch.nn.Module):
+        return {"names": None, "values": digest.hexdigest()}
+    values = digest.hexdigest() if isinstance(params, Mapping) else None
+    try:
+        names = sorted(functional_model(model, params, "batch", lazy=True).names)
+    except (TypeError, ValueError):
+        return {"names": None, "values": values, "spelling": text(describe(params), _OPTION_TEXT)}
+    return {"names": names, "values": values}
 
 
 def _option(value: Any) -> str:
@@ -292,9 +330,37 @@ def _differences(stored: dict, problem: dict) -> list[str]:
                 "parameters: the model's parameters or buffers differ (values, names, shapes, dtypes or "
                 "requires_grad flags)"
             )
+        elif key == "params" and isinstance(recorded, dict) and isinstance(now, dict):
+            found += _params_differences(recorded, now)
         else:
             found.append(f"{key}: recorded {recorded!r}, now {now!r}")
     return found
+
+
+def _params_differences(recorded: dict, now: dict) -> list[str]:
+    """What differs in the ``params`` of two problems, in words."""
+    found = []
+    before, after = recorded.get("names"), now.get("names")
+    if before != after:
+        if isinstance(before, list) and isinstance(after, list):
+            only_before = [name for name in before if name not in after]
+            only_after = [name for name in after if name not in before]
+            found.append(
+                f"params: other parameters are differentiated (only in the record: {_listed(only_before)}; "
+                f"only now: {_listed(only_after)})"
+            )
+        else:
+            found.append(
+                f"params: recorded {recorded.get('spelling', before)!r}, now {now.get('spelling', after)!r}"
+            )
+    if recorded.get("values") != now.get("values"):
+        found.append("params: the parameter values given in `params` differ")
+    return found
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(map(repr, names[:_SHOWN]))
+    return (shown + f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else shown) or "none"
 
 
 def _module_differences(recorded: dict, now: dict) -> list[str]:

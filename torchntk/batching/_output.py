@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .._layout.kernel_layout import KernelLayout
+from .._memory import KernelMemoryError, format_bytes, is_allocation_failure
 from .._layout.tiles import Placement
 from ._devices import asynchronous_copy
 from ._disk import ProgressRecord, as_numpy, assign_whole, check_out_leaf, checksum, flush
@@ -43,6 +44,26 @@ def moved(block: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``block`` on ``device``; the CPU copies that place blocks read it at once, so only a copy
     between accelerators may return early (:func:`asynchronous_copy`)."""
     return block.to(device, non_blocking=asynchronous_copy(block.device, device))
+
+
+def _allocated(shape: list[int], dtype: torch.dtype, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """The zeroed result tensor of one leaf; an allocator's failure (a batch size given by the user
+    plans no budget) becomes a :class:`~torchntk._memory.KernelMemoryError` with the ways out."""
+    failure = None
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    except (RuntimeError, MemoryError) as error:
+        if not is_allocation_failure(error):
+            raise
+        failure = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    needed = float(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    raise KernelMemoryError(
+        f"batch: the kernel's result of shape {tuple(shape)} ({format_bytes(needed)}, {dtype}) could not be "
+        f"allocated on {device}. Write it to disk block by block with out=np.lib.format.open_memmap(...) (each "
+        f"worker then holds only its blocks), trace more output axes, or keep fewer outputs or examples. "
+        f"PyTorch said: {failure}",
+        needed, kernel_alone=True,
+    )
 
 
 class KernelOutput:
@@ -97,7 +118,7 @@ class KernelOutput:
                 if out is None and placement.kind != "trace":
                     shape[placement.positions[0]] = self.rows[1] - self.rows[0]
                 with _on(stream):  # the allocator's record of the stream that uses the memory
-                    tensor = torch.zeros(shape, dtype=leaf.dtype, device=device, pin_memory=pin_memory)
+                    tensor = _allocated(shape, leaf.dtype, device, pin_memory)
                 self.tensors.append(tensor)
                 self.targets.append(tensor)
             else:

@@ -39,7 +39,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .._memory import KernelMemoryError, format_bytes, resolve_budget
+from .._implementations.memory import PLANNED_SLACK
+from .._memory import KernelMemoryError, available_bytes, format_bytes, resolve_budget
 
 PAIR_EXAMPLES = 64.0
 """What a pair of spans costs beyond its preparations and contraction, in examples prepared: a
@@ -85,11 +86,18 @@ def worker_budget(
         shares.append(-1.0)
     if min(shares) <= 0:
         budget = resolve_budget(memory, store_device)
+        free = available_bytes(store_device)
+        factor, slack = PLANNED_SLACK
+        # more memory is a way out only where the device has it free (NOTE: [Memory plans])
+        more = (
+            ", or allow more memory (memory=...)" if result_bytes * factor + slack < free
+            else f" ({store_device} has {format_bytes(free)} free, too little to hold it, whatever memory= says)"
+        )
         raise KernelMemoryError(
             f"batch: the kernel alone takes {format_bytes(result_bytes)} on {store_device}, more than (or all of) the "
             f"memory budget of {format_bytes(budget)}. Write it to disk block by block with "
             f"out=np.lib.format.open_memmap(...) (each worker then holds only its spans), trace more output axes, "
-            f"keep fewer outputs or examples, or allow more memory (memory=...).",
+            f"or keep fewer outputs or examples{more}.",
             result_bytes, budget, kernel_alone=True,
         )
     return min(shares)

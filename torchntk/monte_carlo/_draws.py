@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._model.functional import float_parameter, training_mode_layers
+from .._model.wrappers import compiled_wrapper
 from .._utils.checks import show
 from .._utils.tree import Flat
 from .._utils.types import Model
@@ -154,6 +155,8 @@ def reset_methods(module: nn.Module) -> list[Callable[[], Any]]:
         seen.add(id(sub))
         for child in sub.children():
             visit(child)
+        if compiled_wrapper(sub) is not None:
+            return  # its attributes are the wrapped module's: a second reset would draw other values
         method = getattr(sub, "reset_parameters", None)
         if not callable(method):
             method = getattr(sub, "_reset_parameters", None)
