@@ -74,3 +74,33 @@ def test_the_workload_benchmark_runs_and_every_method_agrees_with_the_hand_writt
     extrapolations = [line for line in lines if "batch(batch_size=2, out=<memmap>" in line]
     assert len(extrapolations) == 2 * 4 and all("N = 6:" in line for line in extrapolations), done.stdout
     assert all(re.search(r"min\), measured \d+ s .*batch_size=.auto.: \d+ s", line) for line in extrapolations), done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("runs a benchmark script in a child process, on the CPU")
+def test_the_diffop_benchmark_runs_and_every_method_agrees_with_the_hand_written_loop():
+    done = run_python(str(ROOT / "benchmarks" / "bench_diffop.py"), "--quick", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in done.stdout.splitlines() if line.startswith(("| poisson", "| forces"))
+    ]
+    # per dtype: the Poisson hand loop and its vmap, each style's 4 implementations and floor; the
+    # force field's hand loop, vmap, 4 implementations and floor
+    assert len(rows) == 2 * (2 + 2 * 5 + 7), done.stdout
+    compared = [row for row in rows if row[1] in ("vmap", "1", "2", "3", "0")]
+    assert len(compared) == 2 * (1 + 2 * 4 + 1 + 4)
+    assert all(float(row[4]) < 1e-4 for row in compared), done.stdout  # relative difference from the hand loop
+    assert all("picks" in row[5] and "planned" in row[5] for row in compared if row[1] == "0"), done.stdout
+    assert done.stdout.count("x the hand loop; AUTO") == 2 * 3, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("runs a benchmark script in a child process, on the CPU")
+def test_the_training_mode_benchmark_plans_runs_of_logits_within_its_budget():
+    done = run_python(str(ROOT / "benchmarks" / "bench_training_mode.py"), "--n", "2", "--classes", "12",
+                      "--memory", "600MB", "--implementation", "1", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "implementation 1, `vmap_axes` None (BatchNorm2d at 'bn1' couples" in done.stdout, done.stdout
+    assert re.search(r"MemoryPlanWarning: .* computing it with chunk_size=\d+ \(output entries", done.stdout), done.stdout
+    assert "training mode" in done.stdout, done.stdout

@@ -15,6 +15,7 @@ from torch import nn
 
 import torchntk
 from tests import zoo
+from tests._processes import run_python
 from torchntk._kernel import kernel_function
 from torchntk._utils import quiet_warnings
 
@@ -133,7 +134,7 @@ def test_threads_computing_at_once_leave_the_users_filters_as_they_are():
             thread.join(timeout=120)
         assert not errors and not any(thread.is_alive() for thread in threads), errors
         assert warnings.filters[0][1].pattern == "a filter the user adds meanwhile"
-        assert all(entry is not quiet_warnings._FILTER for entry in warnings.filters)
+        assert not any(entry is known for entry in warnings.filters for known in quiet_warnings._FILTERS)
     assert quiet_warnings._silenced._depth == 0 and quiet_warnings._silenced._undo is None
     assert max(_Overlapping.depths) == 2  # the two threads did compute at once
 
@@ -155,3 +156,32 @@ def test_hugging_face_kernels_are_quiet_but_the_users_output_fn_is_heard(name, o
     messages = _recorded(lambda: ntk_fn(case.x1, case.x2, **case.kwargs))
     assert "output_fn's own warning" in messages
     assert not _dropped(messages), messages
+
+
+SCRIPTED = """
+import warnings
+warnings.simplefilter("always")
+import torch, torchntk
+model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+torchntk.empirical_ntk_fn(model, implementation=2)(torch.randn(3, 3))   # forward mode scripts decompositions
+print("computed", flush=True)
+
+
+def plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+torch.jit.script(plus_one)                                              # the user's own script
+"""
+
+
+def test_pytorchs_own_torch_jit_script_warning_stays_inside_torchntk_but_the_users_is_heard(tmp_path):
+    # In a fresh process: forward-mode AD scripts its decompositions once per process. The warning
+    # is a DeprecationWarning up to torch 2.13 and a FutureWarning from 2.14; "always" shows both.
+    # A file, not -c: TorchScript reads the source of what it scripts.
+    script = tmp_path / "scripted.py"
+    script.write_text(SCRIPTED)
+    done = run_python(script, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "computed" in done.stdout
+    assert done.stderr.count("`torch.jit.script` is deprecated") == 1, done.stderr  # the user's call only

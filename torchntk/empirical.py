@@ -151,7 +151,9 @@ def empirical_ntk_fn(
         chunk_size: bounds peak memory. With ``vmap_axes``: at most this many examples of x1 and of
             x2 have their derivatives in memory at once (the kernel is assembled from blocks;
             with x2 None only blocks on and above the diagonal are computed). Without
-            ``vmap_axes``: at most this many output entries are differentiated at once. ``None``:
+            ``vmap_axes``: at most this many output entries are differentiated at once, and
+            implementation 1 holds the Jacobian of one run of coordinates of a traced output axis
+            at a time (``docs/batching.md``, "Memory plans"). ``None``:
             the implementation's default: everything at once for Jacobian contraction; for
             NTK-vector products, runs of x2 examples (at least 2) whose parameter-space vectors
             fit in about 32 MB (faster than all at once; see ``docs/design.md``). With

@@ -24,10 +24,12 @@ import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.func import vjp, vmap
 
 from .._call.blocks import BlockPlan, assemble
 from .._call.kernel_call import KernelCall
 from .._call.per_example import OutputAxisError, Side
+from .._layout.runs import runs
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -37,6 +39,8 @@ def jacobian_contraction_ntk(call: KernelCall) -> list[torch.Tensor]:
 
 
 def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
+    if output_runs(call):
+        return _output_run_blocks(call)
     jacobian_chunk = None if call.side1.mapped else call.chunk_size
 
     def prepare(side: Side) -> Jacobians:
@@ -44,9 +48,7 @@ def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
             return side.jacobians(chunk_size=jacobian_chunk)
         return checked_jacobians(call, side, side.jacobians_and_outputs)
 
-    # Each parameter's term goes to its group's sum (NOTE: [Parameter groups]); without groups, one sum.
-    groups = call.groups if call.groups is not None else (tuple(range(len(call.model.params))),)
-    group_of = {index: position for position, indices in enumerate(groups) for index in indices}
+    groups, group_of = _groups(call)
 
     def contract(jacobians1: Jacobians, jacobians2: Jacobians, needed: Sequence[bool]) -> list[Optional[Any]]:
         blocks: list[Optional[Any]] = []
@@ -54,25 +56,139 @@ def jacobian_contraction_blocks(call: KernelCall) -> BlockPlan:
             if not is_needed:
                 blocks.append(None)
                 continue
-            totals: list[Optional[torch.Tensor]] = [None] * len(groups)
-            dtypes: list[Optional[torch.dtype]] = [None] * len(groups)
-            for index, (one, two) in enumerate(zip(per_param1, per_param2)):
-                first = _flatten_param(one, layout.ndim)
-                # The same tensor on both sides (x2 is None) lets the layout use the symmetric product.
-                second = first if two is one else _flatten_param(two, layout.ndim)
-                # Terms stay in float64 until every parameter is summed (NOTE: [Accurate contraction]).
-                term = layout.contract(first, second, wide=True)
-                group = group_of[index]
-                dtypes[group] = _promote(dtypes[group], first.dtype, second.dtype)
-                totals[group] = term if totals[group] is None else _accumulate(totals[group], term)
-            sums = tuple(None if total is None else total.to(dtype) for total, dtype in zip(totals, dtypes))
-            blocks.append(sums if call.groups is not None else sums[0])
+            sums = _Sums(len(groups))
+            sums.add(layout, per_param1, per_param2, group_of)
+            blocks.append(sums.result(call.groups is not None))
         return blocks
 
     return BlockPlan(
         prepare, prepare, contract, reuse_prepared=True, run_length=call.run_length,
         keep_prepared=call.chunk_size is None,
     )
+
+
+def _groups(call: KernelCall) -> tuple[tuple[tuple[int, ...], ...], dict[int, int]]:
+    """The parameter groups and each parameter's group: each parameter's term goes to its group's sum
+    (NOTE: [Parameter groups]); without groups, one sum."""
+    groups = call.groups if call.groups is not None else (tuple(range(len(call.model.params))),)
+    return groups, {index: position for position, indices in enumerate(groups) for index in indices}
+
+
+class _Sums:
+    """One output leaf's kernel, summed over parameters (and runs of outputs) per group, in float64
+    until the end (NOTE: [Accurate contraction])."""
+
+    def __init__(self, groups: int) -> None:
+        self.totals: list[Optional[torch.Tensor]] = [None] * groups
+        self.dtypes: list[Optional[torch.dtype]] = [None] * groups
+
+    def add(self, layout: Any, per_param1: Sequence[torch.Tensor], per_param2: Sequence[torch.Tensor],
+            group_of: dict[int, int]) -> None:
+        """Adds ``J1_p J2_p^T`` of every parameter ``p``, its Jacobians shaped ``(*output, *param)``."""
+        for index, (one, two) in enumerate(zip(per_param1, per_param2)):
+            first = _flatten_param(one, layout.ndim)
+            # The same tensor on both sides (x2 is None) lets the layout use the symmetric product.
+            second = first if two is one else _flatten_param(two, layout.ndim)
+            term = layout.contract(first, second, wide=True)
+            group = group_of[index]
+            self.dtypes[group] = _promote(self.dtypes[group], first.dtype, second.dtype)
+            total = self.totals[group]
+            self.totals[group] = term if total is None else _accumulate(total, term)
+
+    def result(self, grouped: bool) -> Any:
+        """The kernel rounded to its dtype: one per group with groups, else the one sum."""
+        sums = tuple(None if total is None else total.to(dtype) for total, dtype in zip(self.totals, self.dtypes))
+        return sums if grouped else sums[0]
+
+
+# NOTE: [Runs of traced outputs]
+# Without vmap_axes the whole batch is one example, and its Jacobian holds every output entry of
+# every example: N O P entries (374 GB for a ResNet-18 in training mode, 8 images, 1000 logits).
+# A traced output axis needs far less: the kernel sums ``J[..., t, :] J[..., t, :]^T`` over its
+# coordinates t, so the coordinates can be taken a run at a time, each run's Jacobian contracted
+# into the sum and dropped before the next. With a chunk_size (the output entries differentiated
+# at once, which the memory plan chooses when the whole Jacobian does not fit), implementation 1
+# cuts each output leaf along its longest traced axis into runs of as many coordinates as
+# chunk_size entries hold (at least one), and holds one run's Jacobian per side: the forward pass
+# is taken once per side (its pullback kept), and the backward passes are those of the whole
+# Jacobian, so the runs cost nothing but the loop. A leaf without a traced axis is one run. The
+# memory model (``memory.py``) prices the same runs; without a chunk_size nothing changes.
+
+
+def output_runs(call: KernelCall) -> bool:
+    """Whether ``call`` is computed in runs of traced outputs (NOTE: [Runs of traced outputs]):
+    without ``vmap_axes``, with a ``chunk_size``, and some output leaf traced along an axis."""
+    if call.side1.mapped or call.chunk_size is None:
+        return False
+    return any(layout.run_axis(output.shape) is not None for layout, output in zip(call.layouts, call.outputs1))
+
+
+def _output_run_blocks(call: KernelCall) -> BlockPlan:
+    """Implementation 1 over runs of traced output coordinates (NOTE: [Runs of traced outputs])."""
+    groups, group_of = _groups(call)
+    chunk = call.chunk_size
+
+    def prepare(side: Side) -> tuple[tuple[torch.Tensor, ...], Callable]:
+        return vjp(side.whole_batch(), side.model.params)
+
+    def contract(prepared1: Any, prepared2: Any, needed: Sequence[bool]) -> list[Optional[Any]]:
+        (outputs1, pullback1), (outputs2, pullback2) = prepared1, prepared2
+        blocks: list[Optional[Any]] = []
+        for leaf, (layout, is_needed) in enumerate(zip(call.layouts, needed)):
+            if not is_needed:
+                blocks.append(None)
+                continue
+            axis = layout.run_axis(outputs1[leaf].shape)
+            size = 1 if axis is None else outputs1[leaf].shape[axis]
+            unit = max(outputs1[leaf].numel(), outputs2[leaf].numel()) // size  # entries per coordinate
+            sums = _Sums(len(groups))
+            for start, length in runs(size, max(1, chunk // max(1, unit))):
+                one = _run_jacobians(outputs1, pullback1, leaf, axis, start, length, chunk)
+                two = one if prepared1 is prepared2 else _run_jacobians(
+                    outputs2, pullback2, leaf, axis, start, length, chunk)
+                sums.add(layout, one, two, group_of)
+                one = two = None  # this run's Jacobians go before the next run's are formed
+            blocks.append(sums.result(call.groups is not None))
+        return blocks
+
+    return BlockPlan(prepare, prepare, contract, reuse_prepared=True)
+
+
+def _run_jacobians(
+    outputs: tuple[torch.Tensor, ...], pullback: Callable, leaf: int, axis: Optional[int], start: int, length: int,
+    chunk: int,
+) -> tuple[torch.Tensor, ...]:
+    """The Jacobian of output ``leaf`` narrowed to ``[start, start + length)`` along ``axis`` (the
+    whole leaf when ``axis`` is None), one ``(*narrowed_shape, *param.shape)`` tensor per parameter;
+    its rows differentiated ``chunk`` at a time by ``pullback``."""
+    target = outputs[leaf]
+    shape = list(target.shape)
+    if axis is not None:
+        shape[axis] = length
+    # where each entry of the run sits in the flattened leaf
+    where = torch.arange(target.numel(), device=target.device).reshape(target.shape)
+    where = (where if axis is None else where.narrow(axis, start, length)).reshape(-1)
+    rows = where.numel()
+    zeros = [torch.zeros((), dtype=output.dtype, device=output.device) for output in outputs]
+    per_param: Optional[tuple[torch.Tensor, ...]] = None
+    for first in range(0, rows, chunk):
+        count = min(chunk, rows - first)
+        basis = torch.zeros(count, target.numel(), dtype=target.dtype, device=target.device)
+        basis[torch.arange(count, device=target.device), where[first:first + count]] = 1
+        cotangents = tuple(
+            basis.view(count, *target.shape) if index == leaf else zero.expand(count, *output.shape)
+            for index, (output, zero) in enumerate(zip(outputs, zeros))
+        )
+        (products,) = vmap(pullback)(cotangents)
+        if count == rows:
+            per_param = tuple(products)
+            break
+        if per_param is None:  # filled in place: no second copy of the run's Jacobian at once
+            per_param = tuple(product.new_empty(rows, *product.shape[1:]) for product in products)
+        for whole, product in zip(per_param, products):
+            whole[first:first + count] = product
+        products = basis = cotangents = None
+    return tuple(product.reshape(*shape, *product.shape[1:]) for product in per_param)
 
 
 def checked_jacobians(

@@ -28,6 +28,9 @@ size):
 * its Jacobians (implementation 1; implementation 2's x2 vectors): ``n O P e``, plus for each
   parameter used more than once a second copy of its part (the sum autograd forms), and a second
   copy of everything when examples are mapped by a loop (the per-example results are stacked);
+  without ``vmap_axes``, with a ``chunk_size`` and a traced output axis, implementation 1 holds
+  one run of its coordinates instead of ``O`` (NOTE: [Runs of traced outputs] in
+  ``jacobian_contraction.py``), each side's forward pass kept for the run's backward passes;
 * a reverse sweep: ``n A e`` kept for the backward pass and ``BACKWARD_LIVE n V A_max e`` for the
   ``V`` cotangents pushed at once (``O``; without ``vmap_axes``, ``chunk_size`` of them); without
   a ``chunk_size``, implementations 1 and 3 sweep the examples of one working-set run at a time
@@ -134,6 +137,14 @@ class _SideSizes:
     outputs: float  # O: output entries per example (all of them for a whole batch)
     activations: Activations
     loop: bool
+    # Without vmap_axes, per output leaf: its entries and those of one coordinate of the axis its
+    # runs are cut along (NOTE: [Runs of traced outputs]; all its entries where nothing is traced).
+    leaf_runs: tuple[tuple[float, float], ...] = ()
+
+    def run_entries(self, chunk: float) -> float:
+        """Output entries whose Jacobian one run holds with ``chunk_size=chunk``, cut in runs of
+        traced outputs (NOTE: [Runs of traced outputs]): at least one coordinate of the leaf's axis."""
+        return max(min(entries, max(unit, unit * (chunk // unit))) for entries, unit in self.leaf_runs)
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,7 @@ class CallSizes:
     side1: _SideSizes
     side2: _SideSizes
     kinds: tuple[str, ...]  # per kernel leaf: "kept", "diagonal", "trace" (the batch axis), or "whole"
+    output_runs: bool  # unmapped with a traced output axis: a chunk_size cuts runs of it (implementation 1)
     kernel_entries: tuple[float, ...]  # per kernel leaf, all groups
     kernel_bytes: tuple[int, ...]  # bytes per kernel entry per leaf
     output_bytes: float  # the whole-batch outputs the call holds
@@ -186,6 +198,7 @@ def call_sizes(call: KernelCall, bound: Optional[Activations] = None, count: Opt
         count = uncached(call)
     sides = []
     pairs = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
+    axes = [layout.run_axis(output.shape) for layout, output in zip(call.layouts, call.outputs1)]
     for side, outputs in pairs:
         examples = side.batch_size() if mapped else 1
         activations = bound if bound is not None else activations_of(count(side))
@@ -193,7 +206,11 @@ def call_sizes(call: KernelCall, bound: Optional[Activations] = None, count: Opt
         per_example = entries / max(1, examples)
         if activations is None:  # the counter failed: the outputs are the only sizes known
             activations = Activations(per_example, per_example)
-        sides.append(_SideSizes(examples, per_example, activations, bool(side.loop)))
+        leaf_runs = tuple(
+            (float(output.numel()), float(output.numel() // (1 if axis is None else output.shape[axis])))
+            for output, axis in zip(outputs, axes)
+        )
+        sides.append(_SideSizes(examples, per_example, activations, bool(side.loop), leaf_runs))
     if len(sides) == 1:
         sides.append(sides[0])
     groups = len(call.groups) if call.groups is not None else 1
@@ -207,7 +224,8 @@ def call_sizes(call: KernelCall, bound: Optional[Activations] = None, count: Opt
         output_bytes += sum(o.numel() * o.element_size() for o in call.outputs2)
     return CallSizes(
         mapped, call.side2 is None, element, sum(p.numel() for p in params), tuple(p.numel() for p in params),
-        sides[0], sides[1], tuple(kinds), tuple(entries), tuple(sizes), float(output_bytes),
+        sides[0], sides[1], tuple(kinds), not mapped and any(axis is not None for axis in axes), tuple(entries),
+        tuple(sizes), float(output_bytes),
     )
 
 
@@ -277,7 +295,21 @@ def peak_bytes(
         held = e * n * side.outputs * (sizes.params + reused)
         return 2 * held if side.loop else held
 
-    if implementation == _JACOBIAN:
+    if implementation == _JACOBIAN and sizes.output_runs and chunk is not None:
+        # NOTE: [Runs of traced outputs]: both sides' forward passes are kept for the runs' backward
+        # passes; each side holds one run's Jacobian.
+        def run_jacobians(side: _SideSizes) -> float:
+            reused = sum(sizes.param_sizes[index] for index in side.activations.reused)
+            return e * side.run_entries(chunk) * (sizes.params + reused)
+
+        def live(side: _SideSizes) -> float:
+            return e * BACKWARD_LIVE * min(chunk, side.run_entries(chunk)) * side.activations.largest
+
+        tapes = e * (one.activations.written + (0 if sizes.reuses_x1 else two.activations.written))
+        held2 = run_jacobians(two)
+        held = held2 + (0 if sizes.reuses_x1 else run_jacobians(one))
+        derivatives = tapes + max(held2 + live(two), held + live(one), held + block)
+    elif implementation == _JACOBIAN:
         held2 = jacobians(two, n2)
         phases = [held2 + sweep(two, n2, vectors2)]
         if not shared:

@@ -20,7 +20,7 @@ import functools
 import math
 import string
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -65,6 +65,18 @@ class KernelLayout:
     def trace_size(self, shape1: Sequence[int]) -> int:
         """The number of traced coordinates, which the contracted sum is divided by."""
         return math.prod(shape1[axis] for axis in self.trace_axes)
+
+    def run_axis(self, shape: Sequence[int]) -> Optional[int]:
+        """The traced axis of an output of ``shape`` that runs of outputs are cut along (NOTE: [Runs
+        of traced outputs] in ``_implementations/jacobian_contraction.py``): the longest, if longer
+        than 1; None where nothing is traced.
+
+        Example:
+            >>> KernelLayout(3, (1, 2), ()).run_axis((8, 3, 1000)), KernelLayout(2, (), ()).run_axis((8, 10))
+            (2, None)
+        """
+        longest = max(self.trace_axes, key=lambda axis: shape[axis], default=None)
+        return longest if longest is not None and shape[longest] > 1 else None
 
     def kernel_positions(self, axis: int) -> tuple[int, ...]:
         """Positions in the kernel of output axis ``axis``: two if kept, one if diagonal, none if traced."""

@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from .._utils.checks import show, user_stacklevel
 from .._utils.tree import Flat
 from .aliases import storage_key, watched
+from .inner_derivatives import with_inner_derivatives
 from .names import parameter_names
 from .requires_grad import ignored_by_global_hooks
 from .shell import private_shell
@@ -144,6 +145,7 @@ def functional_model(
         ValueError: unknown parameter names, wrong shapes, or nothing to differentiate.
     """
     model = _module_model(f, params, where, lazy) if isinstance(f, nn.Module) else _callable_model(f, params, where)
+    model = replace(model, call=with_inner_derivatives(model.call, f, where))  # NOTE: [Derivatives inside the forward pass]
     return model if output_fn is None else replace(model, output_fn=output_fn)
 
 

@@ -10,8 +10,13 @@ of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` in eval mode (th
 forward-mode paths already restrict attention to its MATH kernel, and turn the fast paths off,
 where they must; see ``_model/unfused.py``). The warning
 then names an operation the user never called and asks them to file an issue with PyTorch, on
-every kernel of such a model. :func:`known_warnings_silenced` ignores exactly those messages for
-the operations of :data:`KNOWN_OPERATIONS`, and only while torchntk computes: a kernel function's
+every kernel of such a model. The second is PyTorch's own use of ``torch.jit.script``: forward-mode
+AD (implementation 2, the forward-mode checks, ``empirical_ntk_vp_fn``) scripts decompositions on its
+first use, and ``torch.jit.script`` warns that it is deprecated, a ``DeprecationWarning`` up to torch
+2.13 (hidden by default) and a ``FutureWarning`` from 2.14 (shown): it asks the user to migrate code
+they never wrote. :func:`known_warnings_silenced` ignores exactly those messages (for the
+operations of :data:`KNOWN_OPERATIONS`, and ``torch.jit.script``'s deprecation), and only while
+torchntk computes: a kernel function's
 call or ``auto_choice`` (``KernelFunction``, ``_kernel/kernel_function.py``, through which every
 kernel passes), and the two entry points that compute without one, sketched features
 (``sketch/__init__.py``) and the NTK-vector products of spectra (``spectra/_operator.py``). Every
@@ -53,9 +58,12 @@ _MESSAGE = (
     rf"aten::(?:{'|'.join(map(re.escape, KNOWN_OPERATIONS))})\."
 )
 
-# The filter as ``warnings.filterwarnings`` would store it; one object, so that it is removed by
-# identity and never an equal filter of the user's.
-_FILTER = ("ignore", re.compile(_MESSAGE, re.I), UserWarning, None, 0)
+# The filters as ``warnings.filterwarnings`` would store them; objects of their own, so that they are
+# removed by identity and never an equal filter of the user's.
+_FILTERS = (
+    ("ignore", re.compile(_MESSAGE, re.I), UserWarning, None, 0),
+    ("ignore", re.compile(r"`torch\.jit\.script` is deprecated", re.I), Warning, None, 0),
+)
 
 _silenced = WhileAnyActive()
 
@@ -68,7 +76,7 @@ def known_warnings_silenced() -> ContextManager[None]:
 
 def _insert() -> Callable[[], None]:
     filters = warnings.filters
-    filters.insert(0, _FILTER)
+    filters[:0] = _FILTERS
 
     def undo() -> None:
         # A catch_warnings block entered meanwhile may have swapped the list: the filter goes from
@@ -82,5 +90,5 @@ def _insert() -> Callable[[], None]:
 
 def _remove(filters: list) -> None:
     for index in range(len(filters) - 1, -1, -1):
-        if filters[index] is _FILTER:
+        if any(filters[index] is known for known in _FILTERS):
             del filters[index]

@@ -95,6 +95,11 @@ class Taps(TorchFunctionMode):
         self.calls: list[TapCall] = []
         self.inputs: list[torch.Tensor] = []
         self.unruled: set[int] = set()
+        self._level: Optional[int] = None
+
+    def __enter__(self) -> "Taps":
+        self._level = _current_level()  # the level the model is evaluated at
+        return super().__enter__()
 
     def _position(self, value: Any) -> Optional[int]:
         if not isinstance(value, torch.Tensor):
@@ -107,6 +112,12 @@ class Taps(TorchFunctionMode):
         positions = (self._position(leaf) for leaf in pytree.tree_leaves((args, kwargs)))
         found = {position for position in positions if position is not None}
         if not found:
+            return func(*args, **kwargs)
+        if _current_level() != self._level:
+            # inside a derivative the model takes, as in implementation 3's recorder (NOTE: [Transforms
+            # inside the model]): a captured input would escape its level, and the backward passes
+            # of that derivative use the weight unseen
+            self.unruled |= found
             return func(*args, **kwargs)
         bound = _bind(func, args, kwargs)
         if bound is not None:
@@ -133,6 +144,9 @@ class Taps(TorchFunctionMode):
                 "(its forward pass must be deterministic for projection='kronecker')"
             )
         return output + self._taps[index]
+
+
+_current_level = torch._C._functorch.maybe_current_level
 
 
 class CaptureMismatch(RuntimeError):

@@ -5,6 +5,8 @@ The model runs under :class:`Recorder`, a ``TorchFunctionMode``. Parameters are 
 identity: the tensors passed to ``functional_call`` are the ones the ops receive. For each op:
 
 * no parameter (or a view of one) among its arguments: it runs untouched;
+* a parameter consumed at a deeper ``torch.func`` level than the recording's, inside a derivative
+  the model takes: the parameter is *unruled* (NOTE: [Transforms inside the model]);
 * a view, slice or cast of a parameter: it runs, and its result is tracked as a view
   (``_views.py``) so the consumer further on still sees the parameter;
 * an op with a rule (``rules/``) that accepts the call: a *rule call*. When recording, its roles
@@ -49,6 +51,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ..._model.inner_derivatives import INNER_DERIVATIVES
 from ..._model.unfused import RECURRENT
 from ._roles import OutputSpec, ParamRef, RuleCall
 from ._views import (
@@ -84,6 +87,7 @@ class Recorder(TorchFunctionMode):
         self._deltas = deltas
         self._count = 0
         self._depth = 0  # composites re-enter the mode (``with self``) while it is active
+        self._level: Optional[int] = None
         self._inputs: list[tuple[str, set[int], list[tuple[torch.Tensor, int]]]] = []
         self.calls: list[RuleCall] = []
         self.output_specs: list[OutputSpec] = []
@@ -107,6 +111,13 @@ class Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         found = [(leaf, ref) for leaf in _argument_leaves(args, kwargs) if (ref := self.ref_of(leaf)) is not None]
         if not found:
+            return func(*args, **kwargs)
+        if _current_level() != self._level:
+            # NOTE: [Transforms inside the model]: no rule states what a transform of the model's own does
+            self._unrule(found, f"{INNER_DERIVATIVES} (`{_name(func)}` consumes it inside a derivative the model takes)")
+            if isinstance(func, types.FunctionType) and rule_for(func) is None:
+                with self:  # a composite's body may reach parameters that are not among its arguments
+                    return _without_outer_check(func)(*args, **kwargs)
             return func(*args, **kwargs)
         if _writes_in_place(func, kwargs):
             self._unrule(found, f"`{_name(func)}` writes in place into it (or a view of it), or writes it elsewhere")
@@ -136,6 +147,8 @@ class Recorder(TorchFunctionMode):
         return result
 
     def __enter__(self) -> "Recorder":
+        if not self._depth:
+            self._level = _current_level()  # the level the model is evaluated at
         self._depth += 1
         return super().__enter__()
 
@@ -231,6 +244,20 @@ class Recorder(TorchFunctionMode):
 # is already the slow one.
 
 
+# NOTE: [Transforms inside the model]
+# A model may run torch.func transforms of its own (``vmap(hessian(u))(x)`` for a PDE residual), or
+# run in the reverse-mode level that torchntk opens for a model calling ``torch.autograd.grad``
+# (NOTE: [Derivatives inside the forward pass] in ``_model/inner_derivatives.py``). Its operations
+# then run at a deeper functorch level than the one the recorder was entered at, and are not what the rules
+# state: their tensors are wrapped for levels that end before the recording does (a rule's operand
+# kept from there escapes its level, which PyTorch answers with an INTERNAL ASSERT), a delta added
+# there is batched or differentiated by the model's own transforms, and the derivative the model
+# takes consumes the parameters again in backward passes that no function mode sees. So a
+# parameter consumed at another level is unruled, and its share of the kernel comes from the
+# Jacobian fallback, exact whatever the model does; operations at the recorder's level keep their
+# rules (a dense head after a derivative, say).
+
+
 class ShapeMismatch(Exception):
     """A perturbation prepared for a rule call does not have the shape of the call's output."""
 
@@ -275,6 +302,8 @@ def _storage_version(tensor: torch.Tensor) -> int:
     except RuntimeError:  # an inference tensor: it has no counter, and cannot be written outside inference mode
         return -1
 
+
+_current_level = torch._C._functorch.maybe_current_level
 
 _is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda tensor: False)
 _unwrapped = getattr(torch._C._functorch, "get_unwrapped", None)

@@ -251,8 +251,12 @@ def per_example_factors(
             positions = None
         if positions is None:  # shapes differ from the probe's: find them with a recording pass
             recorder = Recorder(params, looped=side.loop)
-            with torch.no_grad(), recorder:
-                under_a_transform(lambda: side.evaluate(params, x_leaves, kwarg_leaves))
+
+            def record() -> None:
+                with torch.no_grad(), recorder:  # entered inside the transform: NOTE: [Transforms inside the model]
+                    side.evaluate(params, x_leaves, kwarg_leaves)
+
+            under_a_transform(record)
             if not plan.foresees(recorder.calls, recorder.unruled):
                 raise PlanMismatch
             positions = [position for position, call in enumerate(recorder.calls) if plan.roles(call)]

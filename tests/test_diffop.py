@@ -1,0 +1,431 @@
+"""Models that take derivatives inside their forward pass: PINN residuals and force fields.
+
+NOTE: [Derivatives inside the forward pass] (``torchntk/_model/inner_derivatives.py``). Every
+kernel is checked against an independent float64 reference: the residual (or the forces) written
+here again as a pure function of raw parameter tensors with ``torch.func`` (``hessian`` or ``grad``
+with respect to the input), its per-example Jacobian over the parameters by ``vmap(jacrev)``, and
+the kernel contracted from those Jacobians. The models are written the two ways users write them:
+``torch.autograd.grad(..., create_graph=True)`` inside ``forward`` (on ``x.clone().requires_grad_()``,
+``x.requires_grad_()``, ``x.detach().requires_grad_()`` or an input that requires grad already) and
+``torch.func`` transforms inside ``forward``; each through implementations 1, 2, 3 and AUTO, with
+``vmap_axes`` 0, None and the default. Small networks and few points keep the default run short;
+the whole grid is ``slow``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.func import grad, hessian, jacrev, vmap
+
+import torchntk
+from tests.cases import DEVICE
+from torchntk._model.inner_derivatives import InnerBackwardError, takes_derivatives
+
+pytestmark = pytest.mark.filterwarnings("ignore::torchntk.ExampleLoopWarning")
+
+IMPLEMENTATIONS = (1, 2, 3, 0)
+VMAP_AXES = {"0": 0, "None": None, "default": "default"}
+WIDTH = 8
+
+
+def _ntk_fn(model, implementation, vmap_axes, **options):
+    if vmap_axes != "default":
+        options["vmap_axes"] = vmap_axes
+    return torchntk.empirical_ntk_fn(model, implementation=implementation, **options)
+
+
+def _mlp(inputs: int, dtype: torch.dtype) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(inputs, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1)
+    ).to(DEVICE, dtype)
+
+
+# -- the models, as users write them -------------------------------------------------------------
+
+
+class PoissonAutograd(nn.Module):
+    """``(u, u_xx + u_yy)`` by ``torch.autograd.grad(create_graph=True)``; ``mark`` says how the
+    input comes to require grad."""
+
+    def __init__(self, dtype: torch.dtype, mark: str = "clone"):
+        super().__init__()
+        self.net = _mlp(2, dtype)
+        self.mark = mark
+
+    def forward(self, x: torch.Tensor, which: str = "both"):
+        if which == "u":
+            return self.net(x)
+        if self.mark == "clone":
+            x = x.clone().requires_grad_()
+        elif self.mark == "in place":
+            x.requires_grad_()
+        elif self.mark == "detach":
+            x = x.detach().requires_grad_()
+        # "given": the input requires grad already
+        u = self.net(x)
+        du = torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)[0]
+        laplacian = sum(torch.autograd.grad(du[:, i].sum(), x, create_graph=True)[0][:, i] for i in range(2))
+        residual = laplacian.unsqueeze(-1)
+        return residual if which == "r" else (u, residual)
+
+
+class PoissonFunc(nn.Module):
+    """``(u, u_xx + u_yy)`` by ``torch.func`` inside ``forward``."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.net = _mlp(2, dtype)
+
+    def forward(self, x: torch.Tensor, which: str = "both"):
+        u = self.net(x)
+        if which == "u":
+            return u
+        hessians = vmap(hessian(lambda point: self.net(point).squeeze(-1)))(x)
+        residual = hessians.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
+        return residual if which == "r" else (u, residual)
+
+
+def _poisson(style: str, dtype: torch.dtype) -> nn.Module:
+    return PoissonFunc(dtype) if style == "torch.func" else PoissonAutograd(dtype, style)
+
+
+ATOMS = 4
+
+
+def _inverse_distances(positions: torch.Tensor) -> torch.Tensor:
+    first, second = torch.triu_indices(ATOMS, ATOMS, 1, device=positions.device)
+    return 1.0 / (positions[..., first, :] - positions[..., second, :]).norm(dim=-1)
+
+
+class ForcesAutograd(nn.Module):
+    """Forces ``-dE/dx`` of an energy network of inverse pair distances, with ``create_graph`` only
+    in training mode, as force-field codes write it: in eval mode PyTorch would return constants."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(ATOMS * (ATOMS - 1) // 2, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
+        self.net.to(DEVICE, dtype)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.clone().requires_grad_()
+        energy = self.net(_inverse_distances(positions)).sum()
+        return -torch.autograd.grad(energy, positions, create_graph=self.training)[0]
+
+
+class ForcesFunc(ForcesAutograd):
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return -vmap(grad(lambda one: self.net(_inverse_distances(one)).squeeze(-1)))(positions)
+
+
+# -- the independent float64 reference -----------------------------------------------------------
+
+
+def _raw(module: nn.Module) -> list[torch.Tensor]:
+    return [param.detach().to(torch.float64) for param in module.parameters()]
+
+
+def _mlp_value(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The MLP as a pure function of its weights and biases, in order, on one point."""
+    h = x
+    for index in range(0, len(params), 2):
+        h = h @ params[index].T + params[index + 1]
+        if index + 2 < len(params):
+            h = torch.tanh(h)
+    return h.squeeze(-1)
+
+
+def _u(params, point):
+    return _mlp_value(params, point)
+
+
+def _residual(params, point):
+    return torch.diagonal(hessian(_mlp_value, argnums=1)(params, point)).sum()
+
+
+def _forces(params, positions):
+    return -grad(lambda one: _mlp_value(params, _inverse_distances(one)), argnums=0)(positions)
+
+
+def _jacobian(function, params, x):
+    """Per-example Jacobians over the parameters, flattened: ``(N, *output, P)``."""
+    per_param = vmap(jacrev(function), (None, 0))(params, x.detach().to(torch.float64))
+    n = x.shape[0]
+    output = per_param[0].shape[1 : per_param[0].ndim - params[0].ndim]
+    return torch.cat([j.reshape(n, *output, -1) for j in per_param], dim=-1)
+
+
+def reference(function, params, x1, x2, function2=None):
+    """``J(x1) J(x2)^T`` of a scalar function of one point: ``(N1, N2)``; with ``function2``, the
+    cross-kernel of ``function`` on x1 and ``function2`` on x2."""
+    return _jacobian(function, params, x1) @ _jacobian(function2 or function, params, x2).T
+
+
+def force_reference(params, x1, x2):
+    """The full kernel of the forces, laid out as torchntk lays ``(N, A, 3)`` outputs out:
+    ``(N1, N2, A, A, 3, 3)``."""
+    return torch.einsum("naip,mbjp->nmabij", _jacobian(_forces, params, x1), _jacobian(_forces, params, x2))
+
+
+def _assert_close(kernel: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-4
+    assert kernel.shape == expected.shape
+    scale = expected.abs().max()
+    assert (kernel.double() - expected).abs().max() <= tolerance * scale, (kernel, expected)
+
+
+def _points(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 2, generator=generator, dtype=dtype).to(DEVICE)
+
+
+def _check_poisson(style: str, implementation: int, vmap_axes, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = _poisson(style, dtype)
+    x1, x2 = _points(5, dtype, 1), _points(4, dtype, 2)
+    if style == "given":
+        x1.requires_grad_()
+        x2.requires_grad_()
+    params = _raw(model)
+    u, residual = _ntk_fn(model, implementation, vmap_axes)(x1, x2)
+    _assert_close(u, reference(_u, params, x1, x2), dtype)
+    _assert_close(residual, reference(_residual, params, x1, x2), dtype)
+
+
+# -- PINN residuals --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vmap_axes", VMAP_AXES)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("style", ["clone", "torch.func"])
+def test_the_poisson_residual_and_the_values_are_exact_with_every_implementation(style, implementation, vmap_axes):
+    _check_poisson(style, implementation, VMAP_AXES[vmap_axes], torch.float64)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("style", ["clone", "torch.func"])
+def test_float32_kernels_match_the_float64_reference(style, implementation):
+    _check_poisson(style, implementation, "default", torch.float32)
+
+
+@pytest.mark.parametrize("style", ["in place", "detach", "given"])
+def test_every_way_of_marking_the_input_gives_the_exact_kernel(style):
+    _check_poisson(style, 0, "default", torch.float64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "style,implementation,vmap_axes,dtype",
+    list(itertools.product(
+        ["clone", "in place", "detach", "given", "torch.func"], IMPLEMENTATIONS, VMAP_AXES, ["float32", "float64"]
+    )),
+)
+def test_the_whole_grid_of_styles_implementations_axes_and_dtypes(style, implementation, vmap_axes, dtype):
+    _check_poisson(style, implementation, VMAP_AXES[vmap_axes], getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("vmap_axes", ["0", "None"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_cross_kernel_of_values_and_residual_from_keyword_arguments_per_side(implementation, vmap_axes):
+    # K_ur of the PINN paper: boundary values on x1, the residual on x2, one 2-tuple keyword argument
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    boundary, collocation = _points(5, torch.float64, 3), _points(6, torch.float64, 4)
+    ntk_fn = _ntk_fn(model, implementation, VMAP_AXES[vmap_axes])
+    params = _raw(model)
+    _assert_close(
+        ntk_fn(boundary, collocation, which=("u", "r")), reference(_u, params, boundary, collocation, _residual),
+        torch.float64,
+    )
+    _assert_close(ntk_fn(collocation, which="r"), reference(_residual, params, collocation, collocation), torch.float64)
+
+
+def test_a_model_that_takes_its_derivatives_only_for_some_arguments_is_found_when_it_does():
+    # Its first call takes none ("u"), so it is evaluated as it is; a later call that does ("r") is
+    # found, evaluated in its own level, and exact.
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    x = _points(4, torch.float64, 5)
+    ntk_fn = torchntk.empirical_ntk_fn(model)
+    params = _raw(model)
+    _assert_close(ntk_fn(x, which="u"), reference(_u, params, x, x), torch.float64)
+    assert takes_derivatives(model) is None
+    _assert_close(ntk_fn(x, which="r"), reference(_residual, params, x, x), torch.float64)
+    assert takes_derivatives(model) == "torch.autograd.grad"
+
+
+def test_a_function_of_params_that_differentiates_inside():
+    torch.manual_seed(0)
+    params = [torch.randn(WIDTH, 2, dtype=torch.float64), torch.randn(WIDTH, dtype=torch.float64),
+              torch.randn(1, WIDTH, dtype=torch.float64), torch.randn(1, dtype=torch.float64)]
+    params = [param.to(DEVICE) for param in params]
+
+    def f(params, x):
+        x = x.clone().requires_grad_()
+        u = _mlp_value(params, x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return sum(torch.autograd.grad(du[:, i].sum(), x, create_graph=True)[0][:, i] for i in range(2))
+
+    x1, x2 = _points(5, torch.float64, 6), _points(3, torch.float64, 7)
+    kernel = torchntk.empirical_ntk_fn(f, vmap_axes=0, trace_axes=())(x1, x2, params)
+    _assert_close(kernel, reference(_residual, params, x1, x2), torch.float64)
+
+
+# -- force fields ----------------------------------------------------------------------------------
+
+
+def _molecules(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, ATOMS, 3, generator=generator, dtype=dtype) * 2).to(DEVICE)
+
+
+def _check_forces(model_class, implementation: int, vmap_axes) -> None:
+    torch.manual_seed(0)
+    model = model_class(torch.float64).eval()  # ForcesAutograd: create_graph=False in eval mode
+    x1, x2 = _molecules(3, torch.float64, 1), _molecules(2, torch.float64, 2)
+    kernel = _ntk_fn(model, implementation, vmap_axes, trace_axes=())(x1, x2)
+    _assert_close(kernel, force_reference(_raw(model), x1, x2), torch.float64)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("model_class", [ForcesAutograd, ForcesFunc], ids=["autograd", "torch.func"])
+def test_the_force_field_kernel_is_exact(model_class, implementation):
+    _check_forces(model_class, implementation, "default")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vmap_axes", ["0", "None"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("model_class", [ForcesAutograd, ForcesFunc], ids=["autograd", "torch.func"])
+def test_the_force_field_kernel_is_exact_with_explicit_axes(model_class, implementation, vmap_axes):
+    _check_forces(model_class, implementation, VMAP_AXES[vmap_axes])
+
+
+# -- what implementation 3 does, and what stays as it was -------------------------------------------
+
+
+def test_implementation_3_leaves_what_the_model_differentiates_to_its_exact_fallback_and_says_why():
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    x = _points(4, torch.float64, 8)
+    choice = torchntk.empirical_ntk_fn(model, implementation=3).auto_choice(x)
+    assert set(choice.fallback_parameters) == {name for name, _ in model.named_parameters()}
+    assert all("takes derivatives inside its forward pass" in reason for reason in choice.fallback_parameters.values())
+
+
+class _HeadAfterResidual(PoissonFunc):
+    """A dense head on the residual: its weights are used outside any derivative the model takes."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__(dtype)
+        self.head = nn.Linear(1, 3).to(DEVICE, dtype)
+
+    def forward(self, x):
+        return self.head(super().forward(x, which="r"))
+
+
+@pytest.mark.parametrize("vmap_axes", ["0", "None"])
+def test_implementation_3_keeps_its_rules_outside_the_models_own_transforms(vmap_axes):
+    torch.manual_seed(0)
+    model = _HeadAfterResidual(torch.float64)
+    x1, x2 = _points(4, torch.float64, 9), _points(3, torch.float64, 10)
+    ntk_fn = _ntk_fn(model, 3, VMAP_AXES[vmap_axes], trace_axes=())
+    assert set(ntk_fn.auto_choice(x1, x2).fallback_parameters) == {name for name, _ in model.net.named_parameters(prefix="net")}
+    expected = _ntk_fn(model, 1, VMAP_AXES[vmap_axes], trace_axes=())(x1, x2)
+    _assert_close(ntk_fn(x1, x2), expected, torch.float64)
+    params = _raw(model)  # and implementation 1 against the reference, the head included
+
+    def outputs(params, point):
+        return _residual(params[:-2], point) * params[-2].squeeze(-1) + params[-1]
+
+    _assert_close(
+        expected, torch.einsum("nap,mbp->nmab", _jacobian(outputs, params, x1), _jacobian(outputs, params, x2)),
+        torch.float64,
+    )
+
+
+def test_ordinary_models_and_hooks_asking_for_gradients_stay_as_they_are():
+    # A forward hook that marks the output as requiring grad (as Hugging Face's
+    # enable_input_require_grads does) is no derivative: implementation 3 keeps its rules.
+    torch.manual_seed(0)
+    model = _mlp(2, torch.float64)
+    model[0].register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+    x = _points(4, torch.float64, 11)
+    choice = torchntk.empirical_ntk_fn(model, implementation=3).auto_choice(x)
+    assert choice.fallback_parameters == {}
+    assert takes_derivatives(model) is None
+
+
+def test_the_users_inputs_keep_their_requires_grad_flag_and_values():
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64, "in place")
+    x, given = _points(4, torch.float64, 12), _points(4, torch.float64, 13).requires_grad_()
+    before = x.clone()
+    torchntk.empirical_ntk_fn(model)(x)
+    torchntk.empirical_ntk_fn(model, implementation=2)(given)
+    assert not x.requires_grad and torch.equal(x, before) and given.requires_grad and given.grad is None
+    assert all(param.grad is None for param in model.parameters())
+
+
+class _Backward(ForcesAutograd):
+    def forward(self, positions):
+        positions = positions.clone().requires_grad_()
+        self.net(_inverse_distances(positions)).sum().backward(create_graph=True)
+        return -positions.grad
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_backward_inside_the_forward_pass_is_refused_with_the_cause_and_the_rewrite(implementation):
+    model = _Backward(torch.float64)
+    with pytest.raises(InnerBackwardError, match="takes derivatives inside its forward pass with Tensor.backward") as info:
+        _ntk_fn(model, implementation, "default")(_molecules(2, torch.float64, 3))
+    assert isinstance(info.value, ValueError) and "torch.autograd.grad(outputs, inputs, create_graph=True)" in str(info.value)
+    assert all(param.grad is None for param in model.parameters())
+
+
+def test_threads_computing_kernels_of_one_model_at_once():
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    x = _points(4, torch.float64, 14)
+    expected = reference(_residual, _raw(model), x, x)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(torchntk.empirical_ntk_fn(model)(x)[1])
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for kernel in results:
+        _assert_close(kernel, expected, torch.float64)
+
+
+def test_kronecker_sketches_project_what_the_model_differentiates_from_gradients():
+    # The capture of linear layers cannot see the derivative the model takes: those weights are
+    # projected from their per-example gradients, which is unbiased (no internal assert either).
+    torch.manual_seed(0)
+    model = PoissonFunc(torch.float64)
+    x = _points(6, torch.float64, 15)
+    expected = reference(_residual, _raw(model), x, x)
+    sketched = torchntk.sketched_ntk_fn(_ResidualOnly(model), k=8192, projection="kronecker", seed=0)(x)
+    assert sketched.shape == expected.shape
+    assert (sketched - expected).abs().max() <= 0.2 * expected.abs().max()
+
+
+class _ResidualOnly(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x, which="r")
