@@ -28,7 +28,8 @@ tested on machines without a GPU):
   kernels), implementation 3, x1 and x2 different (``--compile-models`` picks; the CPU smoke test
   uses small sizes): the eager median, the first compiled call (eager call, trace and
   compilation), the replay median, whether a graph was kept, and the replay's largest difference
-  from the eager kernel relative to its largest entry.
+  from the eager kernel relative to its largest entry; on CUDA with inductor, whose replays are CUDA
+  graphs, also the replay median of inductor's default mode (the same kernels, launched one by one).
 * **auto**: implementations 1, 2 and 3 timed (median of 3 after a warm-up call) on the MLP and CNN
   at N = 8, 16, 32 (traced), the FCN at N = 16 and ResNet-18 at N = 8 (full), x1 and x2 different,
   beside the implementation AUTO picks for the same call (``auto_choice``): how well AUTO's
@@ -280,9 +281,12 @@ def compiled(args: argparse.Namespace, device: torch.device) -> list[str]:
         f"## Captured kernels: compile={args.compile_backend!r} against eager, implementation 3, x1 and x2 different",
         "",
         "| model | N | kernel | eager [ms] | first compiled call [s] | replay [ms] | eager / replay | graph kept "
-        "| replay vs eager (rel. to max) | warnings |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| replay vs eager (rel. to max) | replay without CUDA graphs [ms] | warnings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    # inductor replays CUDA graphs on CUDA (NOTE: [CUDA graph replays]); its default mode, timed beside
+    # them, is the same compiled kernels launched one by one
+    plain_mode = device.type == "cuda" and args.compile_backend == "inductor"
     for name in args.compile_models.split(","):
         n, trace_axes = settings[name]
         choice = BENCH_MODELS[name]
@@ -306,16 +310,22 @@ def compiled(args: argparse.Namespace, device: torch.device) -> list[str]:
                 replay = _timed(lambda: fast(x1, x2), device, 2 if small else 10)
             reference, again = eager_fn(x1, x2), fast(x1, x2)
             difference = float((again - reference).abs().max() / reference.abs().max())
+            plain = "—"
+            if plain_mode:
+                plain_fn = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=3,
+                                                     compile={"backend": "inductor", "mode": "default"})
+                plain_fn(x1, x2)
+                plain = f"{_timed(lambda: plain_fn(x1, x2), device, 10) * 1e3:.2f}"
             kept = not any("computed eagerly" in str(warning.message) for warning in caught)  # captured.py's refusal
             said = "; ".join(sorted({str(warning.message)[:100] for warning in caught
                                      if not issubclass(warning.category, (DeprecationWarning, FutureWarning))}))
             lines.append(
                 f"| {name} | {n} | {'traced' if trace_axes else 'full'} | {eager * 1e3:.2f} | {first:.1f} "
-                f"| {replay * 1e3:.2f} | {eager / replay:.2f}x | {kept} | {difference:.1e} | {said or 'none'} |"
+                f"| {replay * 1e3:.2f} | {eager / replay:.2f}x | {kept} | {difference:.1e} | {plain} | {said or 'none'} |"
             )
             _progress(lines[-1])
         except Exception as error:  # noqa: BLE001 - recorded in the table
-            lines.append(f"| {name} | {n} | — | — | — | — | — | — | — | {type(error).__name__}: {error} |")
+            lines.append(f"| {name} | {n} | — | — | — | — | — | — | — | — | {type(error).__name__}: {error} |")
             traceback.print_exc()
     return [*lines, ""]
 

@@ -355,7 +355,13 @@ def test_non_finite_kernel_at_capture_is_not_captured(eager_computations):
 @pytest.mark.parametrize(
     "value, error, match",
     [
-        (1, TypeError, r"`compile` must be True, False or the name of a torch.compile backend, got 1 \(int\)"),
+        (1, TypeError, r"`compile` must be True, False, the name of a torch.compile backend or a mapping of its "
+                       r"'backend' and 'mode', got 1 \(int\)"),
+        ({"backend": "eager", "fullgraph": True}, TypeError, r"`compile` as a mapping takes the keys 'backend' and "
+                                                             r"'mode' of torch.compile, got 'fullgraph'"),
+        ({"backend": "eager", "mode": "reduce-overhead"}, ValueError, r"`compile` mode 'reduce-overhead' with "
+                                                                      r"backend 'eager': modes are inductor's"),
+        ({"mode": "fastest"}, ValueError, r"`compile` mode 'fastest' with backend 'inductor'"),
         ("no-such-backend", ValueError, r"`compile` names no torch.compile backend: 'no-such-backend'; available: "),
     ],
 )
@@ -379,7 +385,7 @@ def test_a_failing_backend_leaves_the_graph_uncompiled(monkeypatch):
             raise RuntimeError("no compiler here")
         return run
 
-    monkeypatch.setattr(_captured.CapturedCalls, "_compiled", lambda self, graph: failing(graph))
+    monkeypatch.setattr(_captured.CapturedCalls, "_compiled", lambda self, graph, mode: failing(graph))
     case = CASES["mlp"]()
     x1, x2 = make_x1_x2(case)
     ntk_fn = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=3, compile="eager")
@@ -421,7 +427,7 @@ def test_a_graph_that_disagrees_is_dropped(monkeypatch, eager_computations):
     from torchntk._kernel import captured as _captured
 
     monkeypatch.setattr(
-        _captured.CapturedCalls, "_compiled", lambda self, graph: lambda *args: [out * 1.01 for out in graph(*args)]
+        _captured.CapturedCalls, "_compiled", lambda self, graph, mode: lambda *args: [out * 1.01 for out in graph(*args)]
     )
     case = CASES["mlp"]()
     x1, x2 = make_x1_x2(case)

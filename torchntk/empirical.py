@@ -116,7 +116,7 @@ def empirical_ntk_fn(
     verify: bool = False,
     output_fn: Optional[Callable[..., PyTree]] = None,
     groups: Optional[Mapping[str, Any]] = None,
-    compile: Union[bool, str] = False,
+    compile: Union[bool, str, Mapping[str, str]] = False,
     memory: Union[None, int, float, str] = None,
 ) -> KernelFunction:
     """Returns a function computing the empirical neural tangent kernel of ``f``.
@@ -206,8 +206,11 @@ def empirical_ntk_fn(
             per group. Default: ``None`` (one kernel).
         compile: capture each call's computation into one graph of aten operations and replay it
             (``docs/compile.md``): ``False`` (every call eager), ``True`` (``torch.compile``'s
-            inductor backend) or the name of a ``torch.compile`` backend (``"eager"`` replays the
-            graph without generating code). The first call for given argument shapes, dtypes,
+            inductor backend), the name of a ``torch.compile`` backend (``"eager"`` replays the
+            graph without generating code) or a mapping of ``torch.compile``'s ``"backend"`` and
+            ``"mode"``. On CUDA, inductor replays the graph as a CUDA graph (its
+            ``"reduce-overhead"`` mode) unless a mode is given (``{"mode":
+            "max-autotune-no-cudagraphs"}`` keeps CUDA graphs out). The first call for given argument shapes, dtypes,
             non-tensor values and module structure, modes and ``requires_grad`` flags runs eagerly
             with every check, then is traced, compiled (inductor: seconds) and compared with the
             eager kernel; later such calls replay the graph, with the per-call output check of
@@ -422,7 +425,7 @@ def empirical_kernel_fn(
     verify: bool = False,
     output_fn: Optional[Callable[..., PyTree]] = None,
     groups: Optional[Mapping[str, Any]] = None,
-    compile: Union[bool, str] = False,
+    compile: Union[bool, str, Mapping[str, str]] = False,
     memory: Union[None, int, float, str] = None,
 ) -> KernelFunction:
     """Returns a function computing the empirical NNGP and/or NTK of ``f`` in one call.

@@ -22,6 +22,8 @@ removes that cost from repeated calls:
    again eagerly, so NaN/Inf outputs still raise the eager path's clear error; a replay that
    raises drops its graph (warned) and the call is computed eagerly.
 
+On CUDA, inductor's graphs replay as CUDA graphs (NOTE: [CUDA graph replays]).
+
 What a replay does not do: the per-call output check of NOTE: [Checking vmap_axes] (made on the
 capture call, once per key, like the derivative check), and the re-planning of implementation 3
 when a model changes the operations it runs (its structure is part of the key). A forward pass
@@ -32,9 +34,10 @@ with that key stay eager; a backend that fails to compile leaves the graph uncom
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -69,25 +72,107 @@ far above what a compiler's reassociation changes (1e-6) and far below a graph t
 something else."""
 
 
+# NOTE: [CUDA graph replays]
+# A replay of a compiled graph still launches each of its kernels from the host: on a GPU, where
+# the kernels of a small model take microseconds, the launches are the call. A CUDA graph records
+# the launches once and replays them with one. torch.compile's inductor does this in its
+# "reduce-overhead" mode (CUDA graph trees: static input buffers that each replay copies the
+# call's tensors into, a private memory pool, and its own checks of what a graph cannot hold), so
+# torchntk asks for that mode where the captured graph's inputs are all on CUDA and the user named
+# no mode, instead of recording graphs of its own. What that mode requires of its caller:
+#
+# * each replay begins a new step (``torch.compiler.cudagraph_mark_step_begin``), and the outputs,
+#   which live in the graph's pool and are overwritten by the next replay, are cloned before they
+#   are returned (one copy of the kernel, small next to the launches saved);
+# * the graph is recorded on its second run and replayed from its third, so the capture runs it
+#   three times, and compares the third run, a replay, with the eager kernel;
+# * where inductor does not record a CUDA graph (a CPU tensor among the inputs, an operation that
+#   synchronises or cannot be captured), it runs its compiled kernels instead and says why in its
+#   log: torchntk reads that (its skip counter and message) at the capture and warns once per key,
+#   and a failure of the mode itself falls back to the default mode, warned, then to the graph
+#   uncompiled, as for any backend.
+#
+# The user's ``mode`` (``compile={"mode": ...}``) is taken as given, "max-autotune-no-cudagraphs"
+# being the way to keep CUDA graphs out.
+
+_CUDA_GRAPH_OPTION = "triton.cudagraphs"
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What ``compile=`` asks for: a ``torch.compile`` backend and, for inductor, a mode (None: the
+    default mode, and "reduce-overhead" on CUDA, NOTE: [CUDA graph replays])."""
+
+    backend: str
+    mode: Optional[str] = None
+
+    def mode_for(self, cuda: bool) -> Optional[str]:
+        """The mode to compile with, for inputs on CUDA or not."""
+        if self.mode is None and cuda and self.backend == "inductor":
+            return "reduce-overhead"
+        return self.mode
+
+    @staticmethod
+    def records_cuda_graphs(mode: Optional[str]) -> bool:
+        """Whether inductor records CUDA graphs in ``mode``."""
+        return mode is not None and bool(_inductor_modes().get(mode, {}).get(_CUDA_GRAPH_OPTION, False))
+
+
+def _inductor_modes() -> dict:
+    """inductor's modes and the options each sets (``torch._inductor.list_mode_options``)."""
+    try:
+        return dict(torch._inductor.list_mode_options())
+    except (AttributeError, TypeError):  # not this PyTorch's API: the modes torch.compile documents
+        return {"default": {}, "reduce-overhead": {_CUDA_GRAPH_OPTION: True}, "max-autotune-no-cudagraphs": {},
+                "max-autotune": {_CUDA_GRAPH_OPTION: True}}
+
+
 class CaptureRefused(Exception):
     """The computation cannot be replayed from a graph; the message says which operation and why."""
 
 
-def compile_argument(value: Any, where: str) -> Optional[str]:
-    """The ``torch.compile`` backend named by a builder's ``compile`` argument, or None (eager).
+def compile_argument(value: Any, where: str) -> Optional[CompileOptions]:
+    """What a builder's ``compile`` argument asks for, or None (eager).
+
+    ``True`` is inductor; a string names a backend; a mapping holds ``torch.compile``'s ``backend``
+    (default ``"inductor"``) and ``mode`` (inductor's).
 
     Raises:
-        TypeError: neither a bool nor a string.
-        ValueError: a string that names no registered ``torch.compile`` backend.
+        TypeError: neither a bool, a string nor a mapping; a mapping with other keys.
+        ValueError: a string that names no registered ``torch.compile`` backend; a mode that is not
+            inductor's, or given for another backend.
     """
     if value is False:
         return None
     if value is True:
-        return "inductor"
+        return CompileOptions("inductor")
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"backend", "mode"}, key=str)
+        if unknown:
+            raise TypeError(
+                f"{where}: `compile` as a mapping takes the keys 'backend' and 'mode' of torch.compile, got "
+                f"{', '.join(map(repr, unknown))}."
+            )
+        options = CompileOptions(_backend(value.get("backend", "inductor"), where), value.get("mode"))
+        if options.mode is not None:
+            modes = _inductor_modes()
+            if options.backend != "inductor" or options.mode not in modes:
+                raise ValueError(
+                    f"{where}: `compile` mode {options.mode!r} with backend {options.backend!r}: modes are "
+                    f"inductor's ({', '.join(map(repr, modes))})."
+                )
+        return options
     if not isinstance(value, str):
         raise TypeError(
-            f"{where}: `compile` must be True, False or the name of a torch.compile backend, got {show(value)}."
+            f"{where}: `compile` must be True, False, the name of a torch.compile backend or a mapping of its "
+            f"'backend' and 'mode', got {show(value)}."
         )
+    return CompileOptions(_backend(value, where))
+
+
+def _backend(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: `compile`'s backend must be the name of a torch.compile backend, got {show(value)}.")
     backends = torch._dynamo.list_backends(exclude_tags=())
     if value not in backends:
         raise ValueError(
@@ -189,13 +274,24 @@ def _without_dropout(func: Any, args: tuple, kwargs: dict) -> bool:
 class _Captured:
     run: Callable[..., list]  # (*state, *tensors) -> kernel leaves + [all finite]
     output_spec: pytree.TreeSpec
+    cuda_graphs: bool = False  # replayed as a CUDA graph (NOTE: [CUDA graph replays])
+
+    def __call__(self, inputs: list) -> list:
+        """The graph's outputs on ``inputs``: the kernel leaves, then whether all are finite."""
+        if not self.cuda_graphs:
+            return self.run(*inputs)
+        torch.compiler.cudagraph_mark_step_begin()
+        *outputs, finite = self.run(*inputs)
+        # in the graph's pool, overwritten by the next replay; the flag is read before that
+        return [*(output.clone() for output in outputs), finite]
 
 
 class CapturedCalls:
     """The captured graphs of one kernel function, keyed by :func:`guard_key`."""
 
-    def __init__(self, backend: str, model: Any, where: str):
-        self.backend = backend
+    def __init__(self, options: CompileOptions, model: Any, where: str):
+        self.options = options
+        self.backend = options.backend
         self.model = model
         self.where = where
         self._graphs = BoundedCache(_REMEMBERED)
@@ -225,7 +321,7 @@ class CapturedCalls:
             return result
         try:
             with torch.no_grad():
-                *outputs, finite = captured.run(*flat.inputs)
+                *outputs, finite = captured(flat.inputs)
         except Exception as error:  # a recompilation the backend could not make: eager, as without compile
             self._graphs.pop(key, None)
             self._refuse(key, f"replaying the captured graph failed ({type(error).__name__}: {error})")
@@ -254,7 +350,42 @@ class CapturedCalls:
             return self._refuse(key, f"tracing the computation failed ({type(error).__name__}: {error})")
         graph.graph.eliminate_dead_code()
         graph.recompile()
-        run = self._compiled(graph)
+        captured, outputs = self._compiled_and_run(graph, inputs, output_spec)
+        difference = _largest_difference(outputs, expected_leaves)
+        if difference > _agreement(expected_leaves):
+            return self._refuse(
+                key, f"the captured graph's kernel differs from the eager one by {difference:.1e} of its largest entry"
+            )
+        self._graphs[key] = captured
+
+    def _compiled_and_run(
+        self, graph: torch.fx.GraphModule, inputs: list, output_spec: pytree.TreeSpec
+    ) -> tuple[_Captured, list]:
+        """The graph compiled, in CUDA graphs where they apply (NOTE: [CUDA graph replays]), and the
+        kernel leaves of its run on ``inputs`` (with CUDA graphs, of its first replay); on a failure,
+        compiled without CUDA graphs, then uncompiled."""
+        cuda = _on_cuda(inputs)
+        mode = self.options.mode_for(cuda)
+        if cuda and CompileOptions.records_cuda_graphs(mode):
+            try:
+                with _CudaGraphSkips() as skips, torch.no_grad():
+                    captured = _Captured(self._compiled(graph, mode), output_spec, cuda_graphs=True)
+                    for _ in range(3):  # a warm-up run, the run that records the graph, a replay
+                        *outputs, _ = captured(inputs)
+                if skips.reason is not None:
+                    warnings.warn(
+                        f"{self.where}: compile: inductor does not replay this graph as a CUDA graph ({skips.reason}); "
+                        f"it replays its compiled kernels, each launched from the host.", RuntimeWarning,
+                        stacklevel=user_stacklevel(),
+                    )
+                return captured, outputs
+            except Exception as error:
+                warnings.warn(
+                    f"{self.where}: compile: mode {mode!r} (CUDA graphs) failed ({type(error).__name__}: {error}); "
+                    f"the graph is compiled without CUDA graphs.", RuntimeWarning, stacklevel=user_stacklevel(),
+                )
+                mode = "max-autotune-no-cudagraphs" if mode == "max-autotune" else None
+        run = self._compiled(graph, mode)
         with torch.no_grad():
             try:
                 *outputs, _ = run(*inputs)
@@ -265,15 +396,10 @@ class CapturedCalls:
                 )
                 run = graph
                 *outputs, _ = run(*inputs)
-        difference = _largest_difference(outputs, expected_leaves)
-        if difference > _agreement(expected_leaves):
-            return self._refuse(
-                key, f"the captured graph's kernel differs from the eager one by {difference:.1e} of its largest entry"
-            )
-        self._graphs[key] = _Captured(run, output_spec)
+        return _Captured(run, output_spec), outputs
 
-    def _compiled(self, graph: torch.fx.GraphModule) -> Callable[..., list]:
-        return torch.compile(graph, backend=self.backend, dynamic=False)
+    def _compiled(self, graph: torch.fx.GraphModule, mode: Optional[str]) -> Callable[..., list]:
+        return torch.compile(graph, backend=self.backend, mode=mode, dynamic=False)
 
     def _refuse(self, key: tuple, reason: str) -> None:
         self._refused[key] = True
@@ -282,6 +408,55 @@ class CapturedCalls:
             f"A model whose operations depend on tensor values or random numbers cannot be captured "
             f"(docs/compile.md).", RuntimeWarning, stacklevel=user_stacklevel(),
         )
+
+
+def _on_cuda(inputs: list) -> bool:
+    """Whether a graph's inputs are all on CUDA devices (what CUDA graphs need)."""
+    return bool(inputs) and all(tensor.is_cuda for tensor in inputs)
+
+
+class _CudaGraphSkips:
+    """Within the block, whether inductor declined to record a CUDA graph, and why: its skip counter,
+    and the message it logs (NOTE: [CUDA graph replays]). ``reason`` is None where none was declined."""
+
+    def __init__(self) -> None:
+        self.reason: Optional[str] = None
+        self._messages: list[str] = []
+        self._log: Any = None
+        self._before = 0
+
+    def __enter__(self) -> "_CudaGraphSkips":
+        try:
+            from torch._dynamo.utils import counters
+            from torch._inductor import cudagraph_utils
+
+            self._counters = counters
+            self._before = counters["inductor"]["cudagraph_skips"]
+            self._log = cudagraph_utils.cudagraphs_log
+        except (ImportError, AttributeError):  # another PyTorch's internals: nothing to read
+            self._counters = None
+        if self._log is not None:
+            self._handler = _Collect(self._messages)
+            self._log.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._log is not None:
+            self._log.removeHandler(self._handler)
+        skipped = self._counters is not None and self._counters["inductor"]["cudagraph_skips"] > self._before
+        if skipped or self._messages:
+            self.reason = "; ".join(dict.fromkeys(self._messages)) or "a skip counted by inductor"
+
+
+class _Collect(logging.Handler):
+    """A logging handler that keeps the messages it receives."""
+
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self._messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._messages.append(record.getMessage())
 
 
 def _all_finite(result: Any) -> bool:

@@ -128,8 +128,8 @@ class NtkSettings:
         if parsed_groups is not None:  # resolved (submodules as paths), so that a replica is grouped alike
             given = dataclasses.replace(given, groups=parsed_groups)
         options = structured_options({name: getattr(given, name) for name in _STRUCTURED_OPTIONS}, chosen, where)
-        backend = compile_argument(given.compile, where)
-        if backend is not None and options.verify:
+        compiling = compile_argument(given.compile, where)
+        if compiling is not None and options.verify:
             raise ValueError(
                 f"{where}: `verify=True` checks every call against autograd, which a replayed graph "
                 f"would skip; use one of `verify` and `compile`."
@@ -152,10 +152,10 @@ class NtkSettings:
             options,
             implementation_table(options),
             given,
-            Planner(keeps_forward_pass=backend is not None, watches_aliases=isinstance(f, torch.nn.Module)),
+            Planner(keeps_forward_pass=compiling is not None, watches_aliases=isinstance(f, torch.nn.Module)),
             output_fn=output_fn_argument(given.output_fn, where),
             groups=parsed_groups,
-            captured=None if backend is None else CapturedCalls(backend, f, where),
+            captured=None if compiling is None else CapturedCalls(compiling, f, where),
             memory=memory_argument(given.memory, where),
             finds_axes=finds_axes and checks is not False,  # nothing would prove the axes found
         )
