@@ -275,6 +275,33 @@ def test_a_function_of_params_that_differentiates_inside():
     _assert_close(kernel, reference(_residual, params, x1, x2), torch.float64)
 
 
+class PoissonAutogradFunctional(nn.Module):
+    """The residual by ``torch.autograd.functional.hessian(create_graph=True)`` per point, inside an
+    ``enable_grad`` block: two more ways tutorials write it (the Hessian calls autograd.grad itself)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.net = _mlp(2, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            hessians = torch.stack([
+                torch.autograd.functional.hessian(lambda point: self.net(point).squeeze(-1), one, create_graph=True)
+                for one in x
+            ])
+        return hessians.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("vmap_axes", ["0", "None"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_torch_autograd_functional_inside_the_forward_pass(implementation, vmap_axes):
+    torch.manual_seed(0)
+    model = PoissonAutogradFunctional(torch.float64)
+    x1, x2 = _points(4, torch.float64, 8), _points(3, torch.float64, 9)
+    kernel = _ntk_fn(model, implementation, VMAP_AXES[vmap_axes])(x1, x2)
+    _assert_close(kernel, reference(_residual, _raw(model), x1, x2), torch.float64)
+
+
 # -- force fields ----------------------------------------------------------------------------------
 
 
