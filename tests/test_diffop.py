@@ -456,3 +456,53 @@ class _ResidualOnly(nn.Module):
 
     def forward(self, x):
         return self.model(x, which="r")
+
+
+# -- derivatives with respect to the parameters (a MAML inner step) ---------------------------------
+
+
+class InnerStep(nn.Module):
+    """One gradient step on a loss of the batch, then the adapted network's output: the model
+    differentiates with respect to its own parameters (MAML's inner loop), which couples the examples."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.net = _mlp(2, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = dict(self.net.named_parameters())
+        loss = (self.net(x) ** 2).mean()
+        grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+        adapted = {name: param - 0.1 * g for (name, param), g in zip(params.items(), grads)}
+        return torch.func.functional_call(self.net, adapted, (x,))
+
+
+def _inner_step(params, x):
+    """The same, as a pure function of the batch: ``(N,)``."""
+    inner = grad(lambda p: (_mlp_value(p, x) ** 2).mean())(params)
+    return _mlp_value([param - 0.1 * g for param, g in zip(params, inner)], x)
+
+
+def _batch_reference(params, x):
+    jacobians = jacrev(_inner_step)(params, x.detach().to(torch.float64))
+    flat = torch.cat([j.reshape(x.shape[0], -1) for j in jacobians], dim=-1)
+    return flat @ flat.T
+
+
+@pytest.mark.parametrize("vmap_axes", ["None", "default"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_model_that_differentiates_with_respect_to_its_parameters_is_exact(implementation, vmap_axes):
+    torch.manual_seed(0)
+    model = InnerStep(torch.float64)
+    x = _points(5, torch.float64, 16)
+    kernel = _ntk_fn(model, implementation, VMAP_AXES[vmap_axes])(x)
+    _assert_close(kernel, _batch_reference(_raw(model), x), torch.float64)
+    assert all(not param.grad_fn and param.grad is None for param in model.parameters())
+
+
+def test_implementation_3_knows_the_parameters_a_model_differentiates_and_leaves_them_to_its_fallback():
+    torch.manual_seed(0)
+    model = InnerStep(torch.float64)
+    choice = torchntk.empirical_ntk_fn(model, implementation=3).auto_choice(_points(4, torch.float64, 17))
+    assert set(choice.fallback_parameters) == {name for name, _ in model.named_parameters()}
+    assert all("takes derivatives inside its forward pass" in reason for reason in choice.fallback_parameters.values())

@@ -21,7 +21,13 @@ Users write it in one of two ways, and torchntk computes both kernels exactly:
   way (``torch.autograd.grad`` on tensors wrapped for its level), so the model's inner
   ``autograd.grad`` is one more reverse-mode level that torchntk's transforms differentiate through
   like any other: the kernel is exact with every implementation, and nothing is written into the
-  user's inputs (only the level's wrappers are marked).
+  user's inputs (only the level's wrappers are marked). A model that differentiates with respect
+  to its own parameters (a MAML inner step, ``torch.autograd.grad(loss, self.parameters(),
+  create_graph=True)``) fails there with autograd's "does not require grad"; it is evaluated again
+  with its parameters wrapped and marked in the level too, and remembered. Implementation 3's
+  recorder and the sketches' capture know such a wrapper as the parameter behind it
+  (:func:`parameter_behind`), and leave it to the exact fallback like any parameter used inside a
+  derivative.
 
 Which models need their own level is found by watching, not by a flag: the first evaluation of a
 model (per module or function, kept weakly in :data:`_VERDICTS`) runs under :class:`_Watch`, a
@@ -156,9 +162,12 @@ class _InnerCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _in_own_level(call: Call, param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any], where: str) -> Any:
-    """``call(param_leaves, args, kwargs)`` in a grad level of its own, its input tensors wrapped for
-    that level and (floating ones) requiring grad there; the output unwrapped from it."""
+def _in_own_level(
+    call: Call, param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any], where: str, params_too: bool = False
+) -> Any:
+    """``call(param_leaves, args, kwargs)`` in a grad level of its own, its input tensors (with
+    ``params_too``, its parameters as well) wrapped for that level and (floating ones) requiring grad
+    there; the output unwrapped from it."""
     with grad_increment_nesting() as level, torch.enable_grad(), enable_inplace_requires_grad(True):
 
         def mark(leaf: Any) -> Any:
@@ -168,20 +177,52 @@ def _in_own_level(call: Call, param_leaves: tuple, args: tuple, kwargs: Mapping[
             return wrapped.requires_grad_() if wrapped.is_floating_point() or wrapped.is_complex() else wrapped
 
         args, kwargs = pytree.tree_map(mark, (tuple(args), dict(kwargs)))
-        with _InnerCalls(where):
-            output = call(param_leaves, args, kwargs)
+        given = tuple(param_leaves)
+        params = tuple(mark(leaf) for leaf in given) if params_too else given
+        aliases = _ALIASES.__dict__.setdefault("stack", [])
+        aliases.append({id(wrapped): (wrapped, original) for wrapped, original in zip(params, given)
+                        if wrapped is not original})
+        try:
+            with _InnerCalls(where):
+                output = call(params, args, kwargs)
+        finally:
+            aliases.pop()
         return pytree.tree_map(
             lambda leaf: _unwrap_for_grad(leaf, level) if isinstance(leaf, torch.Tensor) else leaf, output
         )
 
 
+_ALIASES = threading.local()
+"""Per thread, a stack of ``{id(wrapped): (wrapped, parameter)}``: the parameters wrapped for the levels of
+models that differentiate with respect to their own parameters, innermost last."""
+
+
+def parameter_behind(value: Any) -> Optional[torch.Tensor]:
+    """The parameter that ``value`` wraps for a model's own level (NOTE: [Derivatives inside the
+    forward pass]), or None: what implementation 3's recorder and the sketches' capture look through,
+    so that such a parameter is still known as the parameter it is."""
+    for level in reversed(getattr(_ALIASES, "stack", ())):
+        entry = level.get(id(value))
+        if entry is not None and entry[0] is value:
+            return entry[1]
+    return None
+
+
+def _differentiates_parameters(error: BaseException) -> bool:
+    """Whether ``error`` is autograd's refusal to differentiate with respect to a tensor that does not
+    require grad: inside a model's own level, the parameters, which the level does not mark first."""
+    return isinstance(error, RuntimeError) and "does not require grad" in str(error)
+
+
 class _Verdict:
     """What one model was found to do: ``known`` once a watched evaluation ran to its end or to a
-    derivative; ``takes``: what it differentiates with (``"torch.autograd.grad"``, ...), or None."""
+    derivative; ``takes``: what it differentiates with (``"torch.autograd.grad"``, ...), or None;
+    ``params``: whether it differentiates with respect to its own parameters."""
 
     def __init__(self) -> None:
         self.known = False
         self.takes: Optional[str] = None
+        self.params = False  # it differentiates with respect to its parameters too
 
 
 _VERDICTS: "weakref.WeakKeyDictionary[Any, _Verdict]" = weakref.WeakKeyDictionary()
@@ -247,15 +288,28 @@ def with_inner_derivatives(call: Call, owner: Any, where: str) -> Call:
         verdict.takes = watch.seen
         return True, None
 
+    def own_level(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        if verdict.params:
+            return _in_own_level(call, param_leaves, args, kwargs, where, params_too=True)
+        try:
+            return _in_own_level(call, param_leaves, args, kwargs, where)
+        except RuntimeError as error:
+            if not _differentiates_parameters(error):
+                raise
+        # it differentiates with respect to its parameters (a MAML inner step): they are marked too
+        output = _in_own_level(call, param_leaves, args, kwargs, where, params_too=True)
+        verdict.params = True
+        return output
+
     def evaluate(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         if verdict.takes is not None:
-            return _in_own_level(call, param_leaves, args, kwargs, where)
+            return own_level(param_leaves, args, kwargs)
         if not verdict.known:
             found, output = watched(param_leaves, args, kwargs)
             verdict.known = True
             if not found:
                 return output
-            return _in_own_level(call, param_leaves, args, kwargs, where)
+            return own_level(param_leaves, args, kwargs)
         try:
             return call(param_leaves, args, kwargs)
         except RuntimeError as error:
@@ -267,6 +321,6 @@ def with_inner_derivatives(call: Call, owner: Any, where: str) -> Call:
                 found = False
             if not found:
                 raise
-            return _in_own_level(call, param_leaves, args, kwargs, where)
+            return own_level(param_leaves, args, kwargs)
 
     return evaluate

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .._call.per_example import Side
+from .._model.inner_derivatives import parameter_behind
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,10 @@ class Taps(TorchFunctionMode):
         if not isinstance(value, torch.Tensor):
             return None
         position = self._positions.get(id(value))
+        if position is None:  # a parameter wrapped for a model's own level is the parameter behind it
+            behind = parameter_behind(value)
+            value = behind if behind is not None else value
+            position = self._positions.get(id(value))
         return position if position is not None and self._params[position] is value else None
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:

@@ -51,7 +51,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..._model.inner_derivatives import INNER_DERIVATIVES
+from ..._model.inner_derivatives import INNER_DERIVATIVES, parameter_behind
 from ..._model.unfused import RECURRENT
 from ._roles import OutputSpec, ParamRef, RuleCall
 from ._views import (
@@ -101,6 +101,9 @@ class Recorder(TorchFunctionMode):
         position = self._index.get(id(value))
         if position is not None:
             return ParamRef(position)
+        behind = parameter_behind(value)  # wrapped for a model's own level (NOTE: [Derivatives inside the forward pass])
+        if behind is not None and id(behind) in self._index:
+            return ParamRef(self._index[id(behind)])
         tracked = self._views.get(id(value))
         # the tensor itself is kept alive in the table, so an id is never reused for another tensor
         if tracked is not None and tracked[0] is value:
