@@ -81,6 +81,16 @@ def _build(module_fn: Callable[[], nn.Module], seed: int) -> nn.Module:
     return module.to(torch.float64).to(DEVICE).eval()
 
 
+class BoundWrapper(nn.Module):
+    """A wrapper in OptimizedModule's manner: the module registered as ``_orig_mod``, and a forward
+    bound to that module object."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self._orig_mod = module
+        self.forward = module.__call__
+
+
 def to_device(tree: PyTree) -> PyTree:
     """The tensors of ``tree`` moved to :data:`DEVICE` (the test run's device)."""
     return pytree.tree_map(lambda leaf: leaf.to(DEVICE) if isinstance(leaf, Tensor) else leaf, tree)

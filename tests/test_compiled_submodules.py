@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import torchntk
-from tests.cases import DEVICE, to_device
+from tests.cases import DEVICE, BoundWrapper, to_device
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_nngp, reference_ntk
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's notes on what it cannot trace
@@ -64,18 +64,8 @@ def _several(model):
     return model
 
 
-class _BoundWrapper(nn.Module):
-    """A wrapper in OptimizedModule's manner: the module registered as ``_orig_mod``, and a forward
-    bound to that module object."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self._orig_mod = module
-        self.forward = module.__call__
-
-
 def _nested(model):
-    model.middle = _BoundWrapper(_compile(model.middle))  # torch.compile of a compiled module is a function
+    model.middle = BoundWrapper(_compile(model.middle))  # torch.compile of a compiled module is a function
     return model
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint  # bound at import, as user code does
 
 import torchntk
-from tests.cases import DEVICE, to_device
+from tests.cases import DEVICE, BoundWrapper, to_device
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_nngp, reference_ntk
 
 IMPLEMENTATIONS = (0, 1, 2, 3)
@@ -99,19 +99,9 @@ def test_compiled_module_with_a_captured_kernel():
         assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
 
 
-class _BoundWrapper(nn.Module):
-    """A wrapper in OptimizedModule's manner: the module registered as ``_orig_mod``, and a forward
-    bound to that module object."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self._orig_mod = module
-        self.forward = module.__call__
-
-
 def test_nested_wrappers_keep_the_wrapper_parameter_names():
     model = _mlp()
-    wrapped = _BoundWrapper(torch.compile(model, backend="eager"))
+    wrapped = BoundWrapper(torch.compile(model, backend="eager"))
     x1, x2 = _inputs()
     names = [name for name, _ in wrapped.named_parameters()]
     assert names[0] == "_orig_mod._orig_mod.0.weight"

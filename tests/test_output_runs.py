@@ -71,8 +71,8 @@ def test_a_run_holds_the_jacobian_of_its_coordinates_only(monkeypatch):
     held: list[int] = []
     original = jacobian_contraction._run_jacobians
 
-    def watched(outputs, pullback, leaf, axis, start, length, chunk):
-        jacobians = original(outputs, pullback, leaf, axis, start, length, chunk)
+    def watched(outputs, pullback, leaf, run, chunk):
+        jacobians = original(outputs, pullback, leaf, run, chunk)
         held.append(jacobians[0].shape[:-2].numel())  # output entries of the run (first parameter's Jacobian)
         return jacobians
 

@@ -142,10 +142,11 @@ def _output_run_blocks(call: KernelCall) -> BlockPlan:
             size = 1 if axis is None else outputs1[leaf].shape[axis]
             unit = max(outputs1[leaf].numel(), outputs2[leaf].numel()) // size  # entries per coordinate
             sums = _Sums(len(groups))
+            entries1, entries2 = _entries(outputs1[leaf]), _entries(outputs2[leaf])
             for start, length in runs(size, max(1, chunk // max(1, unit))):
-                one = _run_jacobians(outputs1, pullback1, leaf, axis, start, length, chunk)
+                one = _run_jacobians(outputs1, pullback1, leaf, _run(entries1, axis, start, length), chunk)
                 two = one if prepared1 is prepared2 else _run_jacobians(
-                    outputs2, pullback2, leaf, axis, start, length, chunk)
+                    outputs2, pullback2, leaf, _run(entries2, axis, start, length), chunk)
                 sums.add(layout, one, two, group_of)
                 one = two = None  # this run's Jacobians go before the next run's are formed
             blocks.append(sums.result(call.groups is not None))
@@ -154,20 +155,25 @@ def _output_run_blocks(call: KernelCall) -> BlockPlan:
     return BlockPlan(prepare, prepare, contract, reuse_prepared=True)
 
 
+def _entries(output: torch.Tensor) -> torch.Tensor:
+    """Where each entry of ``output`` sits in it flattened, in ``output``'s shape."""
+    return torch.arange(output.numel(), device=output.device).reshape(output.shape)
+
+
+def _run(entries: torch.Tensor, axis: Optional[int], start: int, length: int) -> torch.Tensor:
+    """The entries of a run: ``[start, start + length)`` along ``axis`` (all of them for None)."""
+    return entries if axis is None else entries.narrow(axis, start, length)
+
+
 def _run_jacobians(
-    outputs: tuple[torch.Tensor, ...], pullback: Callable, leaf: int, axis: Optional[int], start: int, length: int,
-    chunk: int,
+    outputs: tuple[torch.Tensor, ...], pullback: Callable, leaf: int, run: torch.Tensor, chunk: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The Jacobian of output ``leaf`` narrowed to ``[start, start + length)`` along ``axis`` (the
-    whole leaf when ``axis`` is None), one ``(*narrowed_shape, *param.shape)`` tensor per parameter;
-    its rows differentiated ``chunk`` at a time by ``pullback``."""
+    """The Jacobian of output ``leaf`` at the entries ``run`` holds (:func:`_run`), one
+    ``(*run.shape, *param.shape)`` tensor per parameter; its rows differentiated ``chunk`` at a
+    time by ``pullback``."""
     target = outputs[leaf]
-    shape = list(target.shape)
-    if axis is not None:
-        shape[axis] = length
-    # where each entry of the run sits in the flattened leaf
-    where = torch.arange(target.numel(), device=target.device).reshape(target.shape)
-    where = (where if axis is None else where.narrow(axis, start, length)).reshape(-1)
+    shape = run.shape
+    where = run.reshape(-1)
     rows = where.numel()
     zeros = [torch.zeros((), dtype=output.dtype, device=output.device) for output in outputs]
     per_param: Optional[tuple[torch.Tensor, ...]] = None

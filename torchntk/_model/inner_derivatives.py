@@ -71,12 +71,12 @@ from torch._functorch.eager_transforms import enable_inplace_requires_grad, grad
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .requires_grad import asks_for_grad, refused_here
+
 INNER_DERIVATIVES = "the model takes derivatives inside its forward pass"
 """The cause named wherever such a model is treated apart (implementation 3's fallback reason)."""
 
 _FUNCTORCH = torch._C._functorch
-_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
-_SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__  # type: ignore[attr-defined]
 _GRAD = torch.autograd.grad
 _BACKWARDS = {torch.autograd.backward: "torch.autograd.backward", torch.Tensor.backward: "Tensor.backward"}
 
@@ -94,13 +94,6 @@ def _backward_error(what: str, where: str) -> InnerBackwardError:
         f"differentiates with. Use the derivative that torch.autograd.grad(outputs, inputs, "
         f"create_graph=True) returns instead: implementations 1, 2, 3 and AUTO then compute the kernel."
     )
-
-
-def _asks_for_grad(func: Callable, args: tuple, kwargs: dict) -> bool:
-    """Whether the call asks a tensor to require grad (``t.requires_grad_()``, ``t.requires_grad = True``)."""
-    if func is _REQUIRES_GRAD_:
-        return bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
-    return func is _SET_REQUIRES_GRAD and len(args) > 1 and bool(args[1])
 
 
 class _Detected(Exception):
@@ -129,8 +122,8 @@ class _Watch(TorchFunctionMode):
         if func is _GRAD or func in _BACKWARDS:
             self.seen = "torch.autograd.grad" if func is _GRAD else _BACKWARDS[func]
             raise _Detected
-        if _asks_for_grad(func, args, kwargs) and isinstance(args[0], torch.Tensor):
-            if _FUNCTORCH.peek_interpreter_stack() is not None and not _FUNCTORCH.get_inplace_requires_grad_allowed():
+        if asks_for_grad(func, args, kwargs) and isinstance(args[0], torch.Tensor):
+            if refused_here():
                 self.seen = "Tensor.requires_grad_"  # refused under a transform: it cannot go on
                 raise _Detected
             if not args[0].requires_grad:
@@ -177,19 +170,29 @@ def _in_own_level(
             return wrapped.requires_grad_() if wrapped.is_floating_point() or wrapped.is_complex() else wrapped
 
         args, kwargs = pytree.tree_map(mark, (tuple(args), dict(kwargs)))
-        given = tuple(param_leaves)
-        params = tuple(mark(leaf) for leaf in given) if params_too else given
-        aliases = _ALIASES.__dict__.setdefault("stack", [])
-        aliases.append({id(wrapped): (wrapped, original) for wrapped, original in zip(params, given)
-                        if wrapped is not original})
-        try:
+        if params_too:
+            output = _with_wrapped_parameters(call, tuple(param_leaves), mark, args, kwargs, where)
+        else:
             with _InnerCalls(where):
-                output = call(params, args, kwargs)
-        finally:
-            aliases.pop()
+                output = call(param_leaves, args, kwargs)
         return pytree.tree_map(
             lambda leaf: _unwrap_for_grad(leaf, level) if isinstance(leaf, torch.Tensor) else leaf, output
         )
+
+
+def _with_wrapped_parameters(
+    call: Call, param_leaves: tuple, mark: Callable[[Any], Any], args: tuple, kwargs: Mapping[str, Any], where: str
+) -> Any:
+    """``call`` on the parameters wrapped by ``mark``, each wrapper known as its parameter meanwhile
+    (:func:`parameter_behind`)."""
+    params = tuple(mark(leaf) for leaf in param_leaves)
+    aliases = _ALIASES.__dict__.setdefault("stack", [])
+    aliases.append({id(wrapped): (wrapped, original) for wrapped, original in zip(params, param_leaves)})
+    try:
+        with _InnerCalls(where):
+            return call(params, args, kwargs)
+    finally:
+        aliases.pop()
 
 
 _ALIASES = threading.local()

@@ -42,7 +42,7 @@ _REQUIRES_GRAD_ = torch.Tensor.requires_grad_
 _SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__  # type: ignore[attr-defined]
 
 
-def _asks_for_grad(func: Callable, args: tuple, kwargs: dict) -> Optional[bool]:
+def asks_for_grad(func: Callable, args: tuple, kwargs: dict) -> Optional[bool]:
     """Whether ``func(*args, **kwargs)`` asks a tensor to require grad (True), asks something else
     of ``requires_grad`` (False) or is another call (None)."""
     if func == _REQUIRES_GRAD_:
@@ -56,7 +56,7 @@ def _asks_for_grad(func: Callable, args: tuple, kwargs: dict) -> Optional[bool]:
 _FUNCTORCH = torch._C._functorch
 
 
-def _refused_here() -> bool:
+def refused_here() -> bool:
     """Whether PyTorch refuses ``requires_grad_`` here: inside a ``torch.func`` transform, except
     where ``torch.func`` allows it for its own inputs."""
     return _FUNCTORCH.peek_interpreter_stack() is not None and not _FUNCTORCH.get_inplace_requires_grad_allowed()
@@ -80,7 +80,7 @@ class IgnoredGradRequests(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if _asks_for_grad(func, args, kwargs) and _refused_here():
+        if asks_for_grad(func, args, kwargs) and refused_here():
             return args[0] if func == _REQUIRES_GRAD_ else None
         return func(*args, **kwargs)
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from .._layout.kernel_layout import KernelLayout
-from .._memory import KernelMemoryError, format_bytes, is_allocation_failure
 from .._layout.tiles import Placement
+from .._memory import KernelMemoryError, format_bytes, is_allocation_failure
 from ._devices import asynchronous_copy
 from ._disk import ProgressRecord, as_numpy, assign_whole, check_out_leaf, checksum, flush
 from ._streams import Lane
