@@ -486,7 +486,9 @@ def empirical_kernel_fn(
             if kernels["ntk"] is NEEDS_BLOCKS:
                 return NEEDS_BLOCKS
         if "nngp" in names:
-            kernels["nngp"] = call.normalise(nngp(call), dtypes=call.output_dtypes)
+            products = nngp(call)
+            settings.explain_non_finite(call, products)
+            kernels["nngp"] = call.normalise(products, dtypes=call.output_dtypes)
         return combine(kernels, names, bare)
 
     def kernel_fn(

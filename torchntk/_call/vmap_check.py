@@ -14,8 +14,9 @@ from torch.func import vjp
 
 from .._layout.runs import runs
 from .._model.functional import FunctionalModel
-from .._utils.checks import leaves_with_names, non_finite_count
+from .._utils.checks import leaves_with_names
 from .._utils.precision import requested_mode
+from .finite import non_finite_outputs
 from .per_example import OutputAxisError, Side, VmapLimitation, VmapRuntimeError, first_line
 from .vmap_axes import ParsedVmapAxes, suggested_vmap_axes, unmapped_batch_sized_kwargs
 
@@ -174,36 +175,11 @@ class VmapAxesCheck:
     # -- (a) NaN/Inf ----------------------------------------------------------------------------
 
     def finite_outputs(self, side: Side, leaves: tuple[torch.Tensor, ...]) -> None:
-        """Raises ValueError naming where NaN/Inf come from when an output leaf holds some."""
-        for index, leaf in enumerate(leaves):
-            count = non_finite_count(leaf)
-            if count:
-                raise ValueError(
-                    f"{self.where}: output leaf {index} for {side.name} holds {count} NaN or infinite "
-                    f"entr{'y' if count == 1 else 'ies'}, so its kernel would not be finite and `vmap_axes` "
-                    f"cannot be checked. {self._non_finite_sources(side)}"
-                )
-
-    def _non_finite_sources(self, side: Side) -> str:
-        sources = []
-        named = [(f"input {name}", leaf) for name, leaf in leaves_with_names(side.x.rebuild(side.x.leaves), side.name)]
-        for key, flat in side.kwargs.items():
-            named += leaves_with_names(flat.rebuild(flat.leaves), f"keyword argument {key!r}")
-        for name, leaf in named:
-            count = non_finite_count(leaf) if isinstance(leaf, torch.Tensor) else 0
-            if count:
-                sources.append(f"{name} ({count} entr{'y' if count == 1 else 'ies'})")
-        for name, param in zip(self.model.names, self.model.params):
-            count = non_finite_count(param)
-            if count:
-                sources.append(f"parameter {name!r} ({count} entr{'y' if count == 1 else 'ies'})")
-        if sources:
-            return f"They come from NaN/Inf in {', '.join(sources)}: remove them."
-        return (
-            "No input, keyword argument or differentiated parameter holds NaN/Inf: the model creates them "
-            "(log or sqrt of a negative number, division by zero, overflow, ...) or a frozen parameter or "
-            "buffer holds them."
-        )
+        """Raises :class:`NonFiniteOutputs` naming where NaN/Inf come from when an output leaf holds
+        some (NOTE: [Non-finite kernels])."""
+        error = non_finite_outputs(self.where, self.model, side, leaves)
+        if error is not None:
+            raise error
 
     # -- outputs of every example -----------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .._call.example_loop import ExampleLoops
+from .._call.finite import NonFiniteOutputs, all_finite, raise_for_non_finite_outputs
 from .._call.groups import ParameterGroups, groups_argument
 from .._call.kernel_call import KernelCall, bind_call, prepare_call
 from .._call.outputs import output_fn_argument
@@ -270,6 +271,10 @@ class NtkSettings:
             self.planner.learn(key, found_axes=candidate)
             try:
                 call = self._with_axes(candidate).prepare(x1, x2, params, kwargs, where, **options)
+            except NonFiniteOutputs:
+                # says nothing about the axes (NOTE: [Non-finite kernels]): the next call decides them
+                self.planner.learn(key, found_axes=UNDECIDED)
+                raise
             except (ValueError, VmapLimitation) as error:
                 reason = first_line(error)
             else:
@@ -498,7 +503,10 @@ class NtkSettings:
         def compute() -> PyTree:
             with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
                 kernels = self.computed(call, planned)
-                return kernels if kernels is NEEDS_BLOCKS else call.normalise(kernels)
+                if kernels is NEEDS_BLOCKS:
+                    return kernels
+                self.explain_non_finite(call, kernels)
+                return call.normalise(kernels)
 
         def described() -> str:
             if attempted:
@@ -512,6 +520,13 @@ class NtkSettings:
         return out_of_memory_boundary(
             compute, call.where, described, OUT_OF_MEMORY_ADVICE, call.outputs1[0].device, planned_budget
         )
+
+    def explain_non_finite(self, call: KernelCall, kernels: list) -> None:
+        """NOTE: [Non-finite kernels]: raises :class:`NonFiniteOutputs` where ``kernels`` (a call's
+        kernels before :meth:`KernelCall.normalise`) are not finite because the outputs are not;
+        nothing with ``check_vmap_axes=False``."""
+        if self.check_vmap_axes is not False and not all_finite(kernels):
+            raise_for_non_finite_outputs(call.where, call.model, (call.side1, call.side2 or call.side1))
 
     def _explained(self, refusal: KernelMemoryError, call: KernelCall) -> KernelMemoryError:
         """``refusal`` of a call that ``vmap_axes="auto"`` left unmapped, with the reason first: a
