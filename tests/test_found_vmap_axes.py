@@ -180,7 +180,8 @@ def test_one_dimensional_inputs_stay_one_example_and_traced_example_axes_stay_un
     scalar = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)).double().to(DEVICE)
     x1, x2 = _inputs(4, 4)
     traced = torchntk.empirical_ntk_fn(scalar)
-    kernel = traced(x1, x2)
+    with pytest.warns(torchntk.OutputWarning, match="one entry per example"):  # NOTE: [Output notices]
+        kernel = traced(x1, x2)
     assert kernel.shape == () and traced.auto_choice(x1, x2).vmap_axes is None
     assert "leading output axis" in traced.auto_choice(x1, x2).vmap_axes_reason
     assert_kernels_close(kernel, reference_ntk(scalar, x1, x2), rtol=1e-10)

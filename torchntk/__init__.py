@@ -5,6 +5,7 @@ from ._call.example_loop import ExampleLoopWarning as ExampleLoopWarning
 from ._implementations.choice import AutoChoice as AutoChoice
 from ._implementations.choice import Estimate as Estimate
 from ._kernel.kernel_function import KernelFunction as KernelFunction
+from ._layout.notices import OutputWarning as OutputWarning
 from ._memory import KernelMemoryError as KernelMemoryError
 from ._memory import MemoryPlanWarning as MemoryPlanWarning
 from ._utils.exports import published
@@ -46,6 +47,7 @@ __all__ = [
     "KernelFunction",
     "KernelMemoryError",
     "MemoryPlanWarning",
+    "OutputWarning",
     "precision",
     # batching and Monte Carlo
     "batch",

@@ -40,6 +40,7 @@ from ._implementations.nngp import nngp
 from ._kernel.block_source import BlockRequest, BlockSource
 from ._kernel.kernel_function import KernelFnSpec, KernelFunction
 from ._kernel.settings import FORWARD_RUN, NtkOptions, NtkSettings, input_shape_key
+from ._layout.notices import OutputNotices
 from ._memory import NEEDS_BLOCKS, CallerPlan
 from ._model.functional import functional_model, warn_training_mode
 from ._model.unfused import forward_mode_kernels
@@ -131,6 +132,11 @@ def empirical_ntk_fn(
             mutated) or a function ``f(params, x, **kwargs)`` of a pytree of parameter tensors.
         trace_axes: output axes to trace over, i.e. contract and average. An int is one axis;
             negative axes count from the end of each output leaf. Default: ``(-1,)`` (logits).
+            On an ``(N,)`` output (``.squeeze(-1)``) that axis holds the examples, and the kernel
+            is one number: a :class:`~torchntk.OutputWarning` says so once (pass ``()`` for the
+            ``(N1, N2)`` kernel; ``(0,)`` means the trace over the examples and is not warned
+            about). Outputs of more than 1000 entries per example over several leaves, or more
+            than 1000 kept after tracing, get one too, naming ``output_fn`` (docs/layout.md).
         diagonal_axes: output axes of which only the diagonal (equal x1 and x2 indices) is kept.
             Default: ``()``.
         vmap_axes: certifies that ``f`` treats examples independently along these axes, which
@@ -351,7 +357,8 @@ def empirical_nngp_fn(
 
     Args:
         f: an ``nn.Module`` or a function ``f(params, x, **kwargs)``, as in :func:`empirical_ntk_fn`.
-        trace_axes: output axes to trace over (averaged). Default: ``(-1,)``.
+        trace_axes: output axes to trace over (averaged). Default: ``(-1,)``; warned about as in
+            :func:`empirical_ntk_fn`.
         diagonal_axes: output axes of which only the diagonal is kept. Default: ``()``.
         output_fn: what to take the kernel of, as in :func:`empirical_ntk_fn`. Default: ``None``.
 
@@ -377,10 +384,12 @@ def empirical_nngp_fn(
     traced = _checks.axes_argument(trace_axes, "trace_axes", where)
     diagonal = _checks.axes_argument(diagonal_axes, "diagonal_axes", where)
     selected = output_fn_argument(output_fn, where)
+    notices = OutputNotices()  # NOTE: [Output notices], once per kernel function
 
     def nngp_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         call = prepare_call(
-            f, x1, x2, params, kwargs, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal, output_fn=selected
+            f, x1, x2, params, kwargs, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal, output_fn=selected,
+            notices=notices,
         )
         return call.normalise(nngp(call), dtypes=call.output_dtypes)
 

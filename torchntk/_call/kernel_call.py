@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .._layout.kernel_layout import KernelLayout, check_shapes, make_layout
+from .._layout.notices import OutputNotices
 from .._layout.runs import runs
 from .._model.functional import (
     FunctionalModel,
@@ -239,6 +240,7 @@ def prepare_call(
     plan: CallPlan = FULL_CHECKS,
     computes_ntk: Optional[bool] = None,
     forward_run_length: Optional[int] = None,
+    notices: Optional[OutputNotices] = None,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side, as ``plan`` says.
 
@@ -261,7 +263,9 @@ def prepare_call(
     the NTK's shapes and dtypes before the model runs on more than one example when a side has over
     ``EARLY_ADMISSION`` examples mapped by ``vmap_axes`` (the shapes then come from one example
     per side), so that a kernel too large for its memory is refused before the forward passes over
-    the whole batch (NOTE: [Memory plans]); it raises to refuse.
+    the whole batch (NOTE: [Memory plans]); it raises to refuse. ``notices``: the kernel
+    function's notices about its outputs (NOTE: [Output notices]), given from here once the
+    layouts and the examples' axes of the outputs are known; None gives none.
 
     Raises:
         TypeError: outputs that are not tensors; bad ``params``; numpy inputs; for the NTK,
@@ -323,6 +327,8 @@ def prepare_call(
     if resolved1 is not None:
         out_axes = resolve_outputs(vmap_axes, output1.rebuild(leaves1), where)
         reject_vmap_with_coupling(model, where)
+    if notices is not None:
+        notices.check(output1, layouts, out_axes, x1, trace_axes, output_fn is not None, where)
     side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1", example_loop)
     side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2", example_loop)
     pending = None

@@ -19,6 +19,7 @@ switch to the loop by themselves, with a warning (``_call/example_loop.py``).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Optional
 
@@ -29,6 +30,8 @@ from torch.utils import _pytree as pytree
 from .._model.functional import FunctionalModel
 from .._model.unfused import Unfused, math_attention
 from .._utils.tree import Flat
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class OutputAxisError(ValueError):
@@ -371,17 +374,32 @@ class DataDependentError(ValueError, VmapLimitation):
 
 
 class VmapRuntimeError(RuntimeError, VmapLimitation):
-    """A RuntimeError raised under ``vmap`` per example, with a hint; ``original`` is PyTorch's."""
+    """An error raised under ``vmap`` per example, with a hint; ``original`` is what was raised.
 
-    def __init__(self, where: str, original: RuntimeError):
+    ``original`` is PyTorch's RuntimeError, or whatever the model (or its library) raised instead:
+    torch_geometric, for one, turns vmap's error into an IndexError. Either way this is a
+    RuntimeError, so that every check that explains vmap's failures explains these too.
+    """
+
+    def __init__(self, where: str, original: Exception):
         self.original = original
-        # PyTorch's whole text comes last, for whoever recognises its wording (``_model/torch_errors.py``).
+        if type(original) is RuntimeError:
+            # PyTorch's whole text comes last, for whoever recognises its wording (``_model/torch_errors.py``).
+            super().__init__(
+                f"{where}: evaluating or differentiating the model per example under torch.func.vmap "
+                f"(`vmap_axes`) failed. If the model runs on whole batches, this is a limitation or a bug "
+                f"of vmap for one of its operations (in-place writes into shared tensors; nn.PReLU's "
+                f"derivative): pass vmap_axes=None, which does not evaluate the model under vmap. "
+                f"PyTorch said: {original}"
+            )
+            return
         super().__init__(
             f"{where}: evaluating or differentiating the model per example under torch.func.vmap "
-            f"(`vmap_axes`) failed. If the model runs on whole batches, this is a limitation or a bug "
-            f"of vmap for one of its operations (in-place writes into shared tensors; nn.PReLU's "
-            f"derivative): pass vmap_axes=None, which does not evaluate the model under vmap. "
-            f"PyTorch said: {original}"
+            f"(`vmap_axes`) raised {type(original).__name__}. If the model runs on whole batches, it "
+            f"probably reads other examples (x[index], index_select or gather along the batch axis, as "
+            f"graph networks do with their nodes), which one example alone does not hold, or one of its "
+            f"operations fails under vmap: pass vmap_axes=None, which does not evaluate the model under "
+            f"vmap. The model raised {type(original).__name__}: {original}"
         )
 
 
@@ -397,11 +415,14 @@ def vmap_errors(where: str) -> Iterator[None]:
 
     vmap's errors on data-dependent operations become a ValueError that says what to do; other
     plain RuntimeErrors get a hint (a :class:`VmapRuntimeError`, still a RuntimeError, as the
-    cause cannot be told here). Running out of memory (``torch.OutOfMemoryError``, or the plain
-    RuntimeError of the CPU allocator) passes unchanged.
+    cause cannot be told here). So do the other exceptions raised outside torchntk (an IndexError
+    of a model that indexes other examples, or what a library turned vmap's error into): the model
+    ran on the whole batch before, so they are failures of the per-example evaluation too. Running
+    out of memory (``torch.OutOfMemoryError``, ``MemoryError``, or the plain RuntimeError of the
+    CPU allocator) and torchntk's own errors pass unchanged.
 
     Raises:
-        ValueError, VmapRuntimeError: chained to the original RuntimeError.
+        ValueError, VmapRuntimeError: chained to the original error.
     """
     try:
         yield
@@ -417,6 +438,23 @@ def vmap_errors(where: str) -> Iterator[None]:
         if type(error) is RuntimeError and not is_out_of_memory(error):
             raise VmapRuntimeError(where, error) from error
         raise
+    except Exception as error:
+        if isinstance(error, MemoryError) or raised_by_torchntk(error):
+            raise
+        raise VmapRuntimeError(where, error) from error
+
+
+def raised_by_torchntk(error: BaseException) -> bool:
+    """Whether ``error`` is torchntk's own: of a type it defines, or raised by one of its frames
+    (its checks raise plain ValueErrors inside the model's evaluation too)."""
+    if type(error).__module__.split(".")[0] == "torchntk":
+        return True
+    frame = error.__traceback__
+    if frame is None:
+        return False
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    return os.path.abspath(frame.tb_frame.f_code.co_filename).startswith(_PACKAGE)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -17,7 +17,7 @@ from .._model.functional import FunctionalModel
 from .._utils.checks import leaves_with_names
 from .._utils.precision import requested_mode
 from .finite import non_finite_outputs
-from .per_example import OutputAxisError, Side, VmapLimitation, VmapRuntimeError, first_line
+from .per_example import OutputAxisError, Side, VmapLimitation, VmapRuntimeError, first_line, is_out_of_memory
 from .vmap_axes import ParsedVmapAxes, suggested_vmap_axes, unmapped_batch_sized_kwargs
 
 _PER_EXAMPLE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.complex128: 1e-9, torch.complex64: 1e-4}
@@ -337,9 +337,14 @@ class VmapAxesCheck:
         self, side: Side, run: Side, expected: tuple, error: BaseException,
         cotangents: Optional[tuple] = None, whole: Optional[tuple] = None,
     ) -> None:
-        """Explains an error raised by the per-example (vmapped) evaluation of ``run``, if it can."""
+        """Explains an error raised by the per-example (vmapped) evaluation of ``run``, if it can:
+        unmapped keyword arguments, a vmap limitation (:class:`VmapUnsupported`) when the examples
+        alone without vmap agree with the whole batch, else coupled examples (ValueError), as the
+        whole batch ran where single examples fail or differ. Running out of memory explains nothing."""
         if isinstance(error, OutputAxisError):
             self._raise_unmapped_kwargs(side, error.symptom, error)
+            return
+        if isinstance(error, torch.OutOfMemoryError) or is_out_of_memory(error):
             return
         symptom = f"evaluating the model per example under vmap raised {_first_line(error)}"
         self._raise_unmapped_kwargs(side, symptom, error)
@@ -361,6 +366,14 @@ class VmapAxesCheck:
                 f"torch.func.vmap: in-place writes into tensors shared by all examples, nn.PReLU's "
                 f"derivative, ...). Pass vmap_axes=None, which gives the right kernel."
             ) from error
+        raise ValueError(
+            f"{self.where}: `vmap_axes` says examples are independent, but the model fails when evaluated per "
+            f"example under vmap, and the same examples evaluated alone without vmap fail or differ from the "
+            f"whole batch, on which it runs. The model couples examples (it reads other examples with x[index], "
+            f"index_select or gather along the batch axis, as graph networks do with their nodes; batch "
+            f"statistics; ...) or `vmap_axes` names the wrong axes. Pass vmap_axes=None (exact for any model) or "
+            f"fix the axes. Under vmap it raised {_first_line(error)}"
+        ) from error
 
     def _raise_for_miscounted_examples(self, side: Side, leaves: tuple[torch.Tensor, ...], error: RuntimeError) -> None:
         """Raises ValueError when the per-example evaluation failed and the whole-batch output does

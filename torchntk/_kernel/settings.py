@@ -30,6 +30,7 @@ from .._implementations import implementation_table, memory_plan, memory_planner
 from .._implementations.memory import OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, kernel_refusal, with_chunk
 from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
+from .._layout.notices import OutputNotices
 from .._memory import (
     KernelMemoryError,
     NEEDS_BLOCKS,
@@ -108,6 +109,7 @@ class NtkSettings:
     given: NtkOptions  # to build the same kernel function around another copy of the model
     planner: Planner  # NOTE: [The planning stage]: the facts and plans of this kernel function's calls
     example_loops: ExampleLoops = field(default_factory=ExampleLoops)  # its warning, once per kernel function
+    notices: OutputNotices = field(default_factory=OutputNotices, compare=False)  # NOTE: [Output notices]
     output_fn: Optional[Callable] = None  # normalised by output_fn_argument
     groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
     captured: Optional[CapturedCalls] = None  # NOTE: [Captured kernels]; None: every call eager
@@ -335,7 +337,7 @@ class NtkSettings:
                 diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if purpose.for_ntk else None,
                 chunk_size=self.chunk_size, output_fn=self.output_fn, groups=self.groups if computes_ntk else None,
                 admit=early, plan=replace(plan, example_loop=example_loop), computes_ntk=computes_ntk,
-                forward_run_length=forward_run_length,
+                forward_run_length=forward_run_length, notices=self.notices,
             )
 
         with aliases:

@@ -361,10 +361,17 @@ def check_shapes(
     for axis in layout.trace_axes + layout.diagonal_axes:
         if shape1[axis] != shape2[axis]:
             kind = "traced" if axis in layout.trace_axes else "diagonal"
+            hint = ""
+            if layout.ndim == 1 and kind == "traced":  # NOTE: [Output notices]: most likely one entry per example
+                hint = (
+                    " An output of shape (N,) has its examples on its only axis, which `trace_axes` names: "
+                    "pass trace_axes=() for the (N1, N2) kernel, or keep a trailing output axis (shape "
+                    "(N, 1): no .squeeze(-1))."
+                )
             raise ValueError(
                 f"{where}: {leaf} has {kind} axis {axis} of size {shape1[axis]} for x1 but "
                 f"{shape2[axis]} for x2 (shapes {tuple(shape1)} and {tuple(shape2)}); traced and "
-                f"diagonal axes must have equal sizes."
+                f"diagonal axes must have equal sizes.{hint}"
             )
 
 
