@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -373,3 +374,77 @@ def test_messages_show_values_whose_repr_raises():
     assert safe_repr(list(range(10**4)), limit=20) == "[0, 1, 2, 3, 4, 5..."
     with pytest.raises(TypeError, match="_Refuses object at"):
         torchntk.empirical_ntk_fn(nn.Linear(2, 2))(_Refuses())
+
+
+def _mace():
+    """MACE's modules, or a skip saying why. mace-torch pins an older e3nn and pulls many packages
+    that CI does not install, so it is not one of ``zoo.OPTIONAL``: its absence is never a failure."""
+    zoo.skip_torchvision_op_registrations()  # torchmetrics, which MACE imports, imports torchvision
+    try:
+        from mace import modules, tools
+    except Exception as error:  # a broken install raises more than ImportError
+        pytest.skip(f"{zoo.SKIP_PREFIX} mace does not import ({type(error).__name__}: {' '.join(str(error).split())})")
+    return modules, tools
+
+
+class _MaceEnergies(nn.Module):
+    """MACE on configurations of one water molecule, fully connected: positions ``(B, 3, 3)`` in,
+    MACE's output dict out (the graph batching MACE's own data loader does)."""
+
+    def __init__(self, mace):
+        super().__init__()
+        self.mace = mace
+        self.register_buffer("species", torch.tensor([1, 0, 0]), persistent=False)  # O H H
+
+    def forward(self, positions):
+        batch, atoms = positions.shape[:2]
+        send, receive = zip(*[(i, j) for i in range(atoms) for j in range(atoms) if i != j])
+        offsets = (torch.arange(batch) * atoms).repeat_interleave(len(send))
+        edges = torch.stack([torch.tensor(send).repeat(batch), torch.tensor(receive).repeat(batch)]) + offsets
+        zeros = positions.new_zeros(edges.shape[1], 3)
+        data = {
+            "positions": positions.reshape(-1, 3),
+            "node_attrs": nn.functional.one_hot(self.species, 2).to(positions.dtype).repeat(batch, 1),
+            "edge_index": edges, "shifts": zeros, "unit_shifts": zeros,
+            "cell": positions.new_zeros(3 * batch, 3),
+            "batch": torch.arange(batch).repeat_interleave(atoms),
+            "ptr": torch.arange(batch + 1) * atoms,
+            "weight": positions.new_ones(batch),
+            "head": torch.zeros(batch, dtype=torch.long),
+        }
+        return self.mace(data, training=False, compute_force=False)
+
+
+@pytest.mark.slow
+def test_a_mace_model_held_as_a_module_is_exact():
+    modules, tools = _mace()
+    o3 = _e3nn().o3
+    torch.manual_seed(0)
+    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
+    mace = modules.MACE(
+        r_max=3.0, num_bessel=4, num_polynomial_cutoff=5, max_ell=1, interaction_cls=block,
+        interaction_cls_first=block, num_interactions=1, num_elements=2, hidden_irreps=o3.Irreps("4x0e + 4x1o"),
+        MLP_irreps=o3.Irreps("4x0e"), gate=nn.functional.silu, atomic_energies=np.array([1.0, 3.0]),
+        avg_num_neighbors=2.0, atomic_numbers=tools.AtomicNumberTable([1, 8]).zs, correlation=2,
+        radial_type="bessel",
+    ).double()
+    model = _MaceEnergies(mace)
+    water = torch.tensor([[0.0, 0.0, 0.0], [0.96, 0.0, 0.0], [-0.24, 0.93, 0.0]], dtype=torch.float64)
+    x1 = water + 0.1 * torch.randn(3, 3, 3, dtype=torch.float64)
+    x2 = water + 0.1 * torch.randn(2, 3, 3, dtype=torch.float64)
+
+    class Reference(nn.Module):  # the energies as a tensor, for the brute-force reference
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, positions):
+            return self.model(positions)["energy"][:, None]
+
+    expected = reference_ntk(Reference(), x1, x2)
+    energies = lambda output: output["energy"][:, None]  # noqa: E731 - (B, 1): one entry per example
+    for implementation in (0, 1, 2, 3):
+        kernel_fn = torchntk.empirical_ntk_fn(model, output_fn=energies, implementation=implementation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torchntk.ExampleLoopWarning)  # vmap cannot map scatter_add_
+            assert_kernels_close(kernel_fn(x1, x2), expected)
