@@ -520,14 +520,14 @@ def test_env_says_which_libraries_import_and_what_to_do(tmp_path, monkeypatch, c
 def test_env_advice_points_at_the_index_of_this_torch():
     from torchntk.cli import env
 
-    fix = env.advice("torchvision", "2.13.0", "cpu", ["torchvision", "timm"])
+    fix = env._advice("torchvision", "2.13.0", "cpu", ["torchvision", "timm"])
     assert 'pip install "torch==2.13.0" torchvision --index-url https://download.pytorch.org/whl/cpu' in fix
-    assert "fix torchvision first" in env.advice("timm", "2.13.0", "cpu", ["torchvision", "timm"])
-    assert "reinstall it" in env.advice("timm", "2.13.0", "cpu", ["timm"])
+    assert "fix torchvision first" in env._advice("timm", "2.13.0", "cpu", ["torchvision", "timm"])
+    assert "reinstall it" in env._advice("timm", "2.13.0", "cpu", ["timm"])
     cuda = types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.8", hip=None))
     cpu = types.SimpleNamespace(version=types.SimpleNamespace(cuda=None, hip=None))
-    assert (env.torch_index(cuda), env.torch_index(cpu)) == ("cu128", "cpu")
-    assert env.build(cpu) == "CPU build"
+    assert (env._torch_index(cuda), env._torch_index(cpu)) == ("cu128", "cpu")
+    assert env._build(cpu) == "CPU build"
 
 
 def test_env_help_and_a_bad_argument(capsys):

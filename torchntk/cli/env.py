@@ -19,6 +19,8 @@ import platform
 import sys
 from typing import Optional, Sequence
 
+__all__ = ["main"]
+
 LIBRARIES = ("torchvision", "timm", "transformers", "peft", "e3nn")
 """The optional model libraries the docs and tests use, in the order they depend on each other."""
 _LOADED_LAZILY = {"transformers": "transformers.modeling_utils", "peft": "transformers.modeling_utils",
@@ -43,14 +45,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import torchntk
 
-    index = torch_index(torch)
+    index = _torch_index(torch)
     print(f"python {platform.python_version()} ({sys.executable})")
     print(f"torchntk {torchntk.__version__}")
-    print(f"torch {torch.__version__}: {build(torch)}")
+    print(f"torch {torch.__version__}: {_build(torch)}")
     broken = []
     width = max(len(name) for name in LIBRARIES) + 2
     for name in LIBRARIES:
-        state, detail = import_state(name)
+        state, detail = _import_state(name)
         print(f"{name + ':':{width}s}{detail}")
         if state == "broken":
             broken.append(name)
@@ -58,11 +60,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     print()
     for name in broken:
-        print(f"{name}: {advice(name, torch.__version__.split('+')[0], index, broken)}")
+        print(f"{name}: {_advice(name, torch.__version__.split('+')[0], index, broken)}")
     return 1
 
 
-def build(torch) -> str:
+def _build(torch) -> str:
     """Which build of torch this is, and what it finds."""
     if torch.version.cuda:
         return f"CUDA {torch.version.cuda} build, {torch.cuda.device_count()} GPU(s) visible"
@@ -71,7 +73,7 @@ def build(torch) -> str:
     return "CPU build"
 
 
-def torch_index(torch) -> str:
+def _torch_index(torch) -> str:
     """The PyTorch index whose wheels are built for this torch (``cpu``, ``cu128``, ...)."""
     if torch.version.cuda:
         return "cu" + torch.version.cuda.replace(".", "")
@@ -80,7 +82,7 @@ def torch_index(torch) -> str:
     return "cpu"
 
 
-def import_state(name: str) -> tuple[str, str]:
+def _import_state(name: str) -> tuple[str, str]:
     """``("ok" | "missing" | "broken", one line)`` for the library ``name``."""
     if importlib.util.find_spec(name) is None:
         return "missing", "not installed (optional)"
@@ -101,9 +103,9 @@ def _installed(name: str) -> str:
         return "installed"
 
 
-def advice(name: str, release: str, index: str, broken: Sequence[str]) -> str:
+def _advice(name: str, release: str, index: str, broken: Sequence[str]) -> str:
     """What to do about ``name``, which does not import beside torch ``release`` (its PyTorch
-    ``index``, :func:`torch_index`)."""
+    ``index``, :func:`_torch_index`)."""
     if name == "torchvision":
         return ("install the torchvision built for this torch, from the index this torch came from: "
                 f'pip install "torch=={release}" torchvision --index-url https://download.pytorch.org/whl/{index} '
