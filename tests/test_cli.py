@@ -488,3 +488,50 @@ def test_kernel_descriptions_of_other_outputs():
     assert sequence.axis_label("x1") == "x1 (example, output axis 1): example*5 + output axis 1"
     full = KernelDescription("lm", "1 (Jacobian contraction)", (4, 5, 7), ())
     assert full.axis_label("x2") == "x2 (example, output axis 1, output axis 2): example*35 + output axis 1*7 + output axis 2"
+
+
+# -- torchntk env ---------------------------------------------------------------------------------
+
+
+def test_env_says_which_libraries_import_and_what_to_do(tmp_path, monkeypatch, capsys):
+    from torchntk.cli import env
+
+    (tmp_path / "fine_library").mkdir()
+    (tmp_path / "fine_library" / "__init__.py").write_text("__version__ = '1.2'\n")
+    (tmp_path / "broken_library").mkdir()
+    (tmp_path / "broken_library" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist\\nwhile registering fake kernels')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(env, "LIBRARIES", ("fine_library", "broken_library", "absent_library_of_this_test"))
+    assert main(["env"]) == 1
+    out = "\n".join(" ".join(line.split()) for line in capsys.readouterr().out.splitlines())
+    assert f"torch {torch.__version__}: " in out and f"torchntk {torchntk.__version__}" in out
+    assert "fine_library: 1.2, imports" in out
+    assert "broken_library: installed, does not import: RuntimeError: operator torchvision::nms does not exist\n" in out
+    assert "while registering" not in out  # the first line of the error only
+    assert "absent_library_of_this_test" in out and "not installed (optional)" in out
+    assert "broken_library: reinstall it beside this torch" in out
+
+    monkeypatch.setattr(env, "LIBRARIES", ("fine_library", "absent_library_of_this_test"))
+    assert main(["env"]) == 0  # what is not installed is optional
+
+
+def test_env_advice_points_at_the_index_of_this_torch():
+    from torchntk.cli import env
+
+    fix = env._advice("torchvision", "2.13.0", "cpu", ["torchvision", "timm"])
+    assert 'pip install "torch==2.13.0" torchvision --index-url https://download.pytorch.org/whl/cpu' in fix
+    assert "fix torchvision first" in env._advice("timm", "2.13.0", "cpu", ["torchvision", "timm"])
+    assert "reinstall it" in env._advice("timm", "2.13.0", "cpu", ["timm"])
+    cuda = types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.8", hip=None))
+    cpu = types.SimpleNamespace(version=types.SimpleNamespace(cuda=None, hip=None))
+    assert (env._torch_index(cuda), env._torch_index(cpu)) == ("cu128", "cpu")
+    assert env._build(cpu) == "CPU build"
+
+
+def test_env_help_and_a_bad_argument(capsys):
+    assert main(["env", "--help"]) == 0
+    assert "optional model libraries" in capsys.readouterr().out
+    assert main(["env", "--nonsense"]) == 2
+    assert "unrecognized arguments: --nonsense" in capsys.readouterr().err

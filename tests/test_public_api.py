@@ -38,7 +38,7 @@ def test_the_public_modules_are_the_expected_ones():
     assert sorted(_public_modules()) == sorted([
         "torchntk", "torchntk.empirical", "torchntk.taylor", "torchntk.batching", "torchntk.monte_carlo",
         "torchntk.sketch", "torchntk.spectra", "torchntk.distributed", "torchntk.testing", "torchntk.predict",
-        "torchntk.cli", "torchntk.cli.bench", "torchntk.cli.demo",
+        "torchntk.cli", "torchntk.cli.bench", "torchntk.cli.demo", "torchntk.cli.env",
     ])
 
 

@@ -1,7 +1,8 @@
 """The README and docs/*.md as a user reads them: every Python example runs as written, the set-up
 is the two commands CI runs, and the user pages hold no lab notes.
 
-Examples that import an optional model library (torchvision, timm, transformers, peft) run where it
+Examples that import an optional model library (torchvision, timm, transformers, peft, e3nn), in
+any form (``import torch, timm``, ``from transformers import ...``), run where it
 imports, which ``.ci/run`` makes sure of (``tests/zoo.py``), and are skipped with the reason
 elsewhere. An example that cannot run inside a test (several GPUs, ``torchrun``) says so in its
 page with an HTML comment on the line above its fence, ``<!-- not run by the tests: REASON -->``;
@@ -10,8 +11,10 @@ the tests allow few of them.
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
+import sys
 from typing import NamedTuple, Optional
 
 import pytest
@@ -29,7 +32,19 @@ USER_PAGES = [page for page in PAGES if page.name != "benchmarks.md"]
 LANGUAGES = {"python", "bash", "sh", "text", "{eval-rst}", "{toctree}", ""}
 NOT_RUN = re.compile(r"<!-- not run by the tests: (?P<reason>\S.*?) -->")
 MOST_NOT_RUN = 3
-OPTIONAL_IMPORT = re.compile(rf"^\s*(?:import|from)\s+({'|'.join(zoo.OPTIONAL)})\b", re.M)
+
+
+def optional_imports(code: str) -> list[str]:
+    """The optional libraries of ``zoo.OPTIONAL`` that ``code`` imports, in any form: every name of
+    ``import a, b as c`` and of nested or indented imports, and the package of ``from a.b import c``
+    (relative imports name no library)."""
+    packages = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            packages.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            packages.add(node.module.split(".")[0])
+    return sorted(packages & set(zoo.OPTIONAL))
 
 
 class Block(NamedTuple):
@@ -89,9 +104,33 @@ def test_the_marker_leaves_out_only_the_block_below_it(tmp_path):
     assert (plain.not_run, plain.language) == (None, "python")
 
 
+def test_every_imported_optional_library_is_found():
+    code = (
+        "import torch, torchvision, torchntk\n"
+        "from transformers.models.bert import BertModel\n"
+        "import numpy as np, timm as t\n"
+        "def build():\n"
+        "    import peft.tuners\n"
+        "    from . import e3nn\n"  # relative: the example's own package, not the library
+        "from torchvisionish import x\n"
+        "text = 'import e3nn'\n"
+    )
+    assert optional_imports(code) == ["peft", "timm", "torchvision", "transformers"]
+    assert optional_imports("import torch\nfrom e3nn import o3\n") == ["e3nn"]
+    assert optional_imports("import torch\n") == []
+
+
+def test_an_example_importing_a_library_that_does_not_import_is_skipped_saying_why(monkeypatch, tmp_path):
+    monkeypatch.delenv(zoo.REQUIRE_VARIABLE, raising=False)
+    monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ImportError
+    block = Block("page.md", 1, "python", "import torch, timm\nraise AssertionError('ran')\n", None)
+    with pytest.raises(pytest.skip.Exception, match="optional library timm does not import"):
+        test_example_runs(block, tmp_path, monkeypatch)
+
+
 @pytest.mark.parametrize("block", EXAMPLES, ids=[block.name for block in EXAMPLES])
 def test_example_runs(block, tmp_path, monkeypatch):
-    for library in sorted(set(OPTIONAL_IMPORT.findall(block.code))):
+    for library in optional_imports(block.code):
         zoo.optional(library)  # skipped, saying why, where the library does not import
     monkeypatch.chdir(tmp_path)  # what an example writes stays out of the repository
     exec(compile(block.code, block.name, "exec"), {"__name__": "__main__"})
@@ -146,6 +185,10 @@ def test_ci_runs_the_readme_set_up():
     assert zoo_installs and max(zoo_installs) < tests
     assert f"export {zoo.REQUIRE_VARIABLE}=1" in commands and f"export {zoo.STUB_VARIABLE}=1" in commands
     assert f"unset {zoo.STUB_VARIABLE}" in commands  # a matched torchvision runs without the stub
+    # e3nn requires torch: both steps install it without its requirements, before the tests.
+    e3nn = [i for i, command in enumerate(commands) if "pip install" in command and "e3nn==" in command]
+    assert len(e3nn) == 2 and max(e3nn) < tests
+    assert all("--no-deps" in commands[i] for i in e3nn)
 
 
 def test_ci_tests_the_floor_and_the_newest_release_with_the_real_torchvision():

@@ -1,6 +1,6 @@
 """Real architectures as users bring them, built from configs with random weights.
 
-torchvision, timm, transformers and peft are optional: the library needs none of them. Where one
+torchvision, timm, transformers, peft and e3nn are optional: the library needs none of them. Where one
 does not import, the tests that need it are skipped, each with the reason, and the run's summary
 counts them (``tests/conftest.py``). Users install them as ``docs/real_models.md`` says (torchvision
 from the index their torch came from), which leaves every import working.
@@ -46,10 +46,12 @@ REQUIRE_VARIABLE = "TORCHNTK_TEST_REQUIRE_ZOO"
 SKIP_PREFIX = "optional library"
 """How the skip reasons of :func:`optional` start, for the run's summary (``tests/conftest.py``)."""
 
-OPTIONAL = ("torchvision", "timm", "transformers", "peft")
-_LOADED_LAZILY = {"transformers": "transformers.modeling_utils", "peft": "transformers.modeling_utils"}
+OPTIONAL = ("torchvision", "timm", "transformers", "peft", "e3nn")
+_LOADED_LAZILY = {
+    "transformers": "transformers.modeling_utils", "peft": "transformers.modeling_utils", "e3nn": "e3nn.o3",
+}
 """What else to import to know that a library imports: transformers loads its models, whose code is
-what imports torchvision, only when they are used."""
+what imports torchvision, only when they are used; e3nn's ``o3`` is a subpackage it does not import."""
 
 
 def skip_torchvision_op_registrations() -> None:

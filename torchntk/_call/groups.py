@@ -44,6 +44,7 @@ from .._model.functional import FunctionalModel, predicate_verdict
 from .._model.names import parameter_names
 from .._utils.checks import show
 from .._utils.tree import Flat, key_entry
+from .._utils.values import safe_repr
 
 
 class GroupKernels(dict):
@@ -252,8 +253,8 @@ def _module_paths(key: str, module: nn.Module, f: Any, where: str) -> tuple[str,
 def _describe(value: Any) -> str:
     if isinstance(value, nn.Module):
         return f"a {type(value).__name__}"
-    if isinstance(value, (list, tuple)):
+    if type(value) is list or type(value) is tuple:  # exact types: a subclass's iter may be anything
         return "[" + ", ".join(_describe(item) for item in value) + "]"
     if callable(value) and not isinstance(value, str):
         return "a predicate"
-    return repr(value)
+    return safe_repr(value, limit=200)

@@ -49,6 +49,7 @@ from .._model.aliases import storage_key
 from .._model.unfused import forward_mode_kernels
 from .._utils.bounded_cache import BoundedCache
 from .._utils.threads import FORWARD_MODE_LOCK
+from .._utils.values import leaf_key
 
 
 @dataclass(frozen=True)
@@ -221,13 +222,13 @@ def count_example(side: Side) -> Optional[ExampleCount]:
 
 
 def example_shapes(side: Side) -> Optional[tuple]:
-    """The shapes and dtypes of one example of a mapped side, the values of its other leaves by
-    ``repr`` (hashable whatever they are); None for a whole batch or a side without examples."""
+    """The shapes and dtypes of one example of a mapped side, its other leaves by
+    :func:`~torchntk._utils.values.leaf_key` (hashable whatever they are); None for a whole batch or a side without examples."""
     if not side.mapped or side.batch_size() == 0:
         return None
     example = side.narrow(0, 1)
     leaves = list(example.x.leaves) + [leaf for flat in example.kwargs.values() for leaf in flat.leaves]
-    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves)
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf_key(leaf) for leaf in leaves)
 
 
 Counter = Callable[[Side], Optional[ExampleCount]]

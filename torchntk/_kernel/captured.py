@@ -6,8 +6,8 @@ An eager kernel call pays Python and the dispatcher for every operation of every
 784-512-512-10 MLP, where its matrix products take 0.7 ms. With ``compile`` set, a kernel function
 removes that cost from repeated calls:
 
-1. The first call for a :func:`guard_key` (argument shapes, strides, dtypes, devices, non-tensor
-   values and aliasing; autocast, the default dtype and the precision mode; the module's structure
+1. The first call for a :func:`guard_key` (argument shapes, strides, dtypes, devices, plain non-tensor
+   values, other non-tensor leaves by identity, and aliasing; autocast, the default dtype and the precision mode; the module's structure
    fingerprint, train/eval modes and ``requires_grad`` flags) runs eagerly with every check, as
    without ``compile``.
 2. The same computation without the per-call checks is traced on real tensors into one graph of
@@ -49,6 +49,7 @@ from .._utils.bounded_cache import BoundedCache
 from .._utils.capturing import capturing
 from .._utils.checks import show, user_stacklevel
 from .._utils.precision import requested_mode
+from .._utils.values import leaf_key
 
 _REMEMBERED = 8
 """Captured graphs a kernel function keeps (the least recently used is dropped), as
@@ -218,7 +219,7 @@ def guard_key(model: Any, flat: _Arguments) -> tuple:
     described = tuple(
         (tuple(leaf.shape), leaf.stride() if leaf.layout == torch.strided else leaf.layout, leaf.dtype, leaf.device,
          leaf.requires_grad)
-        if isinstance(leaf, torch.Tensor) else (type(leaf), repr(leaf))
+        if isinstance(leaf, torch.Tensor) else leaf_key(leaf)
         for leaf in flat.leaves
     )
     first_seen: dict[int, int] = {}

@@ -54,7 +54,7 @@ def private_shell(module: nn.Module) -> nn.Module:
         made = copies.get(id(original))
         if made is not None:
             return made
-        shell = original.__class__.__new__(original.__class__)
+        shell = _bare_instance(type(original))
         copies[id(original)] = shell
         state = {
             key: type(value)(value) if type(value) in _CONTAINER_TYPES else value
@@ -76,3 +76,13 @@ def private_shell(module: nn.Module) -> nn.Module:
         return shell
 
     return copy(module)
+
+
+def _bare_instance(kind: type) -> nn.Module:
+    """An instance of exactly ``kind``, without running its ``__new__``: torch.fx's ``GraphModule``
+    (e3nn compiles its layers into them) makes each instance a fresh subclass there, whose class
+    lacks the ``forward`` that code generation set on the original's."""
+    try:
+        return object.__new__(kind)
+    except TypeError:  # a base laid out in C that object.__new__ cannot make
+        return kind.__new__(kind)

@@ -20,17 +20,19 @@ import torch
 from .._model.fingerprint import structure_fingerprint
 from .._utils.tree import Flat, is_all_none
 from .._utils.types import Model
+from .._utils.values import leaf_key
 
 __all__ = ["PlanKey", "input_shape_key", "plan_key", "structure_key", "training_modes"]
 
 
 def input_shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
     """The structure, shapes, dtypes and device types of every argument of a call (what AUTO's
-    choice and the implementations' cached plans may depend on)."""
+    choice and the implementations' cached plans may depend on); other leaves by
+    :func:`~torchntk._utils.values.leaf_key` (plain values by value, objects by identity)."""
     def describe_leaves(tree: Any) -> tuple:
         flat = Flat.of(tree)
         leaves = tuple(
-            (tuple(leaf.shape), leaf.dtype, leaf.device.type) if isinstance(leaf, torch.Tensor) else repr(leaf)
+            (tuple(leaf.shape), leaf.dtype, leaf.device.type) if isinstance(leaf, torch.Tensor) else leaf_key(leaf)
             for leaf in flat.leaves
         )
         return (str(flat.spec), flat.none_positions, leaves)

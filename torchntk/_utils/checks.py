@@ -17,13 +17,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .types import NtkImplementation
+from .values import safe_repr
 
 
 def show(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{text} ({type(value).__name__})"
+    return f"{safe_repr(value)} ({type(value).__name__})"
 
 
 def leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:

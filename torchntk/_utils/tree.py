@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from .values import PLAIN, safe_repr
+
 
 @dataclass(frozen=True)
 class Flat:
@@ -56,9 +58,21 @@ def describe(tree: Any) -> str:
     def show(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return f"Tensor{tuple(leaf.shape)}"
-        return leaf
+        return leaf if type(leaf) in PLAIN else _Shown(safe_repr(leaf))
 
     return str(pytree.tree_map(show, tree))
+
+
+class _Shown:
+    """A leaf of a described tree, shown by a repr made in advance (:func:`safe_repr`)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def key_entry(key: Any) -> Any:

@@ -9,7 +9,8 @@ round trip unchanged:
 * scalars (``None``, bools, numbers, strings) become their ``repr`` (so ``1.0``, ``1`` and
   ``'1.0'`` stay apart), dtypes and devices their ``str``;
 * tensors and arrays become their shape, dtype and a hash of their values;
-* lists, tuples and dicts are described item by item, sets in a sorted order;
+* lists, tuples and dicts are described item by item, sets in a sorted order (their subclasses
+  through the built-in base's methods, never their own);
 * functions become ``module.qualname#hash`` where the hash covers the bytecode and constants of
   their code (nested code included), their default arguments, the contents of their closure cells
   and the scalars and tensors among the globals their code names (a changed ``SCALE = 2.0`` at
@@ -29,6 +30,8 @@ import functools
 import hashlib
 import json
 import numbers
+import os
+import time
 import types
 from typing import Any
 
@@ -49,7 +52,7 @@ def digest(data: bytes, size: int = 16) -> str:
 def describe(value: Any, depth: int = 0, seen: frozenset = frozenset()) -> Any:
     """``value`` as JSON data, equal between processes for alike values (see the module's doc)."""
     if isinstance(value, _SCALARS) or isinstance(value, enum.Enum):
-        return repr(value)
+        return _repr(value)
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if isinstance(value, torch.Tensor):
@@ -64,12 +67,16 @@ def describe(value: Any, depth: int = 0, seen: frozenset = frozenset()) -> Any:
         return _name(type(value))
     seen = seen | {id(value)}
     deeper = depth + 1
-    if isinstance(value, (list, tuple)):
-        return [describe(item, deeper, seen) for item in value]
+    # Subclasses of the built-in containers (a namedtuple, e3nn's Irreps, whose len raises) are
+    # read through their built-in base's methods, which run none of their own code.
+    for base in (list, tuple):
+        if isinstance(value, base):
+            return [describe(item, deeper, seen) for item in base.__iter__(value)]
     if isinstance(value, dict):
-        return {_key(key, deeper, seen): describe(item, deeper, seen) for key, item in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted((describe(item, deeper, seen) for item in value), key=json.dumps)
+        return {_key(key, deeper, seen): describe(item, deeper, seen) for key, item in dict.items(value)}
+    for base in (set, frozenset):
+        if isinstance(value, base):
+            return sorted((describe(item, deeper, seen) for item in base.__iter__(value)), key=json.dumps)
     if isinstance(value, types.FunctionType):
         return _function(value, seen)
     if isinstance(value, types.MethodType):
@@ -77,17 +84,39 @@ def describe(value: Any, depth: int = 0, seen: frozenset = frozenset()) -> Any:
     if isinstance(value, functools.partial):
         return {"partial": describe(value.func, deeper, seen), "args": describe(value.args, deeper, seen),
                 "keywords": describe(value.keywords, deeper, seen)}
-    if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)) or callable(value) and not hasattr(
+    if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)) or callable(value) and _attribute(
         value, "__dict__"
-    ):  # C functions (torch.tanh) and C-level callables: their name is all there is
+    ) is None:  # C functions (torch.tanh) and C-level callables: their name is all there is
         return f"{getattr(value, '__module__', None) or ''}.{getattr(value, '__qualname__', _name(type(value)))}"
     if dataclasses.is_dataclass(value):
-        fields = {field.name: describe(getattr(value, field.name), deeper, seen) for field in dataclasses.fields(value)}
+        fields = {field.name: describe(_attribute(value, field.name), deeper, seen)
+                  for field in dataclasses.fields(value)}
         return {"class": _name(type(value)), "fields": fields}
-    state = getattr(value, "__dict__", None)
-    if isinstance(state, dict):
+    state = _attribute(value, "__dict__")
+    if type(state) is dict:
         return {"class": _name(type(value)), "state": describe(state, deeper, seen)}
     return _name(type(value))
+
+
+def _repr(value: Any) -> str:
+    """``repr`` of a scalar; where a subclass's own ``repr`` raises, a text no other process
+    repeats, so that a record is never resumed for a value that cannot be described."""
+    try:
+        text = repr(value)
+        if type(text) is str:
+            return text
+    except Exception:  # noqa: BLE001 - any failure of user code
+        pass
+    return f"unrepresentable {_name(type(value))} #{os.getpid()}:{id(value):x}:{time.monotonic_ns()}"
+
+
+def _attribute(value: Any, name: str) -> Any:
+    """``value.name`` as stored, without the object's own ``__getattribute__`` or ``__getattr__``;
+    None where it has none."""
+    try:
+        return object.__getattribute__(value, name)
+    except Exception:  # noqa: BLE001 - a property or slot that raises
+        return None
 
 
 def text(description: Any, limit: int = _SHORT) -> str:

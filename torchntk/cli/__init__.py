@@ -3,6 +3,9 @@
 * ``torchntk [options]``: the demo (``demo.py``): a model's NTK with every implementation.
 * ``torchntk bench [options]``: the benchmarks (``bench.py``), side by side with
   neural-tangents when ``jax`` and ``neural_tangents`` are installed.
+* ``torchntk env``: torch's version and build, and whether each optional model library
+  (torchvision, timm, transformers, peft, e3nn) imports beside it, with what to do where one does
+  not (``env.py``; exit status 1 where an installed one does not import).
 * ``torchntk --version``: the installed version (``torchntk.__version__``).
 
 Exit statuses: 0 success; 1 two implementations disagree (the demo); 2 a bad command-line
@@ -36,6 +39,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from . import bench
 
             return bench.main(arguments[1:])
+        if arguments[:1] == ["env"]:
+            from . import env
+
+            return env.main(arguments[1:])
         from . import demo
 
         return demo.main(arguments)

@@ -57,6 +57,7 @@ import torch
 from torch.func import jacfwd, jacrev, vjp, vmap
 
 from ..._call.per_example import Side, transformed
+from ..._utils.values import leaf_key
 from ._plan import Fold, Plan, WholeBatchLayout
 from ._recorder import Recorder, ShapeMismatch
 from ._roles import OutputSpec, Role, RuleCall, letters
@@ -415,12 +416,12 @@ def whole_shape(single: Sequence[int], axis: int, examples: int) -> tuple[int, .
 
 def example_signature(side: Side) -> tuple:
     """The per-example shapes of a mapped side's inputs: mapped leaves without their example axis,
-    unmapped ones whole, with dtypes; other leaves by value. Sides of one signature run the same
+    unmapped ones whole, with dtypes; other leaves by ``leaf_key``. Sides of one signature run the same
     per-example shapes through a model that does not read its inputs' values for shapes."""
 
     def leaf(value: Any, axis: Optional[int]) -> tuple:
         if not isinstance(value, torch.Tensor):
-            return ("value", repr(value))
+            return ("value", leaf_key(value))
         shape = tuple(value.shape)
         if axis is None:
             return ("shared", shape, value.dtype, value.device)
