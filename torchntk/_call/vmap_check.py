@@ -6,6 +6,7 @@ failure is explained.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -92,6 +93,27 @@ def _measure(want: torch.Tensor, have: torch.Tensor) -> tuple[float, float]:
         magnitudes = torch.maximum(finite(want), finite(have))
     error, scale = torch.stack([error.to(magnitudes.dtype), magnitudes]).tolist()
     return error, scale
+
+
+def _measure_all(wants: tuple[torch.Tensor, ...], haves: tuple[torch.Tensor, ...]) -> list[tuple[float, float]]:
+    """:func:`_measure` of every pair, with a few fused operations and one synchronisation for all of
+    them (a ResNet-18's 62 parameters made 1,364 ATen calls and 62 synchronisations one by one);
+    pairs with NaN or infinite entries are measured again one by one, as :func:`_measure` says."""
+    if not wants:
+        return []
+    if any(want.numel() == 0 for want in wants) or len({(want.dtype, want.device) for want in wants}) > 1:
+        return [_measure(want, have) for want, have in zip(wants, haves)]
+    gaps = torch._foreach_sub(list(wants), list(haves))
+    errors = torch.stack(torch._foreach_norm(gaps, float("inf")))
+    scales = torch.maximum(
+        torch.stack(torch._foreach_norm(list(wants), float("inf"))),
+        torch.stack(torch._foreach_norm(list(haves), float("inf"))),
+    )
+    measured = list(zip(*torch.stack([errors.to(scales.dtype), scales]).tolist()))
+    return [
+        pair if math.isfinite(pair[0]) and math.isfinite(pair[1]) else _measure(want, have)
+        for pair, want, have in zip(measured, wants, haves)
+    ]
 
 
 def _agrees(want: torch.Tensor, have: torch.Tensor) -> bool:
@@ -304,7 +326,7 @@ class VmapAxesCheck:
         Each parameter is compared at its own scale, floored at a hundredth of the largest, so that
         rounding in a parameter with tiny derivatives does not count as a difference.
         """
-        measured = [_measure(a, b) for a, b in zip(want, have)]
+        measured = _measure_all(tuple(want), tuple(have))
         floor = 0.01 * max((scale for _, scale in measured), default=0.0)
         worst, worst_ratio = None, 0.0
         for name, a, (error, scale) in zip(self.model.names, want, measured):

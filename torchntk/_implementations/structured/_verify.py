@@ -78,6 +78,7 @@ def disagreements(side: Side, plan: Plan, seed: int = 0) -> dict[int, str]:
                 part, part_bound = previous + part, previous_bound + part_bound
             structured[index] = (part, part_bound)
     found = {}
+    compared = {}
     for index, expected in enumerate(autograd):
         if index in plan.fallback:
             continue
@@ -90,11 +91,31 @@ def disagreements(side: Side, plan: Plan, seed: int = 0) -> dict[int, str]:
                     f"see it {_HIDDEN}"
                 )
             continue
-        value, bound = structured[index]
-        reason = _compare(value, bound, expected)
-        if reason is not None:
-            found[index] = reason
+        compared[index] = (*structured[index], expected)
+    if not _all_agree(list(compared.values())):  # then find which, one by one, to say why
+        for index, (value, bound, expected) in compared.items():
+            reason = _compare(value, bound, expected)
+            if reason is not None:
+                found[index] = reason
     return found
+
+
+def _all_agree(triples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether every ``(value, bound, expected)`` passes :func:`_compare`, in a few operations over
+    all parameters and one synchronisation (one by one, a ResNet-18's 62 parameters made 744 ATen
+    calls and 62 synchronisations). False where it cannot tell at once: :func:`_compare` decides."""
+    triples = [triple for triple in triples if triple[0].numel()]
+    if not triples:
+        return True
+    kinds = {(tensor.dtype, tensor.device) for triple in triples for tensor in triple}
+    if len(kinds) != 1:
+        return False
+    value, bound, expected = (torch.cat([triple[part] for triple in triples]) for part in range(3))
+    rtol = _tolerance(value.dtype, value.device)
+    floors = torch.stack(torch._foreach_norm([triple[1] for triple in triples], float("inf")))
+    floors = floors.repeat_interleave(torch.tensor([triple[0].numel() for triple in triples], device=floors.device))
+    excess = (value - expected).abs() - rtol * (bound + expected.abs() + _FLOOR * floors)
+    return bool((excess <= 0).all())  # NaN is no agreement
 
 
 def verify(call: KernelCall, plan: Plan) -> None:
