@@ -183,7 +183,7 @@ def test_parameters_the_check_demotes_are_priced_again_as_fallback(cpu_prices):
     x1, x2 = _inputs(16, 6, 4)
     first_weight = dict(model.named_parameters())["0.weight"]
 
-    def demoting(side, plan):
+    def demoting(side, plan, **options):
         index = next(i for i, param in enumerate(side.model.params) if param.shape == first_weight.shape)
         return {index: "demoted by the test"}
 
@@ -564,7 +564,7 @@ def test_the_whole_batch_pass_is_priced_and_priced_again_where_the_checked_plan_
     with mock.patch.object(auto_module, "_PROBE_EVERYTHING", True):
         whole = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0).auto_choice(x1, x2)
 
-        def refused(call, plan, checked=None):
+        def refused(call, plan, checked=None, **options):
             return dataclasses.replace(plan, whole_batch=None, whole_batch_reason="refused by the test")
 
         with mock.patch.object(structured_module, "with_whole_batch", refused):

@@ -186,7 +186,13 @@ def test_predict_ensemble_rejects_a_nan_kernel_from_the_kernel_function():
     x_train, y_train = torch.randn(4, 4, dtype=F64), torch.randn(4, 3, dtype=F64)
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
+    # a checked kernel function names the parameter itself (NOTE: [Non-finite kernels]) ...
     predict_fn = predict.gradient_descent_mse_ensemble(torchntk.empirical_kernel_fn(model), x_train, y_train)
+    with pytest.raises(ValueError, match=r"NaN or infinite .* parameter '0.weight'"):
+        predict_fn(1.0, get="ntk")
+    # ... and the NaN kernel of an unchecked one is refused by predict
+    unchecked = torchntk.empirical_kernel_fn(model, check_vmap_axes=False)
+    predict_fn = predict.gradient_descent_mse_ensemble(unchecked, x_train, y_train)
     with pytest.raises(ValueError, match=r"`kernel_fn\(x_train, None\)` holds .* NaN"):
         predict_fn(1.0, get="ntk")
 

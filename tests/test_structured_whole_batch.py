@@ -52,8 +52,8 @@ def passes(monkeypatch) -> Passes:
     decide = structured.with_whole_batch
     factors = _side.whole_batch_factors
 
-    def recorded_decision(call, plan, checked=None):
-        plan = decide(call, plan, checked)
+    def recorded_decision(call, plan, checked=None, **options):
+        plan = decide(call, plan, checked, **options)
         seen.plans.append(plan)
         return plan
 

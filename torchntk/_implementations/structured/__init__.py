@@ -35,9 +35,9 @@ from ._contract import contract_sides
 from ._joint import gradients_per_example, joined
 from ._plan import Plan, make_plan
 from ._roles import OutputSpec, RuleCall
-from ._side import PlanMismatch, SideFactors, probe, side_factors
+from ._side import PlanMismatch, SideFactors, per_example_factors, probe, side_factors
 from ._verify import disagreements, verify
-from ._whole_batch import with_whole_batch
+from ._whole_batch import check_sample, with_whole_batch
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,16 @@ def plan_for(
     ``verify=True`` the check runs on every call instead and raises. Last, whether its passes may
     run over the whole batch is decided and checked (NOTE: [Whole-batch pullback]).
 
+    NOTE: [One pass for both checks of a plan]
+    A quick plan is checked twice when it is made: against autograd (``_verify.py``) and, where its
+    passes may run over the whole batch, the whole-batch pass against the per-example pass
+    (``_whole_batch.py``). Both compare the per-example pass's factors contracted with a random
+    cotangent, so where the whole-batch check can run (``check_sample``: a few examples of one
+    per-example shape, mapped by vmap) the check against autograd runs on the same examples and
+    cotangents and both read one per-example pass; a plan that demotes parameters passes the
+    whole-batch check a pass of its own. Against autograd, the examples are then those the
+    whole-batch check takes (up to three) rather than the first one.
+
     Args:
         probed: the quick probes of ``call`` made already (:func:`probe_plan`), to check.
 
@@ -134,20 +144,28 @@ def plan_for(
     if probed is None or probed.thorough != thorough:
         probed = probe_plan(call, options, thorough)
     plan = probed.build({})
+    single = None  # NOTE: [One pass for both checks of a plan]
     if not (options.verify or len(plan.fallback) == n_params):  # verify=True checks every call; nothing to check
         demoted: dict[int, str] = {}
-        for side in _probed_sides(call, thorough):
-            try:
-                demoted.update(disagreements(side, plan))
-            except PlanMismatch:
-                raise _nondeterministic(call.where) from None
-        plan = probed.build(demoted) if demoted else plan
+        sample = None if thorough or plan.local_jacobian is not None else check_sample(call)
+        try:
+            if sample is not None:
+                examples, cotangents = sample
+                single = per_example_factors(examples, plan, cotangents=cotangents)
+                demoted.update(disagreements(examples, plan, cotangents=cotangents, factors=single))
+            else:
+                for side in _probed_sides(call, thorough):
+                    demoted.update(disagreements(side, plan))
+        except PlanMismatch:
+            raise _nondeterministic(call.where) from None
+        if demoted:
+            plan, single = probed.build(demoted), None
     plan = _with_probe(plan, probed.calls, thorough)
     if thorough:  # probed on every example: no one-example probe to read the whole batch by
         return dataclasses.replace(plan, whole_batch_reason="the plan comes from probes of every example")
     grouped = _within_groups(plan, call.groups) if call.groups is not None else None
     try:
-        return with_whole_batch(call, plan, grouped)
+        return with_whole_batch(call, plan, grouped, single=single if grouped is None else None)
     except PlanMismatch:
         raise _nondeterministic(call.where) from None
 

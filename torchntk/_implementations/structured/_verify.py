@@ -40,7 +40,7 @@ from ..._call.kernel_call import KernelCall
 from ..._call.per_example import Side
 from ._plan import Plan
 from ._roles import Role
-from ._side import Use, side_factors
+from ._side import SideFactors, Use, side_factors
 
 _RTOL = {torch.float64: 1e-9, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 _TF32_RTOL = 2e-2
@@ -55,20 +55,28 @@ demoted a parameter in one run out of six."""
 _HIDDEN = "(TorchScript, torch._C.DisableTorchFunction, a C++ extension)"
 
 
-def disagreements(side: Side, plan: Plan, seed: int = 0) -> dict[int, str]:
+def disagreements(
+    side: Side, plan: Plan, seed: int = 0, cotangents: Optional[tuple[torch.Tensor, ...]] = None,
+    factors: Optional[SideFactors] = None,
+) -> dict[int, str]:
     """Parameters outside the plan's fallback whose structured ``J^T v`` is wrong, with why.
 
     Args:
         side: the examples to check on (all of them: narrow the side first for a cheap check).
         plan: the plan to check.
         seed: seeds the random cotangent.
+        cotangents: the cotangent ``v``, laid out like the side's outputs, instead of a random one.
+        factors: the side's per-example factors contracted with ``cotangents`` under ``plan``
+            (``per_example_factors``), where the caller has them: the whole-batch check compares
+            the same factors (NOTE: [Whole-batch pullback]), so one pass serves both checks.
 
     Returns:
         ``{parameter index: reason}``, empty when every parameter agrees.
     """
     params = side.model.params
-    cotangents, autograd = _autograd_products(side, seed)
-    factors = side_factors(side, plan, cotangents=cotangents)
+    cotangents, autograd = _autograd_products(side, seed, cotangents)
+    if factors is None:
+        factors = side_factors(side, plan, cotangents=cotangents)
     structured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for use in factors.uses:
         value, bound = _transposed_product(use, side.mapped)
@@ -132,10 +140,19 @@ def verify(call: KernelCall, plan: Plan) -> None:
         )
 
 
-def _autograd_products(side: Side, seed: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """A random cotangent ``v`` (laid out like the side's outputs) and autograd's ``J_p^T v``."""
+def _autograd_products(
+    side: Side, seed: int, given: Optional[tuple[torch.Tensor, ...]] = None
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """A random cotangent ``v`` (laid out like the side's outputs), or the ``given`` one, and
+    autograd's ``J_p^T v``."""
     params = side.model.params
     outputs, pullback = vjp(lambda p: side.per_example(lambda x, kw: side.evaluate(p, x, kw)), params)
+    if given is not None:
+        per_example = tuple(given)
+        if side.mapped:  # per_example stacks the examples first
+            per_example = tuple(v.movedim(axis, 0) for v, axis in zip(per_example, side.out_axes))
+        (gradients,) = pullback(per_example)
+        return tuple(given), gradients
     generator = torch.Generator(device="cpu").manual_seed(seed)
     per_example = tuple(
         torch.randn(output.shape, generator=generator, dtype=output.dtype).to(output.device) for output in outputs

@@ -63,7 +63,9 @@ _REDUCED_FLOAT32_RTOL = 2e-2
 """Float32 products in TF32 or bfloat16 (CUDA's TF32 flags, ``torchntk.precision``)."""
 
 
-def with_whole_batch(call: KernelCall, plan: Plan, checked: Optional[Plan] = None) -> Plan:
+def with_whole_batch(
+    call: KernelCall, plan: Plan, checked: Optional[Plan] = None, single: Optional[SideFactors] = None
+) -> Plan:
     """``plan`` with its :attr:`~._plan.Plan.whole_batch` layout when the whole-batch pass is checked
     to agree with the per-example pass on ``call``'s examples, else with the reason it is not.
 
@@ -72,12 +74,29 @@ def with_whole_batch(call: KernelCall, plan: Plan, checked: Optional[Plan] = Non
         plan: the plan, checked against autograd already.
         checked: the plan as the call's passes state their roles (parameter groups split joint
             roles), when it differs from ``plan``.
+        single: the per-example factors of :func:`check_sample`'s examples and cotangents under the
+            plan checked, where the check against autograd made them already.
     """
-    layout, reason = _layout(call, checked or plan)
+    layout, reason = _layout(call, checked or plan, single)
     return dataclasses.replace(plan, whole_batch=layout, whole_batch_reason=reason)
 
 
-def _layout(call: KernelCall, plan: Plan) -> tuple[Optional[WholeBatchLayout], Optional[str]]:
+def check_sample(call: KernelCall) -> Optional[tuple[Side, tuple[torch.Tensor, ...]]]:
+    """The examples the whole-batch check runs on and its random cotangents, laid out like their
+    outputs; None where the check cannot run on any (no ``vmap_axes``, an example loop, fewer than
+    two examples of one per-example shape)."""
+    side = call.side1
+    if not side.mapped or side.loop:
+        return None
+    examples = _examples_to_check(call, example_signature(side))
+    if examples is None:
+        return None
+    return examples, _random_cotangents(call.expected_outputs(examples))
+
+
+def _layout(
+    call: KernelCall, plan: Plan, single: Optional[SideFactors] = None
+) -> tuple[Optional[WholeBatchLayout], Optional[str]]:
     side = call.side1
     if not side.mapped:
         return None, "without vmap_axes the pass is over the whole batch already"
@@ -90,13 +109,13 @@ def _layout(call: KernelCall, plan: Plan) -> tuple[Optional[WholeBatchLayout], O
     if not plan.perturbed_shapes:
         return None, "no rule call contributes"
     signature = example_signature(side)
-    examples = _examples_to_check(call, signature)
-    if examples is None:
+    sample = check_sample(call)
+    if sample is None:
         return None, "fewer than two examples of one per-example shape to check the whole-batch pass on"
+    examples, cotangents = sample
     output_axes, reason = _output_axes(examples, plan)
     if output_axes is None:
         return None, reason
-    cotangents = _random_cotangents(call.expected_outputs(examples))
     try:
         done = whole_batch_pass(examples, plan, output_axes, cotangents)
     except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
@@ -109,7 +128,8 @@ def _layout(call: KernelCall, plan: Plan) -> tuple[Optional[WholeBatchLayout], O
     if not CHECK:  # the readings shapes suggest, unchecked (only tests do this)
         folds = {position: Fold(axis) for position, axis in output_axes.items()}
         return WholeBatchLayout(folds, done.operand_folds, signature, 0), None
-    single = per_example_factors(examples, plan, cotangents=cotangents)
+    if single is None:
+        single = per_example_factors(examples, plan, cotangents=cotangents)
     readings = _readings(done, plan, single, call.model.names)
     if isinstance(readings, str):
         return None, readings
