@@ -7,6 +7,8 @@ AUTO's choice, the memory plan) and the kernel. For each row this runs, each sid
 process after the same warm-up of torch itself (a ``vmap(jacrev)`` of a small network, a
 convolution and an LSTM, so that neither side pays for PyTorch's lazy initialisation):
 
+Each side runs in ``--trials`` fresh processes (median of their times).
+
 * **torchntk**: ``empirical_ntk_fn(model)`` with default arguments (only ``output_fn`` where the
   model returns more than logits), ``ntk_fn(x)``: the first call, then ``--repeats`` warm calls
   (median);
@@ -31,7 +33,7 @@ All float32, default threads (``--threads`` to pin them). torchvision rows need 
 imports beside torch (``TORCHNTK_TEST_STUB_TORCHVISION_OPS=1`` as in the tests where its ops do
 not load), the ``bert`` row transformers; a row whose library does not import is reported as such.
 
-    python benchmarks/bench_first_call.py                       # every row, about 3 minutes on 2 cores
+    python benchmarks/bench_first_call.py                       # every row, about 8 minutes on 2 cores
     python benchmarks/bench_first_call.py --rows mlp,resnet18 --profile
 """
 
@@ -261,6 +263,19 @@ class StageTimes:
                         setattr(module, function, getattr(owner, function))
 
 
+def run_trials(row: str, side: str, repeats: int, threads: Optional[int], trials: int) -> dict:
+    """:func:`run_side` ``trials`` times, alternating nothing else: the median first and warm times
+    (a fresh process's first call varies by a third from run to run on a shared 2-core machine)."""
+    results = [run_side(row, side, repeats, False, threads) for _ in range(trials)]
+    failed = [result for result in results if "error" in result]
+    if failed:
+        return failed[0]
+    merged = dict(results[0])
+    for field in ("first", "warm"):
+        merged[field] = statistics.median(result[field] for result in results)
+    return merged
+
+
 def run_side(row: str, side: str, repeats: int, profile: bool, threads: Optional[int]) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--worker", row, side, "--repeats", str(repeats)]
     if profile:
@@ -282,6 +297,7 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="warm calls per side (median)")
     parser.add_argument("--profile", action="store_true", help="profile torchntk's first call by stage")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the workers")
+    parser.add_argument("--trials", type=int, default=3, help="fresh processes per side and row (median)")
     parser.add_argument("--worker", nargs=2, metavar=("ROW", "SIDE"), help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
     if arguments.worker:
@@ -301,8 +317,8 @@ def main(argv: Optional[list] = None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     profiles = {}
     for row in rows:
-        ours = run_side(row, "torchntk", arguments.repeats, False, arguments.threads)
-        theirs = run_side(row, "tutorial", arguments.repeats, False, arguments.threads)
+        ours = run_trials(row, "torchntk", arguments.repeats, arguments.threads, arguments.trials)
+        theirs = run_trials(row, "tutorial", arguments.repeats, arguments.threads, arguments.trials)
         if "error" in ours or "error" in theirs:
             print(f"| {row} | {ours.get('error') or theirs.get('error')} |||||||||")
             continue
