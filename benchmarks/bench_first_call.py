@@ -66,6 +66,10 @@ STAGES = {
 nest (the trial holds the checks; the memory plan holds AUTO's choice, which holds 3's plan)."""
 
 
+SLOW_CALL = 2.0
+"""Seconds above which a first call is followed by one warm call instead of ``--repeats``."""
+
+
 # -- models -------------------------------------------------------------------------------------------
 
 
@@ -217,7 +221,7 @@ def worker(row: str, side: str, repeats: int, profile: bool) -> dict:
     if stages is not None:
         result["stages"] = {label: spent / result["first"] for label, spent in stages.spent.items()}
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats if result["first"] < SLOW_CALL else 1):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
