@@ -154,3 +154,19 @@ def test_a_warm_call_pays_one_reduction_not_a_forward_pass(device, monkeypatch):
     with pytest.raises(ValueError, match="NaN"):
         ntk_fn(_with_nan(x1), x2)
     assert len(explained) == 1
+
+
+@CALLS_BEFORE
+@pytest.mark.parametrize("get", ["ntk", "nngp"])
+def test_batch_explains_nan_on_every_call(calls_before, get, device):
+    """``batch`` computes its blocks from prepared spans, not through the kernel function's calls:
+    each block is tested like a call's kernel."""
+    model = _model(device)
+    x = to_device(torch.randn(10, 4, dtype=F64, generator=torch.Generator().manual_seed(2)))
+    batched = torchntk.batch(torchntk.empirical_kernel_fn(model), batch_size=4)
+    for _ in range(calls_before):
+        batched(x, None, get)
+    bad = x.clone()
+    bad[7, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or infinite .* input x1 \(1 entry\)"):
+        batched(bad, None, get)

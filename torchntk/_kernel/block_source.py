@@ -22,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._call.blocks import BlockPlan
+from .._call.finite import all_finite, raise_for_non_finite_outputs
 from .._call.kernel_call import KernelCall
 from .._call.outputs import combine
 from .._call.per_example import Side
@@ -51,6 +52,8 @@ class BlockSource:
             ``KernelFnSpec.thread_safe``).
         span_memory: ``length -> bytes``: the memory model's peak of preparing and contracting a
             pair of spans of ``length`` examples (NOTE: [Memory plans]); None where unknown.
+        explains_non_finite: a block that is not finite is explained by NaN/Inf outputs, as the
+            kernel function's own calls are (NOTE: [Non-finite kernels]).
     """
 
     call: KernelCall
@@ -59,6 +62,7 @@ class BlockSource:
     bare: bool
     thread_safe: bool
     span_memory: Optional[Callable[[int], float]] = None
+    explains_non_finite: bool = False
 
     @property
     def reuses_x1(self) -> bool:
@@ -91,11 +95,17 @@ class BlockSource:
         block = self.call.narrow(first.run, None if same else second.run)
         kernels = {}
         if "nngp" in self.names:
-            kernels["nngp"] = block.normalise(nngp(block), dtypes=self.call.output_dtypes)
+            kernels["nngp"] = block.normalise(self._explained(block, nngp(block)), dtypes=self.call.output_dtypes)
         if "ntk" in self.names:
             needed = [True] * len(block.layouts)
-            kernels["ntk"] = block.normalise(self.plan.contract(first.data, second.data, needed))
+            kernels["ntk"] = block.normalise(self._explained(block, self.plan.contract(first.data, second.data, needed)))
         return combine(kernels, self.names, self.bare)
+
+    def _explained(self, block: KernelCall, kernels: list) -> list:
+        """``kernels`` of ``block``, after NOTE: [Non-finite kernels]'s test where it applies."""
+        if self.explains_non_finite and not all_finite(kernels):
+            raise_for_non_finite_outputs(block.where, block.model, (block.side1, block.side2 or block.side1))
+        return kernels
 
     def leaf_layouts(self) -> list[tuple[KernelLayout, int]]:
         """The layout and batch axis of every leaf of a result, in ``pytree`` leaf order."""

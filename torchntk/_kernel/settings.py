@@ -444,7 +444,10 @@ class NtkSettings:
                 peak = planner.peak(call, ("blocks", shape_key), implementation, length, structured, cut=True)
                 return peak.derivatives
 
-        return BlockSource(call, plan, names, bare=bare, thread_safe=self.thread_safe, span_memory=span_memory)
+        return BlockSource(
+            call, plan, names, bare=bare, thread_safe=self.thread_safe, span_memory=span_memory,
+            explains_non_finite=self.check_vmap_axes is not False,
+        )
 
     @property
     def maps_examples(self) -> bool:
