@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from torchntk import empirical_ntk_fn
-from torchntk._call.kernel_call import FULL_CHECKS, NO_CHECKS, prepare_call
+from torchntk._call.kernel_call import FULL_CHECKS, NO_CHECKS, CallSpec, prepare_call
 from torchntk._call.vmap_axes import parse_vmap_axes
 from torchntk._implementations.structured import StructuredOptions, plan_for
 from torchntk._implementations.structured._verify import disagreements
@@ -50,8 +50,8 @@ def _median_ms(function, repeats: int) -> float:
 
 def _prepare(model, x, trace_axes, **options):
     return prepare_call(
-        model, x, None, None, {}, where="bench", trace_axes=trace_axes, diagonal_axes=(),
-        vmap_axes=parse_vmap_axes(0, "bench"), **options,
+        model, x, None, None, {}, CallSpec(trace_axes, (), vmap_axes=parse_vmap_axes(0, "bench")), where="bench",
+        **options,
     )
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import torchntk
-from torchntk._call.kernel_call import FULL_CHECKS, prepare_call
+from torchntk._call.kernel_call import FULL_CHECKS, CallSpec, prepare_call
 from torchntk._call.vmap_axes import parse_vmap_axes
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
@@ -42,8 +42,8 @@ def _inputs(n1: int, n2: int, device: torch.device, dtype: torch.dtype = torch.f
 
 def _prepare(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, params=None):
     return prepare_call(
-        model, x1, x2, params, {}, where="test", trace_axes=(-1,), diagonal_axes=(),
-        vmap_axes=parse_vmap_axes(0, "test"), plan=replace(FULL_CHECKS, outputs_in_kernel=True),
+        model, x1, x2, params, {}, CallSpec((-1,), (), vmap_axes=parse_vmap_axes(0, "test")), where="test",
+        plan=replace(FULL_CHECKS, outputs_in_kernel=True),
     )
 
 

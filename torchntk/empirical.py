@@ -28,12 +28,13 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch.func import jvp, vjp
 
-from ._call.kernel_call import NO_CHECKS, model_failures, prepare_call
+from ._call.kernel_call import NO_CHECKS, CallSpec, model_failures, prepare_call
 from ._call.outputs import canonical_get, combine, output_fn_argument
 from ._call.vmap_axes import parse_vmap_axes, split_kwargs
 from ._implementations.nngp import nngp
@@ -384,13 +385,10 @@ def empirical_nngp_fn(
     traced = _checks.axes_argument(trace_axes, "trace_axes", where)
     diagonal = _checks.axes_argument(diagonal_axes, "diagonal_axes", where)
     selected = output_fn_argument(output_fn, where)
-    notices = OutputNotices()  # NOTE: [Output notices], once per kernel function
+    call_spec = CallSpec(traced, diagonal, output_fn=selected, notices=OutputNotices())  # notices once per kernel function
 
     def nngp_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
-        call = prepare_call(
-            f, x1, x2, params, kwargs, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal, output_fn=selected,
-            notices=notices,
-        )
+        call = prepare_call(f, x1, x2, params, kwargs, call_spec, where="nngp_fn")
         return call.normalise(nngp(call), dtypes=call.output_dtypes)
 
     def open_blocks(
@@ -403,8 +401,8 @@ def empirical_nngp_fn(
         if kwargs:
             return None
         call = prepare_call(
-            f, x1, x2, params, {}, where="nngp_fn", trace_axes=traced, diagonal_axes=diagonal,
-            vmap_axes=_EXAMPLES_ON_AXIS_0, output_fn=selected, plan=NO_CHECKS, computes_ntk=False,
+            f, x1, x2, params, {}, replace(call_spec, vmap_axes=_EXAMPLES_ON_AXIS_0, notices=None), where="nngp_fn",
+            plan=NO_CHECKS, computes_ntk=False,
             forward_run_length=None if request.block_size is None else max(request.block_size, FORWARD_RUN),
         )
         return BlockSource(call, None, ("nngp",), bare=True, thread_safe=True)

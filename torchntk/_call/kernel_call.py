@@ -24,7 +24,7 @@ from .._model.functional import (
     reject_vmap_with_coupling,
     warn_training_mode,
 )
-from .._plan import CallPlan
+from .._plan import CallPlan, CallTemplate
 from .._utils.capturing import is_capturing
 from .._utils.checks import input_argument, leaves_with_names, show
 from .._utils.tree import Flat, describe, is_all_none
@@ -222,25 +222,47 @@ NO_CHECKS = CallPlan(check_outputs=False, check_derivatives=False, check_aliases
 """The same without the ``vmap_axes`` checks (``check_vmap_axes=False``)."""
 
 
+@dataclass(frozen=True)
+class CallSpec:
+    """What one kernel function asks of every call it prepares, validated by its builder.
+
+    Attributes:
+        trace_axes, diagonal_axes: the kernel layout (NOTE: [Kernel layout]).
+        vmap_axes: the axes that map the examples, or None (whole batches).
+        chunk_size: the memory knob (examples per block when mapped, else vectors at once).
+        output_fn: what the kernel is taken of, from
+            :func:`~torchntk._call.outputs.output_fn_argument` (NOTE: [Selected outputs]).
+        groups: split the NTK by parameter groups (NOTE: [Parameter groups]); only the grouped
+            parameters are differentiated.
+        notices: the kernel function's notices about its outputs (NOTE: [Output notices]), given
+            once the layouts and the examples' axes of the outputs are known; None gives none.
+        finds_axes: ``vmap_axes="auto"``: the kernel function finds the axes per key (NOTE: [Found
+            vmap_axes]); a call is prepared with the axes found (``vmap_axes``), never with this.
+    """
+
+    trace_axes: tuple[int, ...] = (-1,)
+    diagonal_axes: tuple[int, ...] = ()
+    vmap_axes: Optional[ParsedVmapAxes] = None
+    chunk_size: Optional[int] = None
+    output_fn: Optional[OutputFn] = None
+    groups: Optional[ParameterGroups] = None
+    notices: Optional[OutputNotices] = None
+    finds_axes: bool = False
+
+
 def prepare_call(
     f: Any,
     x1: Any,
     x2: Any,
     params: Any,
     kwargs: Mapping[str, Any],
+    spec: CallSpec,
     *,
     where: str,
-    trace_axes: tuple[int, ...],
-    diagonal_axes: tuple[int, ...],
-    vmap_axes: Optional[ParsedVmapAxes] = None,
-    chunk_size: Optional[int] = None,
-    output_fn: Optional[OutputFn] = None,
-    groups: Optional[ParameterGroups] = None,
     admit: Optional[Admit] = None,
     plan: CallPlan = FULL_CHECKS,
     computes_ntk: Optional[bool] = None,
     forward_run_length: Optional[int] = None,
-    notices: Optional[OutputNotices] = None,
 ) -> KernelCall:
     """Validates a kernel call and evaluates the model once on each side, as ``plan`` says.
 
@@ -256,16 +278,12 @@ def prepare_call(
     outputs; ``None`` means "when ``vmap_axes`` is given" (the NTK front ends always pass one, the
     NNGP never does). ``forward_run_length``: with ``vmap_axes`` mapping the inputs, evaluate the
     model (and the per-example check) on runs of at most this many examples, so that memory never
-    scales with the whole batch (``batch`` sets it to its block size). ``output_fn``: what the
-    kernel is taken of, from :func:`~torchntk._call.outputs.output_fn_argument` (NOTE: [Selected
-    outputs]). ``groups``: split the NTK by parameter groups (NOTE: [Parameter groups]); only the
-    grouped parameters are differentiated. ``admit(kernel_shapes, dtypes, device)``: called with
+    scales with the whole batch (``batch`` sets it to its block size). ``spec``: the layout, axes,
+    outputs, groups and notices of the kernel function (:class:`CallSpec`). ``admit(kernel_shapes, dtypes, device)``: called with
     the NTK's shapes and dtypes before the model runs on more than one example when a side has over
     ``EARLY_ADMISSION`` examples mapped by ``vmap_axes`` (the shapes then come from one example
     per side), so that a kernel too large for its memory is refused before the forward passes over
-    the whole batch (NOTE: [Memory plans]); it raises to refuse. ``notices``: the kernel
-    function's notices about its outputs (NOTE: [Output notices]), given from here once the
-    layouts and the examples' axes of the outputs are known; None gives none.
+    the whole batch (NOTE: [Memory plans]); it raises to refuse.
 
     Raises:
         TypeError: outputs that are not tensors; bad ``params``; numpy inputs; for the NTK,
@@ -277,6 +295,8 @@ def prepare_call(
     """
     input_argument(x1, "x1", where, required=True)
     input_argument(x2, "x2", where)
+    trace_axes, diagonal_axes, vmap_axes, chunk_size = spec.trace_axes, spec.diagonal_axes, spec.vmap_axes, spec.chunk_size
+    output_fn, groups, notices = spec.output_fn, spec.groups, spec.notices
     computes_ntk = vmap_axes is not None if computes_ntk is None else computes_ntk
     example_loop, known_outputs, check_derivatives = plan.example_loop, plan.outputs, plan.check_derivatives
     evaluated = f if computes_ntk else without_trainable_parameters(f, params)
@@ -358,19 +378,16 @@ def prepare_call(
 
 
 def bind_call(
-    template: KernelCall, names: tuple[str, ...], axes1: tuple, axes2: Optional[tuple], out_axes: tuple, f: Any,
-    x1: Any, x2: Any,
-    params: Any, kwargs: Mapping[str, Any], *, output_fn: Optional[OutputFn], groups: Optional[ParameterGroups],
-    loop: bool,
+    kept: CallTemplate, f: Any, x1: Any, x2: Any, params: Any, kwargs: Mapping[str, Any], *,
+    output_fn: Optional[OutputFn], groups: Optional[ParameterGroups], loop: bool,
 ) -> Optional[KernelCall]:
-    """A warm call: ``template`` (:meth:`KernelCall.template` of an earlier call with the same plan
-    key, NOTE: [The planning stage]) with this call's model and inputs. Everything the key decides
+    """A warm call: the template an earlier call with the same plan key left in its plan (``kept``,
+    NOTE: [The planning stage]) with this call's model and inputs. Everything the key decides
     (axes, layouts, output shapes, dtypes, the checks that passed) is taken from the template; what
     values decide is done again: the model's private copies, the parameters differentiated (None
-    when they are not ``names`` any more: the caller prepares the call in full), the groups, the
-    keyword arguments split between x1 and x2 (whose halves must be equal when x2 is None).
-    ``axes1``, ``axes2``: the ``(x_axes, kwarg_axes)`` of each side (``axes2`` None: x2 is None);
-    ``out_axes``: the outputs' batch axes."""
+    when they are not ``kept.names`` any more: the caller prepares the call in full), the groups,
+    the keyword arguments split between x1 and x2 (whose halves must be equal when x2 is None)."""
+    template, names, axes1, axes2, out_axes = kept.call, kept.names, kept.axes1, kept.axes2, kept.out_axes
     where = template.where
     model = functional_model(f, params, where, output_fn, lazy=True)  # dies with the call
     index_groups = None

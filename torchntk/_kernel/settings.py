@@ -22,7 +22,7 @@ import torch
 from .._call.example_loop import ExampleLoops
 from .._call.finite import NonFiniteOutputs, all_finite, raise_for_non_finite_outputs
 from .._call.groups import ParameterGroups, groups_argument
-from .._call.kernel_call import KernelCall, bind_call, prepare_call
+from .._call.kernel_call import CallSpec, KernelCall, bind_call, prepare_call
 from .._call.outputs import output_fn_argument
 from .._call.per_example import VmapLimitation, first_line
 from .._call.vmap_axes import FOUND, ParsedVmapAxes, candidate_vmap_axes, parse_vmap_axes
@@ -93,30 +93,72 @@ class NtkOptions:
 _STRUCTURED_OPTIONS = ("structure_rules", "closed_form_rules", "local_jacobian", "verify")
 
 
+@dataclass
+class KernelFunctionState:
+    """What the calls of one kernel function share and learn (NOTE: [The planning stage]): its
+    plans, the graphs it captured, and the warnings and reports it gives once.
+
+    Attributes:
+        planner: the facts and plans of its calls (``_plan/stage.py``).
+        captured: NOTE: [Captured kernels]'s graphs; None: every call eager.
+        example_loops: the example loop's warning, once per kernel function.
+        variants: the settings with each ``vmap_axes`` found, by axes and checks (NOTE: [Found
+            vmap_axes]).
+        reported: ``auto_choice``'s reports, kept so that a cached choice is the same object.
+    """
+
+    planner: Planner
+    captured: Optional[CapturedCalls] = None
+    example_loops: ExampleLoops = field(default_factory=ExampleLoops)
+    variants: dict = field(default_factory=dict)
+    reported: BoundedCache = field(default_factory=lambda: BoundedCache(64))
+
+
 @dataclass(frozen=True)
 class NtkSettings:
-    """Builder arguments, validated once when the kernel function is built."""
+    """Builder arguments, validated once when the kernel function is built, and the state its
+    calls share.
+
+    Attributes:
+        f: the model.
+        given: the builder's arguments as the user gave them (to build the same kernel function
+            around another copy of the model).
+        spec: what every call is prepared with (:class:`~torchntk._call.kernel_call.CallSpec`).
+        implementation: as validated (AUTO included).
+        check_vmap_axes: True, ``"first"`` or False (:func:`check_mode_argument`).
+        table: NOTE: [The implementation table], one per kernel function.
+        memory: NOTE: [Memory budgets]; None: the default, a share of the free memory.
+        state: the plans, captured graphs and once-only reports (:class:`KernelFunctionState`).
+    """
 
     f: Model
-    trace_axes: tuple[int, ...]
-    diagonal_axes: tuple[int, ...]
-    vmap_axes: ParsedVmapAxes
+    given: NtkOptions
+    spec: CallSpec
     implementation: NtkImplementation
-    chunk_size: Optional[int]
-    check_vmap_axes: Union[bool, str]  # True, "first" or False (check_mode_argument)
-    options: StructuredOptions
-    table: dict  # NOTE: [The implementation table], one per kernel function
-    given: NtkOptions  # to build the same kernel function around another copy of the model
-    planner: Planner  # NOTE: [The planning stage]: the facts and plans of this kernel function's calls
-    example_loops: ExampleLoops = field(default_factory=ExampleLoops)  # its warning, once per kernel function
-    notices: OutputNotices = field(default_factory=OutputNotices, compare=False)  # NOTE: [Output notices]
-    output_fn: Optional[Callable] = None  # normalised by output_fn_argument
-    groups: Optional[ParameterGroups] = None  # NOTE: [Parameter groups]
-    captured: Optional[CapturedCalls] = None  # NOTE: [Captured kernels]; None: every call eager
-    memory: Optional[float] = None  # NOTE: [Memory budgets]; None: the default, a share of the free memory
-    finds_axes: bool = False  # vmap_axes="auto": found per key (NOTE: [Found vmap_axes])
-    variants: dict = field(default_factory=dict, compare=False)  # these settings with found axes, shared
-    reported: BoundedCache = field(default_factory=lambda: BoundedCache(64), compare=False)  # auto_choice's
+    check_vmap_axes: Union[bool, str]
+    table: dict
+    memory: Optional[float]
+    state: KernelFunctionState = field(compare=False)
+
+    # what the spec and the state hold, by the names the call pipeline reads
+    trace_axes = property(lambda self: self.spec.trace_axes)
+    diagonal_axes = property(lambda self: self.spec.diagonal_axes)
+    vmap_axes = property(lambda self: self.spec.vmap_axes)
+    chunk_size = property(lambda self: self.spec.chunk_size)
+    output_fn = property(lambda self: self.spec.output_fn)
+    groups = property(lambda self: self.spec.groups)
+    notices = property(lambda self: self.spec.notices)
+    finds_axes = property(lambda self: self.spec.finds_axes)
+    planner = property(lambda self: self.state.planner)
+    captured = property(lambda self: self.state.captured)
+    example_loops = property(lambda self: self.state.example_loops)
+    variants = property(lambda self: self.state.variants)
+    reported = property(lambda self: self.state.reported)
+
+    @property
+    def options(self) -> StructuredOptions:
+        """Implementation 3's options, as its entry of the table holds them."""
+        return self.table[NtkImplementation.STRUCTURED_DERIVATIVES].options
 
     @classmethod
     def validate(cls, f: Model, given: NtkOptions, *, where: str) -> "NtkSettings":
@@ -144,23 +186,22 @@ class NtkSettings:
                 f"{where}: `vmap_axes` must be 'auto', None, an int, a pytree of ints or "
                 f"(in_axes, out_axes, kwargs_axes), got {_checks.show(given.vmap_axes)}."
             )
-        return cls(
-            f,
+        spec = CallSpec(
             _checks.axes_argument(given.trace_axes, "trace_axes", where),
             _checks.axes_argument(given.diagonal_axes, "diagonal_axes", where),
             parse_vmap_axes(None if finds_axes else given.vmap_axes, where),
-            chosen,
             _checks.positive_int_argument(given.chunk_size, "chunk_size", where, none_allowed=True),
-            checks,
-            options,
-            implementation_table(options),
-            given,
-            Planner(keeps_forward_pass=compiling is not None, watches_aliases=isinstance(f, torch.nn.Module)),
-            output_fn=output_fn_argument(given.output_fn, where),
-            groups=parsed_groups,
-            captured=None if compiling is None else CapturedCalls(compiling, f, where),
-            memory=memory_argument(given.memory, where),
+            output_fn_argument(given.output_fn, where),
+            parsed_groups,
+            OutputNotices(),
             finds_axes=finds_axes and checks is not False,  # nothing would prove the axes found
+        )
+        state = KernelFunctionState(
+            Planner(keeps_forward_pass=compiling is not None, watches_aliases=isinstance(f, torch.nn.Module)),
+            captured=None if compiling is None else CapturedCalls(compiling, f, where),
+        )
+        return cls(
+            f, given, spec, chosen, checks, implementation_table(options), memory_argument(given.memory, where), state
         )
 
     def called(self, compute: Callable[..., Any], *arguments: Any, caller: Optional[CallerPlan] = None) -> Any:
@@ -178,7 +219,7 @@ class NtkSettings:
     @functools.cached_property
     def _unchecked(self) -> "NtkSettings":
         """These settings without the per-call output check, sharing every cache (what is captured)."""
-        return dataclasses.replace(self, check_vmap_axes=False, captured=None)
+        return dataclasses.replace(self, check_vmap_axes=False, state=dataclasses.replace(self.state, captured=None))
 
     def prepare(
         self, x1: Any, x2: Any, params: Any, kwargs: dict, where: str, *, for_ntk: bool = True,
@@ -232,11 +273,15 @@ class NtkSettings:
 
     def _with_axes(self, axes: Optional[ParsedVmapAxes]) -> "NtkSettings":
         """These settings with ``vmap_axes`` ``axes`` (None: no axes), sharing every cache."""
-        name = None if axes is None else (repr(axes.in_axes), repr(axes.out_axes), repr(axes.kwargs_axes))
+        found = None if axes is None else (repr(axes.in_axes), repr(axes.out_axes), repr(axes.kwargs_axes))
+        # the settings a capture traces with (no checks, nothing captured) share the variants: keyed
+        # apart, so that neither gets the other's checks
+        name = (found, self.check_vmap_axes, self.captured is None)
         variant = self.variants.get(name)
         if variant is None:
             parsed = axes if axes is not None else parse_vmap_axes(None, "")
-            variant = self.variants[name] = dataclasses.replace(self, vmap_axes=parsed, finds_axes=False)
+            spec = dataclasses.replace(self.spec, vmap_axes=parsed, finds_axes=False)
+            variant = self.variants[name] = dataclasses.replace(self, spec=spec)
         return variant
 
     def _prepare_finding_axes(
@@ -311,8 +356,8 @@ class NtkSettings:
         template = plan.template
         with alias_checks(skip=True) if isinstance(self.f, torch.nn.Module) else contextlib.nullcontext():
             return bind_call(
-                template.call, template.names, template.axes1, template.axes2, template.out_axes, self.f, x1, x2,
-                params, kwargs, output_fn=self.output_fn, groups=self.groups, loop=plan.example_loop,
+                template, self.f, x1, x2, params, kwargs, output_fn=self.output_fn, groups=self.groups,
+                loop=plan.example_loop,
             )
 
     def _prepare_in_full(
@@ -332,12 +377,14 @@ class NtkSettings:
             aliases = alias_checks(on_clean=learn) if plan.check_aliases else alias_checks(skip=True)
 
         def prepare(*, example_loop: bool) -> KernelCall:
+            spec = replace(
+                self.spec, vmap_axes=self.vmap_axes if purpose.for_ntk else None,
+                groups=self.groups if computes_ntk else None,
+            )
             return prepare_call(
-                self.f, x1, x2, params, kwargs, where=where, trace_axes=self.trace_axes,
-                diagonal_axes=self.diagonal_axes, vmap_axes=self.vmap_axes if purpose.for_ntk else None,
-                chunk_size=self.chunk_size, output_fn=self.output_fn, groups=self.groups if computes_ntk else None,
-                admit=early, plan=replace(plan, example_loop=example_loop), computes_ntk=computes_ntk,
-                forward_run_length=forward_run_length, notices=self.notices,
+                self.f, x1, x2, params, kwargs, spec, where=where, admit=early,
+                plan=replace(plan, example_loop=example_loop), computes_ntk=computes_ntk,
+                forward_run_length=forward_run_length,
             )
 
         with aliases:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._call.kernel_call import FULL_CHECKS, NO_CHECKS, prepare_call
+from .._call.kernel_call import FULL_CHECKS, NO_CHECKS, CallSpec, prepare_call
 from .._call.outputs import output_fn_argument
 from .._call.vmap_axes import parse_vmap_axes, split_kwargs
 from .._kernel.kernel_function import KernelFnSpec, KernelFunction
@@ -290,9 +290,9 @@ class _Settings:
         if is_all_none(x):
             raise ValueError(f"{where}: `{name}` must contain at least one tensor, got {show(x)}.")
         call = prepare_call(
-            self.f, x, None, params, kwargs, where=where, trace_axes=self.trace_axes, diagonal_axes=(),
-            vmap_axes=self.vmap_axes, output_fn=self.output_fn, computes_ntk=True,
-            plan=FULL_CHECKS if self.check_vmap_axes else NO_CHECKS,
+            self.f, x, None, params, kwargs,
+            CallSpec(self.trace_axes, (), vmap_axes=self.vmap_axes, output_fn=self.output_fn), where=where,
+            computes_ntk=True, plan=FULL_CHECKS if self.check_vmap_axes else NO_CHECKS,
         )
         if call.side1.mapped:
             for index, (layout, axis) in enumerate(zip(call.layouts, call.side1.out_axes)):
