@@ -285,7 +285,9 @@ class NtkSettings:
                 kinds = {layout.kind(axis) for layout, axis in zip(call.layouts, call.side1.out_axes or ())}
                 if kinds <= {"kept"}:
                     if switches and call.side1.loop:
-                        return self._loop_or_whole_batches(key, call, switches[0], x1, x2, params, kwargs, where, options)
+                        return self._loop_or_whole_batches(
+                            key, call, switches[0], x1, x2, params, kwargs, where, options
+                        )
                     return call
                 # the layout would treat the leading output axis as the examples' where, without axes,
                 # it is traced or diagonal: the same arguments would mean another kernel
@@ -305,7 +307,8 @@ class NtkSettings:
         whole = None
         if options["computes_ntk"]:  # an NNGP alone is forward passes: nothing to weigh
             whole = self._with_axes(None).prepare(x1, x2, params, kwargs, where, **options)
-            loop_price, whole_price = self._price(looped, options["shape_key"]), self._price(whole, options["shape_key"])
+            shape_key = options["shape_key"]
+            loop_price, whole_price = self._price(looped, shape_key), self._price(whole, shape_key)
         if whole is not None and loop_price is not None and whole_price is not None and whole_price < loop_price:
             reason = (
                 f"torch.func.vmap cannot evaluate the model per example ({failure}), and whole batches are "
@@ -315,7 +318,10 @@ class NtkSettings:
             self.planner.learn(key, found_axes=None, found_reason=reason)
             return whole
         if loop_price is None or whole_price is None:
-            reason = f"torch.func.vmap cannot evaluate the model per example ({failure}); the examples are mapped by a Python loop"
+            reason = (
+                f"torch.func.vmap cannot evaluate the model per example ({failure}); the examples are mapped "
+                f"by a Python loop"
+            )
         else:
             reason = (
                 f"torch.func.vmap cannot evaluate the model per example ({failure}), and a Python loop over "
