@@ -23,7 +23,7 @@ def test_sphinx_builds_without_warnings(tmp_path):
                       timeout=600, env={"TORCHNTK_DOCS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     pages = ("index", "quickstart", "layout", "structured", "batching", "predict", "migrating", "design", "benchmarks",
-             "guarantees", "real_models", "pinn", "groups", "sketching", "spectra", "api")
+             "guarantees", "real_models", "pinn", "scientific", "groups", "sketching", "spectra", "api")
     for page in pages:
         assert (tmp_path / f"{page}.html").exists(), page
     api = (tmp_path / "api.html").read_text()

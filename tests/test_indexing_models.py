@@ -166,9 +166,16 @@ def test_independent_examples_whose_error_was_converted_go_through_the_loop(impl
         model = to_device(_Writes().double())
     x1, x2 = _nodes(1), _nodes(2)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=implementation)
-    with pytest.warns(torchntk.ExampleLoopWarning, match=r"cannot evaluate this model per example \(vmap: inplace"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         kernel = ntk_fn(x1, x2)
+    loops = [str(w.message) for w in caught if issubclass(w.category, torchntk.ExampleLoopWarning)]
     assert_kernels_close(kernel, reference_ntk(model, x1, x2), rtol=1e-10)
+    choice = ntk_fn.auto_choice(x1, x2)
+    if vmap_axes == "auto" and choice.vmap_axes is None:  # whole batches priced cheaper (NOTE: [Loop or whole batches])
+        assert not loops and "(vmap: inplace" in choice.vmap_axes_reason
+    else:
+        assert len(loops) == 1 and "cannot evaluate this model per example (vmap: inplace" in loops[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error", torchntk.ExampleLoopWarning)  # once per kernel function
         assert_kernels_close(ntk_fn(x1, x2), kernel, rtol=1e-12)

@@ -153,11 +153,13 @@ class KernelCall:
 
     def cache_key(self, key: Any) -> Any:
         """``key`` (the caller's shape key) extended by what else decides a cached plan or choice:
-        which parameters are differentiated and their shapes, which may change between calls.
-        None stays None (nothing is cached)."""
+        which parameters are differentiated and their shapes, which may change between calls, and
+        how the examples are mapped (a key's first call with ``vmap_axes="auto"`` prices a loop and
+        whole batches alike, NOTE: [Loop or whole batches]). None stays None (nothing is cached)."""
         if key is None:
             return None
-        return (key, self.model.names, tuple(tuple(param.shape) for param in self.model.params))
+        mapping = (self.side1.mapped, self.side1.loop)
+        return (key, self.model.names, tuple(tuple(param.shape) for param in self.model.params), mapping)
 
     def template(self, outputs: "OutputShapes") -> "KernelCall":
         """This call without its tensors (model, sides, pending check), its outputs replaced by

@@ -213,6 +213,25 @@ def choose(
     return AutoChoice(best, estimates, budget, fallback, excluded, unprobed)
 
 
+def estimate_of(
+    table: dict[NtkImplementation, Any], implementation: NtkImplementation, call: KernelCall, key: Hashable
+) -> Estimate:
+    """The cost model's estimate of ``implementation`` (1, 2 or 3) on ``call``, FLOPs only, as
+    :func:`choose` prices it unplanned: what a kernel function built with that implementation
+    weighs the example loop against whole batches with (NOTE: [Loop or whole batches]).
+
+    Raises:
+        Exception: whatever the count, the probe or the plan raises (the caller does without).
+    """
+    selector = table[NtkImplementation.AUTO]
+    prices = _Prices(call, selector.planner.counts.for_call(call, key))
+    if implementation == _JACOBIAN:
+        return prices.jacobian_contraction()
+    if implementation == _PRODUCTS:
+        return prices.ntk_vector_products(vector_products_method(call.side1))
+    return prices.structured_derivatives(table[_STRUCTURED].unchecked_plan(call, key))
+
+
 def _pick(estimates: dict[NtkImplementation, Estimate], budget: float) -> Optional[NtkImplementation]:
     """The cheapest candidate that fits ``budget`` bytes (3 by ``_STRUCTURED_MARGIN``), or the
     smallest if none fits; ties go to the earlier implementation. None without candidates."""

@@ -70,7 +70,9 @@ class AutoChoice:
             ``(in_axes, out_axes, kwargs_axes)``, or None where it computes on whole batches: the
             user's, or with ``vmap_axes="auto"`` (the default) those found for these inputs
             (NOTE: [Found vmap_axes]).
-        vmap_axes_reason: with ``vmap_axes="auto"``, why no axes were found (None otherwise).
+        vmap_axes_reason: with ``vmap_axes="auto"``, why no axes were found, or, where vmap cannot
+            evaluate the model, whether a loop over the examples or whole batches was priced cheaper
+            (with both prices; NOTE: [Loop or whole batches]). None otherwise.
     """
 
     implementation: NtkImplementation

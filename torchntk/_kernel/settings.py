@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .._call.example_loop import ExampleLoops
+from .._call.example_loop import LOOP_EXAMPLE_FLOPS, ExampleLoops, vmap_failure
 from .._call.finite import NonFiniteOutputs, all_finite, raise_for_non_finite_outputs
 from .._call.groups import ParameterGroups, groups_argument
 from .._call.kernel_call import CallSpec, KernelCall, bind_call, prepare_call
@@ -28,6 +28,7 @@ from .._call.per_example import VmapLimitation, first_line
 from .._call.vmap_axes import FOUND, ParsedVmapAxes, candidate_vmap_axes, parse_vmap_axes
 from .._implementations import implementation_table, memory_plan, memory_planner
 from .._implementations.memory import OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, kernel_refusal, with_chunk
+from .._implementations.auto import estimate_of
 from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
 from .._layout.notices import OutputNotices
@@ -317,7 +318,8 @@ class NtkSettings:
             # learnt first: the trial's own facts then keep the plan it makes (NOTE: [The planning stage])
             self.planner.learn(key, found_axes=candidate)
             try:
-                call = self._with_axes(candidate).prepare(x1, x2, params, kwargs, where, **options)
+                with self.example_loops.held() as switches:
+                    call = self._with_axes(candidate).prepare(x1, x2, params, kwargs, where, **options)
             except NonFiniteOutputs:
                 # says nothing about the axes (NOTE: [Non-finite kernels]): the next call decides them
                 self.planner.learn(key, found_axes=UNDECIDED)
@@ -327,12 +329,71 @@ class NtkSettings:
             else:
                 kinds = {layout.kind(axis) for layout, axis in zip(call.layouts, call.side1.out_axes or ())}
                 if kinds <= {"kept"}:
+                    if switches and call.side1.loop:
+                        return self._loop_or_whole_batches(
+                            key, call, switches[0], x1, x2, params, kwargs, where, options
+                        )
                     return call
                 # the layout would treat the leading output axis as the examples' where, without axes,
                 # it is traced or diagonal: the same arguments would mean another kernel
                 reason = "`trace_axes` or `diagonal_axes` name the leading output axis"
         self.planner.learn(key, found_axes=None, found_reason=reason)
         return None
+
+    def _loop_or_whole_batches(
+        self, key: Any, looped: KernelCall, error: VmapLimitation, x1: Any, x2: Any, params: Any, kwargs: dict,
+        where: str, options: dict,
+    ) -> KernelCall:
+        """The trial's call ``looped`` (its examples mapped by a loop, as vmap failed with ``error``)
+        or the call on whole batches, whichever is priced cheaper (NOTE: [Loop or whole batches]);
+        the key's facts then say which, and why."""
+        failure = vmap_failure(error)
+        loop_price = whole_price = None
+        whole = None
+        if options["computes_ntk"]:  # an NNGP alone is forward passes: nothing to weigh
+            whole = self._with_axes(None).prepare(x1, x2, params, kwargs, where, **options)
+            shape_key = options["shape_key"]
+            loop_price, whole_price = self._price(looped, shape_key), self._price(whole, shape_key)
+        if whole is not None and loop_price is not None and whole_price is not None and whole_price < loop_price:
+            reason = (
+                f"torch.func.vmap cannot evaluate the model per example ({failure}), and whole batches are "
+                f"priced below a Python loop over the examples ({whole_price:.3g} against {loop_price:.3g} "
+                f"FLOP equivalents)"
+            )
+            self.planner.learn(key, found_axes=None, found_reason=reason)
+            return whole
+        if loop_price is None or whole_price is None:
+            reason = (
+                f"torch.func.vmap cannot evaluate the model per example ({failure}); the examples are mapped "
+                f"by a Python loop"
+            )
+        else:
+            reason = (
+                f"torch.func.vmap cannot evaluate the model per example ({failure}), and a Python loop over "
+                f"the examples is priced below whole batches ({loop_price:.3g} against {whole_price:.3g} FLOP "
+                f"equivalents)"
+            )
+        self.planner.learn(key, found_reason=reason)
+        self.example_loops.switch(error, where)
+        return looped
+
+    def _price(self, call: KernelCall, shape_key: tuple) -> Optional[float]:
+        """The cost model's FLOP equivalents of ``call``'s NTK with the implementation that would
+        compute it (NOTE: [Loop or whole batches]), or None where it cannot be priced."""
+        try:
+            if self.implementation == NtkImplementation.AUTO:
+                choice = self.choice(call, shape_key)
+                estimate = choice.estimates.get(choice.implementation)
+            else:
+                estimate = estimate_of(self.table, self.implementation, call, shape_key)
+        except Exception:  # noqa: BLE001 - pricing decides nothing the call cannot do without it
+            return None
+        if estimate is None or not math.isfinite(estimate.flops):
+            return None
+        if not call.side1.loop:
+            return estimate.flops
+        examples = call.side1.batch_size() + (0 if call.side2 is None else call.side2.batch_size())
+        return estimate.flops + LOOP_EXAMPLE_FLOPS * examples
 
     def with_axes_reported(self, choice: AutoChoice, shape_key: tuple) -> AutoChoice:
         """``choice`` with the ``vmap_axes`` its call maps with (NOTE: [Found vmap_axes])."""

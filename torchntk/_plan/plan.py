@@ -51,7 +51,8 @@ class Facts:
         found_axes: with ``vmap_axes="auto"``, the ``vmap_axes`` found for the key (NOTE: [Found
             vmap_axes]: ``ParsedVmapAxes``, or None where the examples are not mapped), or
             :data:`UNDECIDED` before its first call.
-        found_reason: why no axes were found (None when they were, or not decided).
+        found_reason: why no axes were found, or why the found ones map the examples by a loop
+            (NOTE: [Loop or whole batches]); None when they were found and vmap maps them, or not decided.
     """
 
     derivatives_checked: bool = False
