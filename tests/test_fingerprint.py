@@ -391,9 +391,11 @@ class _MaceEnergies(nn.Module):
     """MACE on configurations of one water molecule, fully connected: positions ``(B, 3, 3)`` in,
     MACE's output dict out (the graph batching MACE's own data loader does)."""
 
-    def __init__(self, mace):
+    def __init__(self, mace, forces: bool = False, graph: bool = False):
         super().__init__()
         self.mace = mace
+        self.forces = forces  # MACE's own forces: torch.autograd.grad of the energy inside forward
+        self.graph = graph  # MACE's training=True: that grad keeps its graph (create_graph=True)
         self.register_buffer("species", torch.tensor([1, 0, 0]), persistent=False)  # O H H
 
     def forward(self, positions):
@@ -412,7 +414,7 @@ class _MaceEnergies(nn.Module):
             "weight": positions.new_ones(batch),
             "head": torch.zeros(batch, dtype=torch.long),
         }
-        return self.mace(data, training=False, compute_force=False)
+        return self.mace(data, training=self.graph, compute_force=self.forces)
 
 
 @pytest.mark.slow
@@ -448,3 +450,47 @@ def test_a_mace_model_held_as_a_module_is_exact():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torchntk.ExampleLoopWarning)  # vmap cannot map scatter_add_
             assert_kernels_close(kernel_fn(x1, x2), expected)
+
+
+@pytest.mark.slow
+def test_the_forces_of_a_mace_model_held_as_a_module_are_exact():
+    """MACE computes its forces by ``torch.autograd.grad`` of the energy inside ``forward``
+    (docs/pinn.md's derivatives inside the forward pass): the kernel of the forces, traced over
+    x, y, z, is exact with every implementation and the defaults. In eval mode MACE asks for no
+    graph of that grad (``create_graph=training``), which would make the forces constants of the
+    parameters; torchntk differentiates through it anyway, and the brute-force reference gets
+    the graph by MACE's ``training=True`` (nothing else of this model depends on it)."""
+    modules, tools = _mace()
+    o3 = _e3nn().o3
+    torch.manual_seed(0)
+    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
+    mace = modules.MACE(
+        r_max=3.0, num_bessel=4, num_polynomial_cutoff=5, max_ell=1, interaction_cls=block,
+        interaction_cls_first=block, num_interactions=1, num_elements=2, hidden_irreps=o3.Irreps("4x0e + 4x1o"),
+        MLP_irreps=o3.Irreps("4x0e"), gate=nn.functional.silu, atomic_energies=np.array([1.0, 3.0]),
+        avg_num_neighbors=2.0, atomic_numbers=tools.AtomicNumberTable([1, 8]).zs, correlation=2,
+        radial_type="bessel",
+    ).double()
+    model = _MaceEnergies(mace, forces=True)
+    water = torch.tensor([[0.0, 0.0, 0.0], [0.96, 0.0, 0.0], [-0.24, 0.93, 0.0]], dtype=torch.float64)
+    x1 = water + 0.1 * torch.randn(3, 3, 3, dtype=torch.float64)
+    x2 = water + 0.1 * torch.randn(2, 3, 3, dtype=torch.float64)
+    forces = lambda output: output["forces"].reshape(-1, 3, 3)  # noqa: E731 - (B, atoms, xyz)
+
+    expected = reference_ntk(_Forces(_MaceEnergies(mace, forces=True, graph=True), forces), x1, x2)
+    for implementation in (0, 1, 2, 3):
+        kernel_fn = torchntk.empirical_ntk_fn(model, output_fn=forces, implementation=implementation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torchntk.ExampleLoopWarning)  # vmap cannot map scatter_add_
+            assert_kernels_close(kernel_fn(x1, x2), expected)
+
+
+class _Forces(nn.Module):
+    """A model's output dict read by ``select``, as a tensor for the brute-force reference."""
+
+    def __init__(self, model, select):
+        super().__init__()
+        self.model, self.select = model, select
+
+    def forward(self, positions):
+        return self.select(self.model(positions))
