@@ -43,7 +43,7 @@ from .._memory import (
 )
 from .._model.aliases import alias_checks
 from .._model.functional import training_mode_layers
-from .._plan import UNDECIDED, CallPlan, CallTemplate, Planner, Purpose, input_shape_key, plan_key
+from .._plan import UNDECIDED, CallPlan, CallTemplate, PlanKey, Planner, Purpose, input_shape_key, plan_key
 from .._model.torch_errors import explained
 from .._utils import checks as _checks
 from .._utils.bounded_cache import BoundedCache
@@ -234,7 +234,8 @@ class NtkSettings:
         ``vmap_axes`` only matter (and are only checked) for the NTK (``for_ntk``), or for a
         batched NNGP (``computes_ntk=False``: the check cannot wait for the structured pass, which
         will not run). ``shape_key``: the caller's :func:`input_shape_key` of these arguments, if it
-        has one. ``needs_outputs``: False where only the NTK is computed, whose implementations read
+        has one, or their plan key (a module's structure fingerprint is the dearest part of a key:
+        a call makes it once). ``needs_outputs``: False where only the NTK is computed, whose implementations read
         the outputs' shapes only (NOTE: [Remembered output shapes]). ``admit``: refuse an NTK too
         large for the memory budget before the forward passes over a large batch (NOTE: [Memory
         plans]); those passes then run on ``VALIDATION_RUN`` examples at a time, within the budget
@@ -245,14 +246,15 @@ class NtkSettings:
         (what they catch, a PyTorch vmap bug, coupling in the backward pass, an aliased parameter,
         does not depend on the values); the output check on every call with
         ``check_vmap_axes=True``, on the first per key with ``"first"`` (the default)."""
-        shape_key = shape_key or input_shape_key(x1, x2, params, kwargs)
+        key = shape_key if isinstance(shape_key, PlanKey) else None
+        shape_key = key.parts[0] if key is not None else shape_key or input_shape_key(x1, x2, params, kwargs)
+        key = key or plan_key(self.f, shape_key)
         if self.finds_axes and for_ntk:
             options = dict(
                 for_ntk=for_ntk, computes_ntk=computes_ntk, forward_run_length=forward_run_length,
-                shape_key=shape_key, needs_outputs=needs_outputs, admit=admit, caller=caller,
+                shape_key=key, needs_outputs=needs_outputs, admit=admit, caller=caller,
             )
             return self._prepare_finding_axes(x1, x2, params, kwargs, where, options)
-        key = plan_key(self.f, shape_key)
         mapped = for_ntk and self.maps_examples
         purpose = Purpose(mapped, for_ntk, computes_ntk, needs_outputs, forward_run_length, admit, self.check_vmap_axes)
         plan = self.planner.plan(key, purpose)
@@ -291,7 +293,7 @@ class NtkSettings:
         """:meth:`prepare` with ``vmap_axes="auto"`` (NOTE: [Found vmap_axes]): with the axes found for
         the key, or on its first call with the candidate axes, whose checks decide (:meth:`_trial`);
         where none are found, without axes."""
-        key = plan_key(self.f, options["shape_key"])
+        key = options["shape_key"]  # the plan key (see prepare)
         found = self.planner.facts(key).found_axes
         if found is UNDECIDED:
             call = self._trial(key, x1, x2, params, kwargs, where, options)
@@ -352,7 +354,7 @@ class NtkSettings:
         whole = None
         if options["computes_ntk"]:  # an NNGP alone is forward passes: nothing to weigh
             whole = self._with_axes(None).prepare(x1, x2, params, kwargs, where, **options)
-            shape_key = options["shape_key"]
+            shape_key = options["shape_key"].parts[0]  # the plan key's shapes: the choices' cache key
             loop_price, whole_price = self._price(looped, shape_key), self._price(whole, shape_key)
         if whole is not None and loop_price is not None and whole_price is not None and whole_price < loop_price:
             reason = (
@@ -522,11 +524,12 @@ class NtkSettings:
         if self.finds_axes:  # NOTE: [Found vmap_axes]: the key's first call decides them
             found = self.found(x1, x2, params, kwargs, shape_key)
             if found is self:  # only the trial: without axes, batch computes block by block
+                key = plan_key(self.f, shape_key)
                 options = dict(
-                    for_ntk=True, computes_ntk="ntk" in names, forward_run_length=forward_runs, shape_key=shape_key,
+                    for_ntk=True, computes_ntk="ntk" in names, forward_run_length=forward_runs, shape_key=key,
                     needs_outputs="nngp" in names, admit=False, caller=None,
                 )
-                self._trial(plan_key(self.f, shape_key), x1, x2, params, kwargs, where, options)
+                self._trial(key, x1, x2, params, kwargs, where, options)
                 found = self.found(x1, x2, params, kwargs, shape_key)
             return found.open_blocks(request, x1, x2, params, kwargs, names=names, bare=bare, where=where)
         if not self.maps_examples:
