@@ -417,8 +417,8 @@ class _MaceEnergies(nn.Module):
         return self.mace(data, training=self.graph, compute_force=self.forces)
 
 
-@pytest.mark.slow
-def test_a_mace_model_held_as_a_module_is_exact():
+def _small_mace() -> nn.Module:
+    """A float64 MACE for water (H and O, one interaction), from seed 0 (skipped where mace does not import)."""
     modules, tools = _mace()
     o3 = _e3nn().o3
     torch.manual_seed(0)
@@ -430,6 +430,12 @@ def test_a_mace_model_held_as_a_module_is_exact():
         avg_num_neighbors=2.0, atomic_numbers=tools.AtomicNumberTable([1, 8]).zs, correlation=2,
         radial_type="bessel",
     ).double()
+    return mace
+
+
+@pytest.mark.slow
+def test_a_mace_model_held_as_a_module_is_exact():
+    mace = _small_mace()
     model = _MaceEnergies(mace)
     water = torch.tensor([[0.0, 0.0, 0.0], [0.96, 0.0, 0.0], [-0.24, 0.93, 0.0]], dtype=torch.float64)
     x1 = water + 0.1 * torch.randn(3, 3, 3, dtype=torch.float64)
@@ -460,17 +466,7 @@ def test_the_forces_of_a_mace_model_held_as_a_module_are_exact():
     graph of that grad (``create_graph=training``), which would make the forces constants of the
     parameters; torchntk differentiates through it anyway, and the brute-force reference gets
     the graph by MACE's ``training=True`` (nothing else of this model depends on it)."""
-    modules, tools = _mace()
-    o3 = _e3nn().o3
-    torch.manual_seed(0)
-    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
-    mace = modules.MACE(
-        r_max=3.0, num_bessel=4, num_polynomial_cutoff=5, max_ell=1, interaction_cls=block,
-        interaction_cls_first=block, num_interactions=1, num_elements=2, hidden_irreps=o3.Irreps("4x0e + 4x1o"),
-        MLP_irreps=o3.Irreps("4x0e"), gate=nn.functional.silu, atomic_energies=np.array([1.0, 3.0]),
-        avg_num_neighbors=2.0, atomic_numbers=tools.AtomicNumberTable([1, 8]).zs, correlation=2,
-        radial_type="bessel",
-    ).double()
+    mace = _small_mace()
     model = _MaceEnergies(mace, forces=True)
     water = torch.tensor([[0.0, 0.0, 0.0], [0.96, 0.0, 0.0], [-0.24, 0.93, 0.0]], dtype=torch.float64)
     x1 = water + 0.1 * torch.randn(3, 3, 3, dtype=torch.float64)
