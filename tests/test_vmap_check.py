@@ -247,6 +247,110 @@ def test_coupling_only_in_derivatives_is_caught(implementation, x2_given, device
     assert_kernels_close(torchntk.empirical_ntk_fn(model, implementation=implementation)(x1, x2), reference)
 
 
+# -- NOTE: [The derivative check within a plan's check] -------------------------------------------
+
+
+class _ExpScale(nn.Module):
+    """A parameter that reaches the outputs through ``exp``, which no structured rule states: it is
+    left to the Jacobian fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) * self.scale.exp()
+
+
+class _CountedDerivativeChecks:
+    """Counts the runs of the derivative check on its own (``VmapAxesCheck.derivatives``)."""
+
+    def __init__(self, monkeypatch):
+        from torchntk._call.vmap_check import VmapAxesCheck
+
+        self.runs = 0
+        original = VmapAxesCheck.derivatives
+
+        def counted(check, side):
+            self.runs += 1
+            return original(check, side)
+
+        monkeypatch.setattr(VmapAxesCheck, "derivatives", counted)
+
+
+@pytest.mark.parametrize(
+    "implementation, build, runs",
+    [(3, _tanh_mlp, 0), (0, _tanh_mlp, 0), (1, _tanh_mlp, 1), (2, _tanh_mlp, 1), (3, _ExpScale, 1)],
+    ids=["SD", "AUTO-picks-SD", "JC", "NVP", "SD-with-fallback"],
+)
+@pytest.mark.parametrize("vmap_axes", [0, "auto"])
+def test_a_structured_plan_check_settles_the_derivative_check(
+    implementation, build, runs, vmap_axes, monkeypatch, device
+):
+    """Where 3's plan is checked on the first call and leaves nothing to the Jacobian fallback, its
+    comparison with the sampled examples' whole-batch derivatives is the derivative check: the
+    check's own pass (per-example derivatives under nested vmap) does not run; with 1 and 2, or a
+    fallback parameter, it runs. The kernel is right on the first, second and a later call."""
+    if implementation == 0:
+        monkeypatch.setattr("torchntk._implementations.auto._PROBE_EVERYTHING", True)  # 3 priced on a small model
+    model = build(device) if build is _tanh_mlp else _seeded(build, device)
+    x1, x2 = _inputs(5, 4, 4)
+    reference = reference_ntk(model, x1, x2)
+    counted = _CountedDerivativeChecks(monkeypatch)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=implementation)
+    for _ in range(3):
+        assert_kernels_close(ntk_fn(x1, x2), reference)
+    if implementation == 0:
+        choice = ntk_fn.auto_choice(x1, x2)
+        assert choice.implementation == 3, choice
+    if build is _ExpScale:
+        assert "scale" in ntk_fn.auto_choice(x1, x2).fallback_parameters
+    assert counted.runs == runs
+
+
+def test_auto_choosing_another_implementation_after_checking_3_runs_the_derivative_check(monkeypatch, device):
+    """3's check vouches for 3's per-example derivatives only: where AUTO checks 3's plan and then
+    picks another implementation (here forced to 1), the derivative check runs as before."""
+    import dataclasses
+
+    from torchntk._implementations import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "_PROBE_EVERYTHING", True)
+    checked_3 = []
+    choose = auto_module.choose
+
+    def picks_1(call, plans, *args, **kwargs):
+        choice = choose(call, plans, *args, **kwargs)
+        checked_3.append(plans.checked() is not None)
+        return dataclasses.replace(choice, implementation=torchntk.NtkImplementation.JACOBIAN_CONTRACTION)
+
+    monkeypatch.setattr(auto_module, "choose", picks_1)
+    model = _tanh_mlp(device)
+    x1, x2 = _inputs(5, 4, 4)
+    counted = _CountedDerivativeChecks(monkeypatch)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+    assert checked_3 and all(checked_3) and counted.runs == 1
+
+
+@pytest.mark.parametrize("implementation", [0, 3], ids=["AUTO", "SD"])
+def test_coupling_only_in_derivatives_is_caught_by_a_structured_plans_check(implementation, monkeypatch, device):
+    """The coupling only the derivative check sees, where 3's plan check stands in for it: the
+    disagreement concludes nothing, the derivative check runs and says what is wrong; under
+    ``vmap_axes="auto"`` the kernel is then computed on whole batches, right."""
+    monkeypatch.setattr("torchntk._implementations.auto._PROBE_EVERYTHING", True)
+    model = _seeded(_CoupledDerivatives, device)
+    x1, x2 = _inputs(5, 3, 4)
+    reference = reference_ntk(model, x1, x2)
+    with pytest.raises(ValueError, match="couples examples through its derivatives"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)(x1, x2)
+    found = torchntk.empirical_ntk_fn(model, implementation=implementation)
+    for _ in range(3):
+        assert_kernels_close(found(x1, x2), reference)
+    assert found.auto_choice(x1, x2).vmap_axes is None
+
+
 class _CentreOverBatch(nn.Module):
     def __init__(self, weight: float):
         super().__init__()

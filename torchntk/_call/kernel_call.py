@@ -31,7 +31,7 @@ from .._utils.tree import Flat, describe, is_all_none
 from .groups import GroupKernels, ParameterGroups
 from .per_example import Side, is_out_of_memory
 from .vmap_axes import ParsedVmapAxes, broadcast_axes, resolve_inputs, resolve_outputs, split_kwargs
-from .vmap_check import PROBE_EXAMPLES, VmapAxesCheck, miscounted_examples
+from .vmap_check import PendingDerivatives, VmapAxesCheck, miscounted_examples
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ class KernelCall:
             activations within NOTE: [Working-set runs]'s bound (``_kernel/working_set.py``), or None.
         plan_key: the key of the call's plan (NOTE: [Plan keys] in ``_plan/key.py``), under which
             what the call learns (a switch to the example loop) is kept; None outside a kernel function.
+        derivative_check: the derivative check of a key's first call, left to the plan and settled
+            before the call goes on (NOTE: [The derivative check within a plan's check]), or None.
     """
 
     where: str
@@ -101,6 +103,7 @@ class KernelCall:
     group_names: tuple[str, ...] = ()
     working_runs: Optional[int] = None
     plan_key: Any = None
+    derivative_check: Optional[PendingDerivatives] = None
 
     @property
     def run_length(self) -> Optional[int]:
@@ -169,7 +172,7 @@ class KernelCall:
         first = OutputShapes.stand_ins(outputs.first)
         second = first if outputs.second is None else OutputShapes.stand_ins(outputs.second)
         return replace(
-            self, model=None, side1=None, side2=None, vmap_check=None, groups=None, output_tree=first,
+            self, model=None, side1=None, side2=None, vmap_check=None, groups=None, output_tree=first, derivative_check=None,
             outputs1=first.leaves, outputs2=second.leaves,
         )
 
@@ -353,7 +356,7 @@ def prepare_call(
         notices.check(output1, layouts, out_axes, x1, trace_axes, output_fn is not None, where)
     side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1", example_loop)
     side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2", example_loop)
-    pending = None
+    pending = derivatives = None
     if side1.mapped and plan.check_outputs:
         check = VmapAxesCheck(model, vmap_axes, where)
         sides = [(side, leaves) for side, leaves in ((side1, leaves1), (side2, leaves2)) if side is not None]
@@ -367,15 +370,16 @@ def prepare_call(
             for side, leaves in sides:
                 check.outputs(side, leaves, run_length)
         if check_derivatives:
-            check.derivatives(side1)
-            if side2 is not None and side1.batch_size() < PROBE_EXAMPLES <= side2.batch_size():
-                check.derivatives(side2)  # a batch of one hides vmap bugs that mix examples up
+            derivatives = PendingDerivatives(check, side1, side2)
+            if not plan.derivatives_deferred:
+                derivatives.settle()
+                derivatives = None
 
     param_dtype = model.param_dtype
     dtypes = tuple(torch.promote_types(leaf.dtype, param_dtype) for leaf in leaves1)
     return KernelCall(
         where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending,
-        index_groups, groups.names if groups is not None else (),
+        index_groups, groups.names if groups is not None else (), derivative_check=derivatives,
     )
 
 

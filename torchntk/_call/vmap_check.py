@@ -470,6 +470,45 @@ def miscounted_examples(
     )
 
 
+@dataclass(eq=False)
+class PendingDerivatives:
+    """The derivative check of a call's first preparation, left to its plan.
+
+    NOTE: [The derivative check within a plan's check]
+    The derivative check of NOTE: [Checking vmap_axes] compares per-example derivatives under
+    vmap with the whole batch's; implementation 3's plan is checked against autograd on a few
+    examples with random cotangents (NOTE: [Checking a plan against autograd]). Both run the
+    model's weight gradients per example under vmap, the dearest part of a first call (a
+    ResNet-18 on the CPU: 90 ms for two examples under vmap, 35 ms for the same two as one batch).
+    Where 3's check can run (``check_sample``) and the plan leaves no parameter to the Jacobian
+    fallback, it compares the structured ``J^T v`` with autograd's ``J^T v`` of the sampled
+    examples as one batch instead: agreement shows at once that the rules hold and that the
+    per-example derivatives 3 computes with are the whole batch's (no coupling, no vmap bug), and
+    settles this check. Where they disagree, nothing is concluded from it: 3's check compares
+    with per-example autograd as before, and the derivative check runs as it always did
+    (:meth:`settle`), so every failure is still found and explained by the same messages.
+
+    A kernel function defers the check this way only on calls that compute the NTK right after
+    with AUTO or implementation 3 (``_kernel/settings.py``, ``_settle_derivatives``), and settles
+    it before the call goes on, on the first call of a key: later calls never see it.
+    """
+
+    check: VmapAxesCheck
+    side1: Side
+    side2: Optional[Side]
+    settled: bool = False
+
+    def settle(self) -> None:
+        """Runs the derivative check unless a plan's check settled it."""
+        if self.settled:
+            return
+        self.check.derivatives(self.side1)
+        side2 = self.side2
+        if side2 is not None and self.side1.batch_size() < PROBE_EXAMPLES <= side2.batch_size():
+            self.check.derivatives(side2)  # a batch of one hides vmap bugs that mix examples up
+        self.settled = True
+
+
 class VmapUnsupported(ValueError, VmapLimitation):
     """vmap fails on the model per example, while the same examples one at a time agree with the batch."""
 

@@ -57,6 +57,10 @@ from .working_set import working_set_run_length
 
 KernelFn = Callable[..., PyTree]
 
+_PLAN_CHECKED = (NtkImplementation.AUTO, NtkImplementation.STRUCTURED_DERIVATIVES)
+"""Implementations whose choice on a first call may check implementation 3's plan, and with it
+settle the derivative check (NOTE: [The derivative check within a plan's check])."""
+
 FORWARD_RUN = 256
 """Examples per whole-batch forward pass of a batched call (``open_blocks``), at least the block
 size. A forward pass without gradients holds a small part of what an example's derivatives
@@ -439,16 +443,27 @@ class NtkSettings:
             learn = functools.partial(self.planner.learn, key, aliases_checked=True)
             aliases = alias_checks(on_clean=learn) if plan.check_aliases else alias_checks(skip=True)
 
+        # NOTE: [The derivative check within a plan's check]: a kernel computed right after by AUTO
+        # or 3 lets 3's plan check settle the derivative check
+        deferred = purpose.admit and computes_ntk and self.implementation in _PLAN_CHECKED
+
         def prepare(*, example_loop: bool) -> KernelCall:
             spec = replace(
                 self.spec, vmap_axes=self.vmap_axes if purpose.for_ntk else None,
                 groups=self.groups if computes_ntk else None,
             )
-            return prepare_call(
+            call = prepare_call(
                 self.f, x1, x2, params, kwargs, spec, where=where, admit=early,
-                plan=replace(plan, example_loop=example_loop), computes_ntk=computes_ntk,
-                forward_run_length=forward_run_length,
+                plan=replace(plan, example_loop=example_loop, derivatives_deferred=deferred),
+                computes_ntk=computes_ntk, forward_run_length=forward_run_length,
             )
+            if not purpose.needs_outputs and self.chunk_size is None and not self.given.compile and call.side1.mapped:
+                sizes = memory_planner(self.table).sizes(call, shape_key)  # counted once per input shapes
+                runs = working_set_run_length(call.side1.batch_size(), sizes.side1.activations.written, sizes.element)
+                call = replace(call, working_runs=runs)
+            if call.derivative_check is not None:  # priced as computed: with its working-set runs
+                self._settle_derivatives(call, shape_key, caller)
+            return call
 
         with aliases:
             try:
@@ -467,11 +482,7 @@ class NtkSettings:
                 outputs = learnt["outputs"] = call.output_shapes()
             if learnt:
                 self.planner.learn(key, **learnt)
-        runs = None
-        if not purpose.needs_outputs and self.chunk_size is None and not self.given.compile and call.side1.mapped:
-            sizes = memory_planner(self.table).sizes(call, shape_key)  # counted once per input shapes
-            runs = working_set_run_length(call.side1.batch_size(), sizes.side1.activations.written, sizes.element)
-            call = replace(call, working_runs=runs)
+        runs = call.working_runs
         if computes_ntk and outputs is not None and call.side1.mapped:
             side2 = call.side2
             template = CallTemplate(
@@ -480,6 +491,26 @@ class NtkSettings:
             )
             self.planner.template_for(key, purpose, template, runs)
         return call
+
+    def _settle_derivatives(self, call: KernelCall, shape_key: tuple, caller: Optional[CallerPlan]) -> None:
+        """The derivative check a first call left to the plan (NOTE: [The derivative check within a
+        plan's check]): the call's choice is made first, within the budget its kernel will have
+        (AUTO's pick and, where it is 3, 3's plan, checked; cached for the kernel that follows),
+        then the check runs unless 3's check settled it and 3 computes the kernel. Raises what the
+        check raises."""
+        pending = call.derivative_check
+        try:
+            with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]: AUTO probes forward mode
+                if self.implementation == NtkImplementation.AUTO:
+                    picked = self.table[self.implementation].choice(call, shape_key, self.budget(call, caller))
+                else:
+                    picked = self.choice(call, shape_key)
+        except Exception:
+            pending.settle()  # a vmap bug or coupled examples, explained before what they caused
+            raise
+        if picked.implementation != NtkImplementation.STRUCTURED_DERIVATIVES:
+            pending.settled = False  # 3's check vouches for 3's derivatives only (AUTO checked 3, then chose another)
+        pending.settle()
 
     def _switch_to_loop(self, key: tuple, error: VmapLimitation, where: str) -> None:
         """NOTE: [Switching to example loops]: later plans of ``key`` map examples by a loop."""

@@ -116,6 +116,8 @@ class CallPlan:
             passes anyway (``KernelCall.vmap_check``); a first call runs it while the call is
             prepared, so that its failures are explained in order.
         check_derivatives: run the derivative check of ``vmap_axes`` (first calls only).
+        derivatives_deferred: leave that check to the plan of the implementation
+            (``KernelCall.derivative_check``, NOTE: [The derivative check within a plan's check]).
         check_aliases: watch the model's parameter references (first calls only).
         example_loop: map the examples with a Python loop instead of vmap.
         outputs: the remembered outputs' description that stands in for the whole-batch forward
@@ -133,6 +135,7 @@ class CallPlan:
     outputs_in_kernel: bool = False
     template: Optional[CallTemplate] = None
     working_runs: Optional[int] = None
+    derivatives_deferred: bool = False
 
     @property
     def warm(self) -> bool:

@@ -36,7 +36,7 @@ from ._joint import gradients_per_example, joined
 from ._plan import Plan, make_plan
 from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, per_example_factors, probe, side_factors
-from ._verify import disagreements, verify
+from ._verify import disagreements, verify, whole_batch_products
 from ._whole_batch import check_sample, with_whole_batch
 
 
@@ -152,7 +152,8 @@ def plan_for(
             if sample is not None:
                 examples, cotangents = sample
                 single = per_example_factors(examples, plan, cotangents=cotangents)
-                demoted.update(disagreements(examples, plan, cotangents=cotangents, factors=single))
+                if not _settles_derivatives(call, examples, plan, cotangents, single):
+                    demoted.update(disagreements(examples, plan, cotangents=cotangents, factors=single))
             else:
                 for side in _probed_sides(call, thorough):
                     demoted.update(disagreements(side, plan))
@@ -168,6 +169,24 @@ def plan_for(
         return with_whole_batch(call, plan, grouped, single=single if grouped is None else None)
     except PlanMismatch:
         raise _nondeterministic(call.where) from None
+
+
+def _settles_derivatives(
+    call: KernelCall, examples: Side, plan: Plan, cotangents: tuple, factors: SideFactors
+) -> bool:
+    """Whether the structured ``J^T v`` of ``examples`` (``factors``) agrees with autograd's on the
+    examples as one batch, which settles the call's pending derivative check (NOTE: [The
+    derivative check within a plan's check]) and 3's own check. False, concluding nothing, where
+    no check is pending, a parameter is left to the Jacobian fallback (whose per-example
+    derivatives this would not see), or they disagree."""
+    pending = call.derivative_check
+    if pending is None or pending.settled or plan.fallback:
+        return False
+    whole = whole_batch_products(examples, cotangents)
+    if whole is None or disagreements(examples, plan, cotangents=cotangents, factors=factors, expected=whole):
+        return False
+    pending.settled = True
+    return True
 
 
 def _with_probe(plan: Plan, calls: list[RuleCall], thorough: bool) -> Plan:
