@@ -28,6 +28,7 @@ from .._plan import CallPlan, CallTemplate
 from .._utils.capturing import is_capturing
 from .._utils.checks import input_argument, leaves_with_names, show
 from .._utils.tree import Flat, describe, is_all_none
+from .._utils.types import promoted
 from .groups import GroupKernels, ParameterGroups
 from .per_example import Side, is_out_of_memory
 from .vmap_axes import ParsedVmapAxes, broadcast_axes, resolve_inputs, resolve_outputs, split_kwargs
@@ -376,7 +377,7 @@ def prepare_call(
                 derivatives = None
 
     param_dtype = model.param_dtype
-    dtypes = tuple(torch.promote_types(leaf.dtype, param_dtype) for leaf in leaves1)
+    dtypes = tuple(promoted((leaf.dtype, param_dtype)) for leaf in leaves1)
     return KernelCall(
         where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending,
         index_groups, groups.names if groups is not None else (), derivative_check=derivatives,

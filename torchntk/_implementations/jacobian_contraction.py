@@ -30,6 +30,7 @@ from .._call.blocks import BlockPlan, assemble
 from .._call.kernel_call import KernelCall
 from .._call.per_example import OutputAxisError, Side
 from .._layout.runs import runs
+from .._utils.types import promoted
 
 Jacobians = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -227,11 +228,11 @@ def _flatten_param(jacobian: torch.Tensor, output_ndim: int) -> torch.Tensor:
 def _promote(dtype: Optional[torch.dtype], *others: torch.dtype) -> torch.dtype:
     """The kernel's dtype: what the per-parameter float products would have promoted to."""
     for other in others:
-        dtype = other if dtype is None else torch.promote_types(dtype, other)
+        dtype = other if dtype is None else promoted((dtype, other))
     return dtype
 
 
 def _accumulate(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
-    if total.dtype == torch.promote_types(total.dtype, term.dtype):
+    if total.dtype == promoted((total.dtype, term.dtype)):
         return total.add_(term)
     return total + term

@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from .._utils.checks import show, user_stacklevel
 from .._utils.tree import Flat
+from .._utils.types import promoted
 from .aliases import storage_key, watched
 from .inner_derivatives import with_inner_derivatives
 from .names import parameter_names
@@ -126,10 +127,7 @@ class FunctionalModel:
 
     @property
     def param_dtype(self) -> torch.dtype:
-        dtype = self.params[0].dtype
-        for param in self.params[1:]:
-            dtype = torch.promote_types(dtype, param.dtype)
-        return dtype
+        return promoted(param.dtype for param in self.params)
 
 
 def functional_model(

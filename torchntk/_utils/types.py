@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -56,3 +56,15 @@ class NtkImplementation(enum.IntEnum):
     JACOBIAN_CONTRACTION = 1
     NTK_VECTOR_PRODUCTS = 2
     STRUCTURED_DERIVATIVES = 3
+
+
+def promoted(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """``torch.promote_types`` over ``dtypes`` (at least one), called only where two differ:
+    each call is an ATen call, a dispatch on the host of every kernel call, for what is almost
+    always one dtype."""
+    found = iter(dtypes)
+    result = next(found)
+    for dtype in found:
+        if dtype != result:
+            result = torch.promote_types(result, dtype)
+    return result

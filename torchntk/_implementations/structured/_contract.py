@@ -32,6 +32,7 @@ from opt_einsum.parser import convert_to_valid_einsum_chars
 
 from ..._layout.kernel_layout import KernelLayout
 from ..._layout.tiles import Placement
+from ..._utils.types import promoted
 from ._merge import merged_factors
 from ._roles import Role
 from ._side import SideFactors, Use
@@ -325,7 +326,7 @@ def dense_jacobian(
     if role.joint and scatter:
         raise AssertionError("joint roles always pair with roles of the same coordinates")
     equation, tensors = jacobian_equation(use, leaf, out_symbols, out_axis)
-    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+    dtype = promoted(t.dtype for t in tensors)
     tensors = [t.to(dtype) for t in tensors]
     if len(tensors) == 2:
         # torch.einsum keeps G as the left operand of its batched product, so J comes out contiguous

@@ -51,7 +51,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch.func import jacfwd, jacrev, vjp, vmap
@@ -239,7 +239,7 @@ def per_example_factors(
             if plan.local_jacobian is not None:
                 kept = [(position, _dense_role(role, plan.local_jacobian)) for position, role in kept]
             kept_roles.roles = [(positions.index(position), role) for position, role in kept]
-            return outputs, tuple(tensor.detach() for _, role in kept for tensor, _ in role.operands)
+            return outputs, _detached(tensor for _, role in kept for tensor, _ in role.operands)
 
         if plan.perturbed_shapes is not None:
             positions = sorted(plan.perturbed_shapes)
@@ -504,7 +504,7 @@ def whole_batch_pass(
         if sorted({position for position, _ in kept}) != positions:
             raise ShapeMismatch
         recorded[:] = kept
-        return outputs, tuple(tensor.detach() for _, role in kept for tensor, _ in role.operands)
+        return outputs, _detached(tensor for _, role in kept for tensor, _ in role.operands)
 
     with whole_batch_context(side):
         try:
@@ -602,6 +602,12 @@ def _probe_roles(
     return kept, tuple(folds)
 
 
+def _detached(operands: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The operands as the pass's aux results, detached where they still require gradients (the
+    rules detach what they state, and each ``detach`` is an ATen call on every kernel call)."""
+    return tuple(tensor.detach() if tensor.requires_grad else tensor for tensor in operands)
+
+
 def _same_use(role: Role, single: Role) -> bool:
     """Whether a whole-batch role and one example's role state the same parameters' use."""
     return (
@@ -620,9 +626,12 @@ def _whole_batch_basis(outputs: tuple[torch.Tensor, ...], out_axes: Sequence[int
     basis = []
     start = 0
     for output, axis, single, size in zip(outputs, out_axes, singles, sizes):
-        eye = torch.zeros(total, size, dtype=output.dtype, device=output.device)
-        eye[start : start + size] = torch.eye(size, dtype=output.dtype, device=output.device)
-        eye = eye.reshape(total, *single).unsqueeze(1 + axis)
+        eye = torch.eye(size, dtype=output.dtype, device=output.device)
+        if size != total:  # several leaves: this leaf's rows of the basis, zero elsewhere
+            eye = torch.cat([eye.new_zeros(start, size), eye, eye.new_zeros(total - start - size, size)])
+        if single != (size,):
+            eye = eye.reshape(total, *single)
+        eye = eye.unsqueeze(1 + axis)
         # materialised: autograd may accumulate into a cotangent in place, which an expanded one forbids
         basis.append(eye.expand(total, *output.shape).contiguous())
         start += size

@@ -38,6 +38,7 @@ from torch.func import vjp
 
 from ..._call.kernel_call import KernelCall
 from ..._call.per_example import Side
+from ..._utils.types import promoted
 from ._plan import Plan
 from ._roles import Role
 from ._side import SideFactors, Use, side_factors
@@ -230,7 +231,7 @@ def _transposed_product(use: Use, mapped: bool, bounds: bool = True) -> tuple[to
     batch = opt_einsum.get_symbol(5000) if mapped else ""
     terms = [batch + role.g_labels] + [batch + labels for _, labels in role.operands]
     tensors = [use.gradients[0]] + [tensor for tensor, _ in role.operands]
-    dtype = functools.reduce(torch.promote_types, [tensor.dtype for tensor in tensors])
+    dtype = promoted(tensor.dtype for tensor in tensors)
     tensors = [tensor.to(dtype) for tensor in tensors]
     equation = ",".join(terms) + "->" + role.param_labels
     value = opt_einsum.contract(equation, *tensors, backend="torch") * role.scale
