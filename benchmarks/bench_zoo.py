@@ -98,7 +98,10 @@ def choice_cost(case: zoo.Case, trace_axes: tuple, repeats: int) -> float:
             return run
 
         start = time.perf_counter()
-        choice = choose(call, auto_module.StructuredPlans(timed(plans.unchecked), timed(plans.checked)), *args, **kwargs)
+        timed_plans = auto_module.StructuredPlans(
+            timed(plans.unchecked), timed(plans.checked), timed(plans.layout_reason)
+        )
+        choice = choose(call, timed_plans, *args, **kwargs)
         reused = planning[0] if choice.implementation == torchntk.NtkImplementation.STRUCTURED_DERIVATIVES else 0.0
         spent.append(time.perf_counter() - start - reused)
         return choice

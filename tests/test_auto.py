@@ -131,6 +131,61 @@ def test_auto_choice_prices_the_call_as_the_kernel_function_prepares_it(monkeypa
     assert before.estimates == after.estimates
 
 
+class _PositionEmbedded(nn.Module):
+    """Token and position embeddings, a hidden layer, a head: the position embedding's output, of
+    one row for every example, does not hold the examples, so implementation 3's passes cannot
+    run over the whole batch (as in Hugging Face transformers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(50, 16), nn.Embedding(12, 16)
+        self.register_buffer("ids", torch.arange(12)[None])
+        self.hidden, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(self.tokens(x) + self.positions(self.ids))).mean(1))
+
+
+def test_a_layout_that_rules_out_whole_batches_is_priced_before_3s_plan_is_checked(cpu_prices):
+    """NOTE: [What choosing may cost]: where 3 wins only by passes over the whole batch, one recording
+    pass tells whether the shapes allow them before the plan's check is paid for; here they do not,
+    3 priced per example loses to 1, and its plan is never checked."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _PositionEmbedded().double().to(cases.DEVICE).eval()
+    x = to_device(torch.randint(0, 50, (8, 12), generator=torch.Generator().manual_seed(1)))
+    reasons = []
+    layout_reason = structured_module.StructuredDerivatives.layout_reason
+
+    def spied(self, call, key=None):
+        reasons.append(layout_reason(self, call, key))
+        return reasons[-1]
+
+    with mock.patch.object(structured_module.StructuredDerivatives, "layout_reason", spied), \
+            mock.patch.object(structured_module, "plan_for", wraps=structured_module.plan_for) as plans:
+        ntk_fn = torchntk.empirical_ntk_fn(model)
+        kernels = [ntk_fn(x) for _ in range(3)]
+        choice = ntk_fn.auto_choice(x)
+    assert len(reasons) == 1 and "does not hold the examples" in reasons[0]
+    assert choice.implementation == JACOBIAN and plans.call_count == 0
+    for kernel in kernels:
+        assert_kernels_close(kernel, reference_ntk(model, x))
+
+
+def test_the_layout_shapes_found_for_pricing_are_reused_by_the_plans_check(cpu_prices):
+    """Where the shapes allow whole batches and 3 is picked, its check reuses the recording pass
+    that priced it."""
+    model = _wide()
+    x1, x2 = _inputs(16, 6, 4)
+    with mock.patch.object(structured_module._whole_batch, "_output_axes",
+                           wraps=structured_module._whole_batch._output_axes) as recorded:
+        ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), implementation=0)
+        kernel = ntk_fn(x1, x2)
+    choice = ntk_fn.auto_choice(x1, x2)
+    assert choice.implementation == STRUCTURED and recorded.call_count == 1
+    assert_kernels_close(kernel, reference_ntk(model, x1, x2, trace_axes=()))
+
+
 def test_the_plan_made_to_price_structured_derivatives_is_reused_by_the_kernel(cpu_prices):
     model = _wide()
     x1, x2 = _inputs(16, 6, 4)

@@ -49,8 +49,13 @@ everything else is made when it can change the pick and can pay for itself:
   best kernel's estimate; weighed against 2's lowest price first, and again if 2's probe raised
   it. Only when 3 is then the cheapest is its plan checked against autograd
   (NOTE: [Checking a plan against autograd], the dearest part of a plan: many forward passes on
-  CNNs), reusing the probe; parameters the check demotes are priced again as fallback. The probe
-  and the check are the plan the kernel computes with, so they are wasted only when 3 loses.
+  CNNs), reusing the probe; parameters the check demotes are priced again as fallback. Before
+  that, where 3 is priced with passes over the whole batch, one recording pass over the check's
+  examples tells whether the shapes allow them (``StructuredDerivatives.layout_reason``: a
+  position embedding of Hugging Face transformers, one row for all examples, does not), and 3
+  is priced per example where they do not: a BERT whose 3 then lost to 1 paid 43% of its first
+  call for a check it did not use. The check reuses that pass. The probe, the layout and the
+  check are the plan the kernel computes with, so they are wasted only when 3 loses.
   Pricing 3 from the probe (:func:`structured_cost`) works on shapes, not meta tensors, and plans
   each pair contraction once with opt_einsum's optimiser but not its bookkeeping
   (:func:`structured._contract.pair_cost`): the same numbers as before in 55-80% of the time
@@ -122,6 +127,7 @@ class StructuredPlans:
 
     unchecked: Callable[[], Plan]
     checked: Callable[[], Plan]
+    layout_reason: Callable[[], Optional[str]] = lambda: None
 
 
 def choose(
@@ -194,6 +200,16 @@ def choose(
                 price_structured()
         else:
             unprobed[_PRODUCTS] = "not probed (forward mode assumed): another implementation is estimated cheaper"
+    if plan is not None and _STRUCTURED in estimates and _pick(estimates, budget) == _STRUCTURED:
+        # NOTE: [What choosing may cost]: where 3 wins by passes over the whole batch, one recording
+        # pass tells whether its shapes allow them, before the plan's check is paid for
+        try:
+            reason = plans.layout_reason() if prices.may_take_whole_batch() and plan.whole_batch_reason is None else None
+        except Exception:  # noqa: BLE001 - the check finds it out, at its own price
+            reason = None
+        if reason is not None:
+            plan = dataclasses.replace(plan, whole_batch_reason=reason)
+            price(_STRUCTURED, lambda: prices.structured_derivatives(plan), plan)
     if plan is not None and _STRUCTURED in estimates and (_PROBE_EVERYTHING or _pick(estimates, budget) == _STRUCTURED):
         try:
             checked = plans.checked()
@@ -554,7 +570,10 @@ class AutoSelector:
         choice = self._choices.get(cache_key)
         if choice is None or (budget is not None and not _fits(choice, budget)):
             structured = self._table[_STRUCTURED]
-            plans = StructuredPlans(lambda: structured.unchecked_plan(call, key), lambda: structured.plan(call, key))
+            plans = StructuredPlans(
+                lambda: structured.unchecked_plan(call, key), lambda: structured.plan(call, key),
+                lambda: structured.layout_reason(call, key),
+            )
             choice = choose(call, plans, budget, self.planner, key)
             self._choices[cache_key] = choice
         return choice

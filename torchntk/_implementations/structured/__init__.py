@@ -37,7 +37,7 @@ from ._plan import Plan, make_plan
 from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, per_example_factors, probe, side_factors
 from ._verify import disagreements, verify, whole_batch_products
-from ._whole_batch import check_sample, with_whole_batch
+from ._whole_batch import LayoutShapes, check_sample, layout_shapes, with_whole_batch
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,8 @@ def _probed_sides(call: KernelCall, thorough: bool) -> list[Side]:
 
 
 def plan_for(
-    call: KernelCall, options: StructuredOptions, thorough: bool = False, probed: Optional[ProbedPlan] = None
+    call: KernelCall, options: StructuredOptions, thorough: bool = False, probed: Optional[ProbedPlan] = None,
+    shapes: Optional[LayoutShapes] = None,
 ) -> Plan:
     """Splits the parameters between the rules and the fallback from probe passes, checked.
 
@@ -133,6 +134,7 @@ def plan_for(
 
     Args:
         probed: the quick probes of ``call`` made already (:func:`probe_plan`), to check.
+        shapes: what the shapes of the whole-batch pass told AUTO already (``layout_shapes``).
 
     Raises:
         RuntimeError: the check's pass met other operations than the probe on the same inputs.
@@ -166,7 +168,7 @@ def plan_for(
         return dataclasses.replace(plan, whole_batch_reason="the plan comes from probes of every example")
     grouped = _within_groups(plan, call.groups) if call.groups is not None else None
     try:
-        return with_whole_batch(call, plan, grouped, single=single if grouped is None else None)
+        return with_whole_batch(call, plan, grouped, single=single if grouped is None else None, shapes=shapes)
     except PlanMismatch:
         raise _nondeterministic(call.where) from None
 
@@ -218,6 +220,7 @@ class StructuredDerivatives:
         self.options = options
         self._plans = BoundedCache(_REMEMBERED_PLANS)
         self._probes = BoundedCache(_REMEMBERED_PLANS)  # quick probes AUTO priced from, until checked
+        self._shapes = BoundedCache(_REMEMBERED_PLANS)  # what AUTO's layout_reason found, until checked
 
     def __call__(self, call: KernelCall, key: Any = None) -> list[torch.Tensor]:
         try:
@@ -243,7 +246,8 @@ class StructuredDerivatives:
         plan = None if thorough else self._plans.get(key)
         if plan is None:
             probed = None if thorough or key is None else self._probes.pop(key, None)
-            plan = plan_for(call, self.options, thorough=thorough, probed=probed)
+            shapes = None if thorough or key is None else self._shapes.pop(key, None)
+            plan = plan_for(call, self.options, thorough=thorough, probed=probed, shapes=shapes)
         if key is not None:
             self._plans[key] = plan
         return plan
@@ -263,6 +267,19 @@ class StructuredDerivatives:
             if cache_key is not None:
                 self._probes[cache_key] = probed
         return probed.unchecked()
+
+    def layout_reason(self, call: KernelCall, key: Any = None) -> Optional[str]:
+        """Why the quick plan's passes cannot run over the whole batch, as far as the shapes of one
+        recording pass tell (``layout_shapes``; None: they may), without checking the plan: AUTO
+        prices 3 from it before paying for the check. Kept for :meth:`plan`'s check to reuse."""
+        cache_key = call.cache_key(key)
+        plan = self._plans.get(cache_key)
+        if plan is not None:
+            return plan.whole_batch_reason
+        shapes = layout_shapes(call, self.unchecked_plan(call, key))
+        if cache_key is not None:
+            self._shapes[cache_key] = shapes
+        return shapes.reason
 
     def fallback_parameters(self, call: KernelCall, key: Any = None) -> dict[str, str]:
         """``{name: reason}`` of the parameters whose share comes from the Jacobian fallback."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 import math
 from typing import Callable, Optional, Union
 
@@ -63,8 +64,52 @@ _REDUCED_FLOAT32_RTOL = 2e-2
 """Float32 products in TF32 or bfloat16 (CUDA's TF32 flags, ``torchntk.precision``)."""
 
 
+@dataclass(frozen=True)
+class LayoutShapes:
+    """What shapes alone tell of a plan's whole-batch pass, from one recording pass over the
+    check's examples and no backward pass: the axis of each perturbed rule call's output that
+    holds the examples, or why the pass cannot run over the whole batch. AUTO prices 3 from it
+    before it pays for the plan's check (``StructuredDerivatives.layout_reason``), and the check
+    then reuses it.
+
+    Attributes:
+        perturbed_shapes: those of the plan it was found for (it holds for no other).
+        output_axes: ``{position: axis}``, or None where ``reason`` says why not.
+        reason: why the passes cannot run over the whole batch, or None.
+    """
+
+    perturbed_shapes: Optional[dict]
+    output_axes: Optional[dict[int, int]]
+    reason: Optional[str]
+
+
+def layout_shapes(call: KernelCall, plan: Plan) -> LayoutShapes:
+    """:class:`LayoutShapes` of ``plan`` (a quick plan, checked or not) on ``call``."""
+    shapes = plan.perturbed_shapes
+    side = call.side1
+    if not side.mapped:
+        return LayoutShapes(shapes, None, "without vmap_axes the pass is over the whole batch already")
+    if side.loop:
+        return LayoutShapes(shapes, None, "the examples are mapped by a loop")
+    if plan.local_jacobian is not None:
+        return LayoutShapes(shapes, None, "dense local Jacobians (closed_form_rules=False) are computed per example")
+    if plan.perturbed_shapes is None or plan.first_example_calls is None:
+        return LayoutShapes(
+            shapes, None, "the plan comes from probes of every example (the model's operations depend on the data)"
+        )
+    if not plan.perturbed_shapes:
+        return LayoutShapes(shapes, None, "no rule call contributes")
+    sample = check_sample(call)
+    if sample is None:
+        return LayoutShapes(
+            shapes, None, "fewer than two examples of one per-example shape to check the whole-batch pass on"
+        )
+    return LayoutShapes(shapes, *_output_axes(sample[0], plan))
+
+
 def with_whole_batch(
-    call: KernelCall, plan: Plan, checked: Optional[Plan] = None, single: Optional[SideFactors] = None
+    call: KernelCall, plan: Plan, checked: Optional[Plan] = None, single: Optional[SideFactors] = None,
+    shapes: Optional[LayoutShapes] = None,
 ) -> Plan:
     """``plan`` with its :attr:`~._plan.Plan.whole_batch` layout when the whole-batch pass is checked
     to agree with the per-example pass on ``call``'s examples, else with the reason it is not.
@@ -76,8 +121,10 @@ def with_whole_batch(
             roles), when it differs from ``plan``.
         single: the per-example factors of :func:`check_sample`'s examples and cotangents under the
             plan checked, where the check against autograd made them already.
+        shapes: :func:`layout_shapes` found already (used where they were found for this plan's
+            perturbed shapes).
     """
-    layout, reason = _layout(call, checked or plan, single)
+    layout, reason = _layout(call, checked or plan, single, shapes)
     return dataclasses.replace(plan, whole_batch=layout, whole_batch_reason=reason)
 
 
@@ -95,27 +142,15 @@ def check_sample(call: KernelCall) -> Optional[tuple[Side, tuple[torch.Tensor, .
 
 
 def _layout(
-    call: KernelCall, plan: Plan, single: Optional[SideFactors] = None
+    call: KernelCall, plan: Plan, single: Optional[SideFactors] = None, shapes: Optional[LayoutShapes] = None
 ) -> tuple[Optional[WholeBatchLayout], Optional[str]]:
-    side = call.side1
-    if not side.mapped:
-        return None, "without vmap_axes the pass is over the whole batch already"
-    if side.loop:
-        return None, "the examples are mapped by a loop"
-    if plan.local_jacobian is not None:
-        return None, "dense local Jacobians (closed_form_rules=False) are computed per example"
-    if plan.perturbed_shapes is None or plan.first_example_calls is None:
-        return None, "the plan comes from probes of every example (the model's operations depend on the data)"
-    if not plan.perturbed_shapes:
-        return None, "no rule call contributes"
-    signature = example_signature(side)
-    sample = check_sample(call)
-    if sample is None:
-        return None, "fewer than two examples of one per-example shape to check the whole-batch pass on"
-    examples, cotangents = sample
-    output_axes, reason = _output_axes(examples, plan)
-    if output_axes is None:
-        return None, reason
+    if shapes is None or shapes.perturbed_shapes != plan.perturbed_shapes:
+        shapes = layout_shapes(call, plan)
+    if shapes.output_axes is None:
+        return None, shapes.reason
+    output_axes = shapes.output_axes
+    signature = example_signature(call.side1)
+    examples, cotangents = check_sample(call)
     try:
         done = whole_batch_pass(examples, plan, output_axes, cotangents)
     except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
