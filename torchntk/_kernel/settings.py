@@ -252,7 +252,7 @@ class NtkSettings:
         ``check_vmap_axes=True``, on the first per key with ``"first"`` (the default)."""
         key = shape_key if isinstance(shape_key, PlanKey) else None
         shape_key = key.parts[0] if key is not None else shape_key or input_shape_key(x1, x2, params, kwargs)
-        key = key or plan_key(self.f, shape_key)
+        key = self.planner.canonical(key or plan_key(self.f, shape_key))
         if self.finds_axes and for_ntk:
             options = dict(
                 for_ntk=for_ntk, computes_ntk=computes_ntk, forward_run_length=forward_run_length,

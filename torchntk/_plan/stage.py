@@ -38,10 +38,22 @@ class Planner:
     def __init__(self, keeps_forward_pass: bool, watches_aliases: bool) -> None:
         self.keeps_forward_pass = keeps_forward_pass
         self.watches_aliases = watches_aliases
+        self._keys = BoundedCache(_KEYS)
         self._facts = BoundedCache(_KEYS)
         self._plans = BoundedCache(_PLANS)
         self._memory = BoundedCache(_PLANS)
         self._lock = threading.Lock()
+
+    def canonical(self, key: Hashable) -> Hashable:
+        """The key this planner keeps for keys equal to ``key`` (``key`` itself the first time): a
+        call's lookups in the planner's caches then find it by identity, where a new key's equal
+        parts (a module's structure fingerprint, a deep tuple) would be compared anew in every one
+        (eight times per warm call, 0.2 ms of a schnetpack SchNet's 12 ms)."""
+        kept = self._keys.get(key)
+        if kept is None:
+            self._keys[key] = key
+            return key
+        return kept
 
     def facts(self, key: Hashable) -> Facts:
         """What calls with ``key`` learnt."""
