@@ -334,6 +334,23 @@ def test_auto_choosing_another_implementation_after_checking_3_runs_the_derivati
     assert checked_3 and all(checked_3) and counted.runs == 1
 
 
+def test_running_out_of_memory_in_a_first_calls_plan_is_a_kernel_memory_error(monkeypatch):
+    """3's plan, made while the first call is prepared (it settles the derivative check), fails as
+    the kernel would: an allocation failure becomes a KernelMemoryError with its budget, not a raw
+    PyTorch error."""
+    from torchntk._implementations import structured as structured_module
+
+    def fails(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(structured_module, "per_example_factors", fails)
+    x1, _ = _inputs(5, 1, 4)
+    ntk_fn = torchntk.empirical_ntk_fn(_tanh_mlp(torch.device("cpu")), vmap_axes=0, implementation=3)
+    with pytest.raises(torchntk.KernelMemoryError, match="ran out of memory") as caught:
+        ntk_fn(x1)
+    assert caught.value.budget_bytes is not None and caught.value.budget_bytes > 0
+
+
 @pytest.mark.parametrize("implementation", [0, 3], ids=["AUTO", "SD"])
 def test_coupling_only_in_derivatives_is_caught_by_a_structured_plans_check(implementation, monkeypatch, device):
     """The coupling only the derivative check sees, where 3's plan check stands in for it: the

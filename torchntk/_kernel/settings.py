@@ -499,12 +499,20 @@ class NtkSettings:
         then the check runs unless 3's check settled it and 3 computes the kernel. Raises what the
         check raises."""
         pending = call.derivative_check
-        try:
+        budget = self.budget(call, caller)
+
+        def choose() -> AutoChoice:
             with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]: AUTO probes forward mode
                 if self.implementation == NtkImplementation.AUTO:
-                    picked = self.table[self.implementation].choice(call, shape_key, self.budget(call, caller))
-                else:
-                    picked = self.choice(call, shape_key)
+                    return self.table[self.implementation].choice(call, shape_key, budget)
+                return self.choice(call, shape_key)
+
+        try:
+            # as the kernel's own planning is: NOTE: [Out of memory at the kernel boundary]
+            picked = out_of_memory_boundary(
+                choose, call.where, lambda: f"implementation {int(self.implementation)}'s plan",
+                OUT_OF_MEMORY_ADVICE, call.outputs1[0].device, lambda: budget,
+            )
         except Exception:
             pending.settle()  # a vmap bug or coupled examples, explained before what they caused
             raise
