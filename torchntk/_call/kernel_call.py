@@ -173,8 +173,8 @@ class KernelCall:
         first = OutputShapes.stand_ins(outputs.first)
         second = first if outputs.second is None else OutputShapes.stand_ins(outputs.second)
         return replace(
-            self, model=None, side1=None, side2=None, vmap_check=None, groups=None, output_tree=first, derivative_check=None,
-            outputs1=first.leaves, outputs2=second.leaves,
+            self, model=None, side1=None, side2=None, vmap_check=None, groups=None, output_tree=first,
+            outputs1=first.leaves, outputs2=second.leaves, derivative_check=None,
         )
 
     def looped(self) -> "KernelCall":

@@ -204,7 +204,8 @@ def choose(
         # NOTE: [What choosing may cost]: where 3 wins by passes over the whole batch, one recording
         # pass tells whether its shapes allow them, before the plan's check is paid for
         try:
-            reason = plans.layout_reason() if prices.may_take_whole_batch() and plan.whole_batch_reason is None else None
+            priced_whole = prices.may_take_whole_batch() and plan.whole_batch_reason is None
+            reason = plans.layout_reason() if priced_whole else None
         except Exception:  # noqa: BLE001 - the check finds it out, at its own price
             reason = None
         if reason is not None:

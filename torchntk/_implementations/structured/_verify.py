@@ -140,9 +140,9 @@ def _all_agree_without_bounds(pairs: list[tuple[torch.Tensor, torch.Tensor]]) ->
     pairs = [pair for pair in pairs if pair[0].numel()]
     if not pairs:
         return True
-    if len({(tensor.dtype, tensor.device) for pair in pairs for tensor in pair}) != 1:
+    rtol = _shared_tolerance(pairs)
+    if rtol is None:
         return False
-    rtol = _tolerance(pairs[0][0].dtype, pairs[0][0].device)
 
     def largest(tensor: torch.Tensor) -> torch.Tensor:
         low, high = torch.aminmax(tensor)
@@ -151,7 +151,9 @@ def _all_agree_without_bounds(pairs: list[tuple[torch.Tensor, torch.Tensor]]) ->
     gaps = [value - expected for value, expected in pairs]
     measured = torch.stack([torch.stack([largest(gap), largest(expected)]) for gap, (_, expected) in zip(gaps, pairs)])
     quick = (measured[:, 0] <= rtol * _FLOOR * measured[:, 1]).tolist()  # NaN is no agreement
-    rest = [(gap, expected, scale) for gap, (_, expected), scale, ok in zip(gaps, pairs, measured[:, 1], quick) if not ok]
+    rest = [
+        (gap, expected, scale) for gap, (_, expected), scale, ok in zip(gaps, pairs, measured[:, 1], quick) if not ok
+    ]
     if not rest:
         return True
     worst = [(gap.abs() - rtol * (expected.abs() + _FLOOR * scale)).max() for gap, expected, scale in rest]
@@ -165,14 +167,22 @@ def _all_agree(triples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -
     triples = [triple for triple in triples if triple[0].numel()]
     if not triples:
         return True
-    if len({(tensor.dtype, tensor.device) for triple in triples for tensor in triple}) != 1:
+    rtol = _shared_tolerance(triples)
+    if rtol is None:
         return False
-    rtol = _tolerance(triples[0][0].dtype, triples[0][0].device)
     worst = [
         ((value - expected).abs() - rtol * (bound + expected.abs() + _FLOOR * bound.max())).max()
         for value, bound, expected in triples
     ]
     return bool((torch.stack(worst) <= 0).all())  # NaN is no agreement
+
+
+def _shared_tolerance(groups: list[tuple[torch.Tensor, ...]]) -> Optional[float]:
+    """The tolerance of every tensor in ``groups`` where they share one dtype and device (the
+    comparison of all parameters at once needs it), else None."""
+    if len({(tensor.dtype, tensor.device) for group in groups for tensor in group}) != 1:
+        return None
+    return _tolerance(groups[0][0].dtype, groups[0][0].device)
 
 
 def verify(call: KernelCall, plan: Plan) -> None:

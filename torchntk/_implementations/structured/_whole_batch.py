@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 import math
-from typing import Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -73,38 +73,41 @@ class LayoutShapes:
     then reuses it.
 
     Attributes:
-        perturbed_shapes: those of the plan it was found for (it holds for no other).
+        perturbed_shapes, fallback: those of the plan it was found for (it holds for no other:
+            the recording pass is read by what the plan perturbs and foresees).
         output_axes: ``{position: axis}``, or None where ``reason`` says why not.
         reason: why the passes cannot run over the whole batch, or None.
     """
 
     perturbed_shapes: Optional[dict]
+    fallback: Any
     output_axes: Optional[dict[int, int]]
     reason: Optional[str]
+
+    def holds_for(self, plan: Plan) -> bool:
+        return self.perturbed_shapes == plan.perturbed_shapes and self.fallback == plan.fallback
 
 
 def layout_shapes(call: KernelCall, plan: Plan) -> LayoutShapes:
     """:class:`LayoutShapes` of ``plan`` (a quick plan, checked or not) on ``call``."""
-    shapes = plan.perturbed_shapes
+    def refused(reason: str) -> LayoutShapes:
+        return LayoutShapes(plan.perturbed_shapes, plan.fallback, None, reason)
+
     side = call.side1
     if not side.mapped:
-        return LayoutShapes(shapes, None, "without vmap_axes the pass is over the whole batch already")
+        return refused("without vmap_axes the pass is over the whole batch already")
     if side.loop:
-        return LayoutShapes(shapes, None, "the examples are mapped by a loop")
+        return refused("the examples are mapped by a loop")
     if plan.local_jacobian is not None:
-        return LayoutShapes(shapes, None, "dense local Jacobians (closed_form_rules=False) are computed per example")
+        return refused("dense local Jacobians (closed_form_rules=False) are computed per example")
     if plan.perturbed_shapes is None or plan.first_example_calls is None:
-        return LayoutShapes(
-            shapes, None, "the plan comes from probes of every example (the model's operations depend on the data)"
-        )
+        return refused("the plan comes from probes of every example (the model's operations depend on the data)")
     if not plan.perturbed_shapes:
-        return LayoutShapes(shapes, None, "no rule call contributes")
+        return refused("no rule call contributes")
     sample = check_sample(call)
     if sample is None:
-        return LayoutShapes(
-            shapes, None, "fewer than two examples of one per-example shape to check the whole-batch pass on"
-        )
-    return LayoutShapes(shapes, *_output_axes(sample[0], plan))
+        return refused("fewer than two examples of one per-example shape to check the whole-batch pass on")
+    return LayoutShapes(plan.perturbed_shapes, plan.fallback, *_output_axes(sample[0], plan))
 
 
 def with_whole_batch(
@@ -121,8 +124,7 @@ def with_whole_batch(
             roles), when it differs from ``plan``.
         single: the per-example factors of :func:`check_sample`'s examples and cotangents under the
             plan checked, where the check against autograd made them already.
-        shapes: :func:`layout_shapes` found already (used where they were found for this plan's
-            perturbed shapes).
+        shapes: :func:`layout_shapes` found already (used where they hold for this plan).
     """
     layout, reason = _layout(call, checked or plan, single, shapes)
     return dataclasses.replace(plan, whole_batch=layout, whole_batch_reason=reason)
@@ -144,7 +146,7 @@ def check_sample(call: KernelCall) -> Optional[tuple[Side, tuple[torch.Tensor, .
 def _layout(
     call: KernelCall, plan: Plan, single: Optional[SideFactors] = None, shapes: Optional[LayoutShapes] = None
 ) -> tuple[Optional[WholeBatchLayout], Optional[str]]:
-    if shapes is None or shapes.perturbed_shapes != plan.perturbed_shapes:
+    if shapes is None or not shapes.holds_for(plan):
         shapes = layout_shapes(call, plan)
     if shapes.output_axes is None:
         return None, shapes.reason
