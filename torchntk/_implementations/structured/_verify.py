@@ -34,6 +34,7 @@ from typing import Optional
 
 import opt_einsum
 import torch
+from opt_einsum.parser import convert_to_valid_einsum_chars
 from torch.func import vjp
 
 from ..._call.kernel_call import KernelCall
@@ -244,12 +245,24 @@ def _transposed_product(use: Use, mapped: bool, bounds: bool = True) -> tuple[to
     dtype = promoted(tensor.dtype for tensor in tensors)
     tensors = [tensor.to(dtype) for tensor in tensors]
     equation = ",".join(terms) + "->" + role.param_labels
-    value = opt_einsum.contract(equation, *tensors, backend="torch") * role.scale
+    value = _contracted(equation, tensors)
+    if role.scale != 1.0:  # a parameter-sized product otherwise
+        value = value * role.scale
     size = math.prod(role.param_shape)
     if not bounds:
         return value.reshape(size), None
-    bound = opt_einsum.contract(equation, *[tensor.abs() for tensor in tensors], backend="torch") * abs(role.scale)
+    bound = _contracted(equation, [tensor.abs() for tensor in tensors]) * abs(role.scale)
     return value.reshape(size), bound.reshape(size)
+
+
+def _contracted(equation: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``equation`` over ``tensors``; ``G`` and one operand by ``torch.einsum``, which keeps ``G``
+    on the left of its batched product, so the parameter-sized result comes out contiguous:
+    opt_einsum's came out transposed for convolution weights, and flattening it copied (a
+    ResNet-18's plan check: 33 ms of copies, and 2.5 against 9.5 ms for a 512 x 4608 weight)."""
+    if len(tensors) == 2:
+        return torch.einsum(convert_to_valid_einsum_chars(equation), *tensors)
+    return opt_einsum.contract(equation, *tensors, backend="torch")
 
 
 def _per_parameter(
