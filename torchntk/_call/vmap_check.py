@@ -496,17 +496,24 @@ class PendingDerivatives:
     check: VmapAxesCheck
     side1: Side
     side2: Optional[Side]
-    settled: bool = False
+    ran: bool = False
+    vouched_by_3: bool = False  # 3's plan check agreed with the whole batch's derivatives
 
-    def settle(self) -> None:
-        """Runs the derivative check unless a plan's check settled it."""
-        if self.settled:
+    @property
+    def open(self) -> bool:
+        """Neither run nor vouched for: what 3's plan check may still settle."""
+        return not (self.ran or self.vouched_by_3)
+
+    def settle(self, computed_by_3: bool = False) -> None:
+        """Runs the derivative check, unless it ran, or 3's plan check vouched for it and 3
+        computes the kernel (``computed_by_3``): it vouches for 3's derivatives only."""
+        if self.ran or (self.vouched_by_3 and computed_by_3):
             return
         self.check.derivatives(self.side1)
         side2 = self.side2
         if side2 is not None and self.side1.batch_size() < PROBE_EXAMPLES <= side2.batch_size():
             self.check.derivatives(side2)  # a batch of one hides vmap bugs that mix examples up
-        self.settled = True
+        self.ran = True
 
 
 class VmapUnsupported(ValueError, VmapLimitation):

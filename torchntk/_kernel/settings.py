@@ -516,9 +516,7 @@ class NtkSettings:
         except Exception:
             pending.settle()  # a vmap bug or coupled examples, explained before what they caused
             raise
-        if picked.implementation != NtkImplementation.STRUCTURED_DERIVATIVES:
-            pending.settled = False  # 3's check vouches for 3's derivatives only (AUTO checked 3, then chose another)
-        pending.settle()
+        pending.settle(computed_by_3=picked.implementation == NtkImplementation.STRUCTURED_DERIVATIVES)
 
     def _switch_to_loop(self, key: tuple, error: VmapLimitation, where: str) -> None:
         """NOTE: [Switching to example loops]: later plans of ``key`` map examples by a loop."""

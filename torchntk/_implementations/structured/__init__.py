@@ -182,12 +182,12 @@ def _settles_derivatives(
     no check is pending, a parameter is left to the Jacobian fallback (whose per-example
     derivatives this would not see), or they disagree."""
     pending = call.derivative_check
-    if pending is None or pending.settled or plan.fallback:
+    if pending is None or not pending.open or plan.fallback:
         return False
     whole = whole_batch_products(examples, cotangents)
     if whole is None or disagreements(examples, plan, cotangents=cotangents, factors=factors, expected=whole):
         return False
-    pending.settled = True
+    pending.vouched_by_3 = True
     return True
 
 

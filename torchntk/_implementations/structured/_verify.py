@@ -85,7 +85,7 @@ def disagreements(
         autograd = expected
     if factors is None:
         factors = side_factors(side, plan, cotangents=cotangents)
-    values = _structured_products(factors, params, side.mapped, bounds=False)
+    values = _structured_products(factors, params, side.mapped)
     found = {}
     compared = {}
     for index, expected in enumerate(autograd):
@@ -100,12 +100,12 @@ def disagreements(
                     f"see it {_HIDDEN}"
                 )
             continue
-        compared[index] = (values[index][0], expected)
+        compared[index] = (values[index], expected)
     if _all_agree_without_bounds(list(compared.values())):
         return found
     # the bounds (a second contraction, of absolute values) only where the quick test cannot decide
-    bounded = _structured_products(factors, params, side.mapped, bounds=True)
-    triples = {index: (*bounded[index], expected) for index, (_, expected) in compared.items()}
+    bounds = _structured_products(factors, params, side.mapped, absolute=True)
+    triples = {index: (value, bounds[index], expected) for index, (value, expected) in compared.items()}
     if not _all_agree(list(triples.values())):  # then find which, one by one, to say why
         for index, (value, bound, expected) in triples.items():
             reason = _compare(value, bound, expected)
@@ -115,18 +115,14 @@ def disagreements(
 
 
 def _structured_products(
-    factors: SideFactors, params: tuple[torch.Tensor, ...], mapped: bool, bounds: bool
-) -> dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]]:
-    """``{parameter index: (structured J^T v, its bound or None)}``, flat, summed over the uses."""
-    structured: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+    factors: SideFactors, params: tuple[torch.Tensor, ...], mapped: bool, absolute: bool = False
+) -> dict[int, torch.Tensor]:
+    """``{parameter index: structured J^T v}``, flat, summed over the uses; with ``absolute``, the
+    same contractions over absolute values instead: the entries' rounding bounds."""
+    structured: dict[int, torch.Tensor] = {}
     for use in factors.uses:
-        value, bound = _transposed_product(use, mapped, bounds)
-        for index, part, part_bound in _per_parameter(use.role, value, bound, params):
-            if index in structured:
-                previous, previous_bound = structured[index]
-                part = previous + part
-                part_bound = None if part_bound is None else previous_bound + part_bound
-            structured[index] = (part, part_bound)
+        for index, part in _per_parameter(use.role, _transposed_product(use, mapped, absolute), params):
+            structured[index] = part if index not in structured else structured[index] + part
     return structured
 
 
@@ -235,24 +231,21 @@ def _autograd_products(
     return per_example, gradients
 
 
-def _transposed_product(use: Use, mapped: bool, bounds: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The structured ``J^T v`` of one use in the role's coordinates (flat), and its bound (None
-    unless ``bounds``)."""
+def _transposed_product(use: Use, mapped: bool, absolute: bool = False) -> torch.Tensor:
+    """The structured ``J^T v`` of one use in the role's coordinates (flat), or (``absolute``) the
+    same contraction over absolute values, its bound."""
     role = use.role
     batch = opt_einsum.get_symbol(5000) if mapped else ""
     terms = [batch + role.g_labels] + [batch + labels for _, labels in role.operands]
     tensors = [use.gradients[0]] + [tensor for tensor, _ in role.operands]
     dtype = promoted(tensor.dtype for tensor in tensors)
-    tensors = [tensor.to(dtype) for tensor in tensors]
+    tensors = [tensor.to(dtype).abs() if absolute else tensor.to(dtype) for tensor in tensors]
     equation = ",".join(terms) + "->" + role.param_labels
     value = _contracted(equation, tensors)
-    if role.scale != 1.0:  # a parameter-sized product otherwise
-        value = value * role.scale
-    size = math.prod(role.param_shape)
-    if not bounds:
-        return value.reshape(size), None
-    bound = _contracted(equation, [tensor.abs() for tensor in tensors]) * abs(role.scale)
-    return value.reshape(size), bound.reshape(size)
+    scale = abs(role.scale) if absolute else role.scale
+    if scale != 1.0:  # a parameter-sized product otherwise
+        value = value * scale
+    return value.reshape(math.prod(role.param_shape))
 
 
 def _contracted(equation: str, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -266,25 +259,20 @@ def _contracted(equation: str, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _per_parameter(
-    role: Role, value: torch.Tensor, bound: Optional[torch.Tensor], params: tuple[torch.Tensor, ...]
-) -> list[tuple[int, torch.Tensor, Optional[torch.Tensor]]]:
-    """``(index, value, bound)`` per parameter, flat in the parameter's own coordinates (the bound
-    None where it is)."""
+    role: Role, value: torch.Tensor, params: tuple[torch.Tensor, ...]
+) -> list[tuple[int, torch.Tensor]]:
+    """``(index, value)`` per parameter, flat in the parameter's own coordinates."""
     if role.joint:  # see Role: the last entry of the last coordinate is the bias
         (weight, bias) = role.unit
         parts = []
         for index, select in ((weight, slice(None, -1)), (bias, -1)):
-            pieces = [
-                None if tensor is None else tensor.reshape(role.param_shape)[..., select].reshape(-1)
-                for tensor in (value, bound)
-            ]
-            if pieces[0].numel() != params[index].numel():
+            piece = value.reshape(role.param_shape)[..., select].reshape(-1)
+            if piece.numel() != params[index].numel():
                 raise AssertionError(f"joint role {role.name!r} does not split into its parameters")
-            parts.append((index, *pieces))
+            parts.append((index, piece))
         return parts
     ref = role.refs[0]
-    size = params[ref.param].numel()
-    return [(ref.param, ref.scatter(value, size), None if bound is None else ref.scatter(bound, size))]
+    return [(ref.param, ref.scatter(value, params[ref.param].numel()))]
 
 
 def _compare(value: torch.Tensor, bound: torch.Tensor, expected: torch.Tensor) -> Optional[str]:
