@@ -285,20 +285,22 @@ class _CountedDerivativeChecks:
     ids=["SD", "AUTO-picks-SD", "JC", "NVP", "SD-with-fallback"],
 )
 @pytest.mark.parametrize("vmap_axes", [0, "auto"])
+@pytest.mark.parametrize("compile", [False, "eager"], ids=["eager", "captured"])
 def test_a_structured_plan_check_settles_the_derivative_check(
-    implementation, build, runs, vmap_axes, monkeypatch, device
+    implementation, build, runs, vmap_axes, compile, monkeypatch, device
 ):
     """Where 3's plan is checked on the first call and leaves nothing to the Jacobian fallback, its
     comparison with the sampled examples' whole-batch derivatives is the derivative check: the
     check's own pass (per-example derivatives under nested vmap) does not run; with 1 and 2, or a
-    fallback parameter, it runs. The kernel is right on the first, second and a later call."""
+    fallback parameter, it runs. The kernel is right on the first, second and a later call (with
+    ``compile``, the replays)."""
     if implementation == 0:
         monkeypatch.setattr("torchntk._implementations.auto._PROBE_EVERYTHING", True)  # 3 priced on a small model
     model = build(device) if build is _tanh_mlp else _seeded(build, device)
     x1, x2 = _inputs(5, 4, 4)
     reference = reference_ntk(model, x1, x2)
     counted = _CountedDerivativeChecks(monkeypatch)
-    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=implementation)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=vmap_axes, implementation=implementation, compile=compile)
     for _ in range(3):
         assert_kernels_close(ntk_fn(x1, x2), reference)
     if implementation == 0:
@@ -352,17 +354,21 @@ def test_running_out_of_memory_in_a_first_calls_plan_is_a_kernel_memory_error(mo
 
 
 @pytest.mark.parametrize("implementation", [0, 3], ids=["AUTO", "SD"])
-def test_coupling_only_in_derivatives_is_caught_by_a_structured_plans_check(implementation, monkeypatch, device):
+@pytest.mark.parametrize("compile", [False, "eager"], ids=["eager", "captured"])
+def test_coupling_only_in_derivatives_is_caught_by_a_structured_plans_check(
+    implementation, compile, monkeypatch, device
+):
     """The coupling only the derivative check sees, where 3's plan check stands in for it: the
     disagreement concludes nothing, the derivative check runs and says what is wrong; under
-    ``vmap_axes="auto"`` the kernel is then computed on whole batches, right."""
+    ``vmap_axes="auto"`` the kernel is then computed on whole batches, right (with ``compile``, on
+    the replays too)."""
     monkeypatch.setattr("torchntk._implementations.auto._PROBE_EVERYTHING", True)
     model = _seeded(_CoupledDerivatives, device)
     x1, x2 = _inputs(5, 3, 4)
     reference = reference_ntk(model, x1, x2)
     with pytest.raises(ValueError, match="couples examples through its derivatives"):
-        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)(x1, x2)
-    found = torchntk.empirical_ntk_fn(model, implementation=implementation)
+        torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, compile=compile)(x1, x2)
+    found = torchntk.empirical_ntk_fn(model, implementation=implementation, compile=compile)
     for _ in range(3):
         assert_kernels_close(found(x1, x2), reference)
     assert found.auto_choice(x1, x2).vmap_axes is None
