@@ -229,3 +229,56 @@ def test_a_caller_asks_the_plan_whether_the_call_fits_whole(monkeypatch):
     assert computed and computed[-1] is not None and computed[-1] < 32
     assert_kernels_close(ntk_fn(x1, x2), expected)  # the kernel function itself plans its own budget
     assert computed[-1] is None
+
+
+class _Walks:
+    """Counts the walks of a module tree that start at its root (``named_modules`` from the top)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: nn.Module):
+        self.count = 0
+        original = nn.Module.named_modules
+
+        def counted(module, memo=None, prefix="", remove_duplicate=True):
+            if module is root and memo is None and prefix == "":
+                self.count += 1
+            return original(module, memo, prefix, remove_duplicate)
+
+        monkeypatch.setattr(nn.Module, "named_modules", counted)
+
+
+@IMPLEMENTATIONS
+def test_a_warm_call_walks_the_module_once_and_reads_its_tensors_anew(implementation, monkeypatch):
+    """NOTE: [Module surveys]: a warm call walks the module tree once (its structure fingerprint,
+    with the train/eval modes), takes the rest from its key's survey, and reads the tensors from the
+    module on every call: values written in place and a replaced parameter give their kernels."""
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(4, 3)).to(F64).eval()  # tied
+    ntk_fn = torchntk.empirical_ntk_fn(model, implementation=implementation)
+    x1, x2 = _inputs(5, 3)
+    ntk_fn(x1, x2)
+    ntk_fn(x1, x2)
+    walks = _Walks(monkeypatch, model)
+    for step in range(3):
+        with torch.no_grad():
+            shared.weight.mul_(1.1)  # in place: the same key
+            model[4].bias.add_(0.5)
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+        assert walks.count == step + 1
+    model[4].weight = nn.Parameter(torch.randn(3, 4, dtype=F64))  # a new tensor: a new key
+    assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+    assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+
+
+def test_two_names_of_one_tied_parameter_are_refused():
+    """Every name of a tied parameter gets the value given for it; two names of it in ``params``
+    would be two values for one tensor."""
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared).to(F64).eval()
+    x1, x2 = _inputs(5, 3)
+    given = {"0.weight": shared.weight.detach().clone()}
+    expected = reference_ntk(model, x1, x2, params={"0.weight": shared.weight})
+    ntk_fn = torchntk.empirical_ntk_fn(model)
+    assert_kernels_close(ntk_fn(x1, x2, given), expected)
+    both = {"0.weight": shared.weight.detach().clone(), "2.weight": shared.weight.detach().clone()}
+    with pytest.raises(ValueError, match=r"`params` names '0\.weight' and '2\.weight', which are one tied"):
+        ntk_fn(x1, x2, both)

@@ -396,7 +396,7 @@ def bind_call(
     the keyword arguments split between x1 and x2 (whose halves must be equal when x2 is None)."""
     template, names, axes1, axes2, out_axes = kept.call, kept.names, kept.axes1, kept.axes2, kept.out_axes
     where = template.where
-    model = functional_model(f, params, where, output_fn, lazy=True)  # dies with the call
+    model = functional_model(f, params, where, output_fn, lazy=True, survey=kept.survey)  # dies with the call
     index_groups = None
     if groups is not None:
         model, index_groups = groups.split(model, f if isinstance(f, nn.Module) else None, where)

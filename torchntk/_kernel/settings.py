@@ -42,7 +42,7 @@ from .._memory import (
     resolve_budget,
 )
 from .._model.aliases import alias_checks
-from .._model.functional import training_mode_layers
+from .._model.survey import training_mode_layers
 from .._plan import UNDECIDED, CallPlan, CallTemplate, PlanKey, Planner, Purpose, input_shape_key, plan_key
 from .._model.torch_errors import explained
 from .._utils import checks as _checks
@@ -488,6 +488,7 @@ class NtkSettings:
             template = CallTemplate(
                 call.template(outputs), call.model.names, (call.side1.x_axes, call.side1.kwarg_axes),
                 None if side2 is None else (side2.x_axes, side2.kwarg_axes), call.side1.out_axes,
+                call.model.survey,
             )
             self.planner.template_for(key, purpose, template, runs)
         return call

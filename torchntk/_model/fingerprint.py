@@ -33,12 +33,13 @@ _LONG = 64
 """Containers longer than this are described by identity and length, not entry by entry."""
 
 
-def structure_fingerprint(module: nn.Module) -> tuple:
+def structure_fingerprint(module: nn.Module, modes: Optional[list] = None) -> tuple:
     """A comparable description of ``module`` without what a replica refresh copies.
 
     Two calls give equal results exactly when nothing but parameter and buffer values,
     ``requires_grad`` flags and train/eval modes changed in between (plain tensor attributes count
-    by identity and in-place version).
+    by identity and in-place version). ``modes``: a list to append every submodule's ``training``
+    flag to, in the same walk (a plan key holds both).
 
     Example:
         >>> import torch
@@ -73,6 +74,8 @@ def structure_fingerprint(module: nn.Module) -> tuple:
             else:
                 state.append((key, _describe(value, 0, None)))
         entries.append((path, type(sub), id(sub), tuple(state)))
+        if modes is not None:
+            modes.append(sub.training)
     return tuple(entries)
 
 

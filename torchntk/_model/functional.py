@@ -46,7 +46,8 @@ from .inner_derivatives import with_inner_derivatives
 from .names import parameter_names
 from .requires_grad import ignored_by_global_hooks
 from .shell import private_shell
-from .unfused import fused_layers, recurrent_layers_without_cudnn
+from .survey import ModuleSurvey, survey_of
+from .unfused import recurrent_layers_without_cudnn
 from .wrappers import compiled_function, compiled_wrapper, plain_checkpoints
 
 Call = Callable[[tuple, tuple, Mapping[str, Any]], Any]
@@ -65,6 +66,8 @@ class FunctionalModel:
         random: module paths drawing random numbers in the forward pass (active dropout).
         fused: module paths calling fused kernels that forward mode and vmap need replaced
             (``_model/unfused.fused_layers``: recurrent layers, weight norm); empty for functional models.
+        survey: a module's :class:`~torchntk._model.survey.ModuleSurvey` (NOTE: [Module surveys]);
+            None for functional models.
     """
 
     call: Call
@@ -75,6 +78,7 @@ class FunctionalModel:
     params_tree: Optional[Flat] = None
     output_fn: Optional["OutputFn"] = None
     fused: tuple[str, ...] = ()
+    survey: Optional[ModuleSurvey] = None
 
     def leaves_like_params(self, values: Any, name: str, where: str) -> tuple[torch.Tensor, ...]:
         """The tensors of ``values``, which must be structured like the differentiated parameters."""
@@ -131,18 +135,23 @@ class FunctionalModel:
 
 
 def functional_model(
-    f: Any, params: Any, where: str, output_fn: Optional["OutputFn"] = None, lazy: bool = False
+    f: Any, params: Any, where: str, output_fn: Optional["OutputFn"] = None, lazy: bool = False,
+    survey: Optional[ModuleSurvey] = None,
 ) -> FunctionalModel:
     """Builds the :class:`FunctionalModel` of an ``nn.Module`` or of ``f(params, x, **kwargs)``;
     ``output_fn`` comes from :func:`~torchntk._call.outputs.output_fn_argument`. ``lazy``: a module's
     private copies are copy-on-write (NOTE: [Modules are never mutated]); only for a model that
-    dies with the kernel call.
+    dies with the kernel call. ``survey``: a survey of the module kept under the call's plan key
+    (NOTE: [Module surveys]), which saves walking its tree again.
 
     Raises:
         TypeError: ``params`` of the wrong type, or parameters that are not floating tensors.
         ValueError: unknown parameter names, wrong shapes, or nothing to differentiate.
     """
-    model = _module_model(f, params, where, lazy) if isinstance(f, nn.Module) else _callable_model(f, params, where)
+    if isinstance(f, nn.Module):
+        model = _module_model(f, params, where, lazy, survey)
+    else:
+        model = _callable_model(f, params, where)
     model = replace(model, call=with_inner_derivatives(model.call, f, where))  # NOTE: [Derivatives inside the forward pass]
     return model if output_fn is None else replace(model, output_fn=output_fn)
 
@@ -177,7 +186,8 @@ def _has_kernel(leaf: Any) -> bool:
 
 
 def _module_model(
-    module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str, lazy: bool = False
+    module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str, lazy: bool = False,
+    kept: Optional[ModuleSurvey] = None,
 ) -> FunctionalModel:
     wrapped = compiled_wrapper(module)  # NOTE: [Compiled modules]
     prefix = ""
@@ -186,18 +196,17 @@ def _module_model(
             prefix = wrapped[1]
         else:  # the wrapper lists no parameters: it is the wrapped module, under the wrapped module's names
             module = wrapped[0]
-    scripted = [
-        path or type(sub).__name__ for path, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)
-    ]
+    survey = survey_of(module, kept)  # NOTE: [Module surveys]
+    scripted = survey.scripted
     if scripted:
         raise TypeError(
             f"{where}: the module holds TorchScript modules ({', '.join(map(repr, scripted[:3]))}), which "
             f"cannot be evaluated with other parameter tensors (torch.func.functional_call refuses them). "
             f"Pass the eager nn.Module, or a function f(params, x) that calls it."
         )
-    all_params = dict(module.named_parameters(remove_duplicate=False))
+    all_params = survey.parameters(remove_duplicate=False)
     if params is None:
-        chosen = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        chosen = {name: p for name, p in survey.parameters().items() if p.requires_grad}
         if not chosen:
             raise ValueError(
                 f"{where}: the module has no parameter with requires_grad=True to differentiate "
@@ -236,26 +245,51 @@ def _module_model(
     chosen_ids = {id(all_params[name]) for name in chosen}
     # A tied parameter has several names for one tensor; every alias of a chosen one is chosen.
     constants = _private_copies({name: p for name, p in all_params.items() if id(p) not in chosen_ids}, lazy)
-    buffers = dict(module.named_buffers(remove_duplicate=False))
+    buffers = survey.buffers()
     watch = watched(
         module, {name: all_params[name] for name in names},
         {name for name in names if not _same_values(chosen[name], all_params[name])}, where,
     )
     # The wrapper's names, as the user's object lists them, address the wrapped module's tables.
     inner = _without_prefix(prefix)
-    evaluate = _private_evaluation(wrapped[0] if prefix else module)
-    constants, buffers, inner_names = inner(constants), inner(buffers), tuple(inner(dict.fromkeys(names)))
+    evaluate = _private_evaluation(wrapped[0] if prefix else module, survey.recurrent)
+    constants, buffers = inner(constants), inner(buffers)
+    slots = tuple(tuple(inner(dict.fromkeys(aliases))) for aliases in _tied_names(all_params, names, where))
 
     def call(param_leaves: tuple, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-        tensors = {name: _private_copy(buffer, lazy) for name, buffer in buffers.items()}
+        tensors = _private_copies(buffers, lazy)
         tensors.update(constants)
-        tensors.update(zip(inner_names, param_leaves))
+        for aliases, leaf in zip(slots, param_leaves):
+            for alias in aliases:
+                tensors[alias] = leaf
         if watch is None or not watch.armed:
             return evaluate(tensors, args, dict(kwargs))
         return watch.evaluate(param_leaves, lambda: evaluate(tensors, args, dict(kwargs)))
 
-    coupled, random = training_mode_layers(module)
-    return FunctionalModel(call, leaves, names, coupled, random, fused=fused_layers(module))
+    return FunctionalModel(
+        call, leaves, names, survey.coupled, survey.random, fused=survey.fused, survey=survey
+    )
+
+
+def _tied_names(all_params: dict[str, torch.Tensor], names: tuple[str, ...], where: str) -> list[tuple[str, ...]]:
+    """Every name of each differentiated parameter (several where it is tied), so that every name
+    gets its leaf and ``functional_call`` need not walk the module to tie them.
+
+    Raises:
+        ValueError: two names of ``names`` are one tied parameter.
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in all_params.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    owner: dict[int, str] = {}
+    for name in names:
+        first = owner.setdefault(id(all_params[name]), name)
+        if first != name:
+            raise ValueError(
+                f"{where}: `params` names {first!r} and {name!r}, which are one tied parameter; pass one "
+                f"of its names (every name of a tied parameter gets its value)."
+            )
+    return [tuple(names_of[id(all_params[name])]) for name in names]
 
 
 def _without_prefix(prefix: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
@@ -354,12 +388,12 @@ def _private_copy(tensor: torch.Tensor, lazy: bool) -> torch.Tensor:
     return detached.clone()
 
 
-def _private_evaluation(module: nn.Module) -> Callable[[dict, tuple, dict], Any]:
+def _private_evaluation(module: nn.Module, recurrent: bool) -> Callable[[dict, tuple, dict], Any]:
     """``evaluate(tensors, args, kwargs)``: ``module(*args, **kwargs)`` with ``tensors`` in place of its
-    own, on this thread's shell of the module (NOTE: [Modules are never mutated])."""
+    own, on this thread's shell of the module (NOTE: [Modules are never mutated]); ``recurrent``:
+    whether it holds an ``nn.RNNBase``."""
     local = threading.local()
     local.shell = private_shell(module)
-    recurrent = any(isinstance(sub, nn.RNNBase) for sub in module.modules())
 
     def evaluate(tensors: dict, args: tuple, kwargs: dict) -> Any:
         shell = getattr(local, "shell", None)
@@ -370,24 +404,10 @@ def _private_evaluation(module: nn.Module) -> Callable[[dict, tuple, dict], Any]
             # NOTE: [Checkpoints run plain], NOTE: [Hooks that ask for gradients]; cuDNN: see
             # recurrent_layers_without_cudnn
             with ignored_by_global_hooks():
-                return torch.func.functional_call(shell, tensors, args, kwargs, tie_weights=True, strict=False)
+                # every name of a tied tensor is in ``tensors`` (_tied_names): no walk of the module to tie them
+                return torch.func.functional_call(shell, tensors, args, kwargs, tie_weights=False, strict=False)
 
     return evaluate
-
-
-def training_mode_layers(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(coupled, random)``: labels of the submodules using batch statistics, and of those drawing
-    random numbers in training mode."""
-    coupled, random = [], []
-    for path, sub in module.named_modules():
-        label = f"{type(sub).__name__} at {path!r}" if path else type(sub).__name__
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and (sub.training or not sub.track_running_stats):
-            coupled.append(label)
-        dropout = isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0
-        attention_dropout = isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0
-        if sub.training and (dropout or attention_dropout):
-            random.append(label)
-    return tuple(coupled), tuple(random)
 
 
 def _callable_model(f: Callable, params: Any, where: str) -> FunctionalModel:

@@ -30,7 +30,7 @@ runs the fused kernel, which computes it or raises its own error.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -335,7 +335,7 @@ def _enter_math_attention() -> Callable[[], None]:
     return lambda: context.__exit__(None, None, None)
 
 
-def fused_layers(module: nn.Module) -> tuple[str, ...]:
+def fused_layers(module: nn.Module, named: Optional[Iterable[tuple[str, nn.Module]]] = None) -> tuple[str, ...]:
     """The paths (``named_modules`` names; ``""`` is ``module`` itself) of the submodules that call
     a kernel of :data:`DECOMPOSITIONS`.
 

@@ -4,11 +4,10 @@
 function's facts and plans.
 """
 
-from .key import PlanKey, input_shape_key, plan_key, structure_key, training_modes
+from .key import PlanKey, input_shape_key, plan_key
 from .plan import UNDECIDED, CallPlan, CallTemplate, Facts, Purpose
 from .stage import Planner
 
 __all__ = [
     "CallPlan", "CallTemplate", "Facts", "PlanKey", "Planner", "Purpose", "UNDECIDED", "input_shape_key", "plan_key",
-    "structure_key", "training_modes",
 ]

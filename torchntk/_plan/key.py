@@ -3,10 +3,10 @@
 NOTE: [Plan keys]
 Two calls of one kernel function share a plan exactly when nothing a decision reads differs
 between them: the structure, shapes, dtypes and device types of every argument
-(:func:`input_shape_key`), the module's structure (:func:`structure_key`: classes, attributes,
+(:func:`input_shape_key`), a module's structure (its structure fingerprint: classes, attributes,
 hooks, parameter and buffer slots; see ``_model/fingerprint.py``) and its train/eval modes
-(:func:`training_modes`, which a replica refresh copies and the fingerprint therefore leaves
-out, but which decide whether batch statistics couple the examples). Tensor values are never
+(which a replica refresh copies and the fingerprint therefore leaves out, but which decide
+whether batch statistics couple the examples), or a function's identity. Tensor values are never
 part of a key: what depends on them (the kernel, the NaN check, the output check where it runs
 on every call) is computed by every call.
 """
@@ -22,7 +22,7 @@ from .._utils.tree import Flat, is_all_none
 from .._utils.types import Model
 from .._utils.values import leaf_key
 
-__all__ = ["PlanKey", "input_shape_key", "plan_key", "structure_key", "training_modes"]
+__all__ = ["PlanKey", "input_shape_key", "plan_key"]
 
 
 def input_shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
@@ -38,19 +38,6 @@ def input_shape_key(x1: Any, x2: Any, params: Any, kwargs: dict) -> tuple:
         return (str(flat.spec), flat.none_positions, leaves)
 
     return (describe_leaves(x1), is_all_none(x2), describe_leaves(x2), describe_leaves(params), describe_leaves(kwargs))
-
-
-def structure_key(f: Model) -> Any:
-    """What of the model the checks depend on besides the shapes: a module's structure
-    fingerprint, a function's identity."""
-    return structure_fingerprint(f) if isinstance(f, torch.nn.Module) else id(f)
-
-
-def training_modes(f: Model) -> Any:
-    """The train/eval flag of every submodule (None for a function)."""
-    if not isinstance(f, torch.nn.Module):
-        return None
-    return tuple(module.training for module in f.modules())
 
 
 class PlanKey:
@@ -76,4 +63,8 @@ class PlanKey:
 
 def plan_key(f: Model, shape_key: tuple) -> PlanKey:
     """The key of NOTE: [Plan keys] for a call whose :func:`input_shape_key` is ``shape_key``."""
-    return PlanKey((shape_key, structure_key(f), training_modes(f)))
+    if not isinstance(f, torch.nn.Module):
+        return PlanKey((shape_key, id(f), None))
+    modes: list[bool] = []
+    structure = structure_fingerprint(f, modes)  # one walk for both
+    return PlanKey((shape_key, structure, tuple(modes)))

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._model.functional import float_parameter, training_mode_layers
+from .._model.functional import float_parameter
+from .._model.survey import training_mode_layers
 from .._model.wrappers import compiled_wrapper
 from .._utils.checks import show
 from .._utils.tree import Flat
