@@ -344,3 +344,64 @@ def test_readings_of_whole_batch_tensors():
     assert _side.examples_first(torch.ones(4, 5), Fold(None), examples).shape == (examples, 4, 5)
     assert _side.find_fold((6, 5), (4, 5), examples) is None
     assert _side.find_fold((3, 3), (1, 1), examples) is None
+
+
+class FrozenRecurrenceBetween(nn.Module):
+    """A dense layer, a frozen ``kind`` recurrence (its fused kernel consumes no differentiated
+    parameter) and a weight-normed head: ``(N, T, 3) -> (N, 2)``. ``G`` of the first layer is pulled
+    back through the recurrence, and the head's ``_weight_norm`` consumes differentiated parameters
+    without a rule (the fallback)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 4)
+        self.recurrence = getattr(nn, kind)(4, 5, batch_first=True)
+        self.recurrence.requires_grad_(False)
+        self.head = nn.utils.parametrizations.weight_norm(nn.Linear(5, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        states, _ = self.recurrence(torch.tanh(self.first(x)))
+        return self.head(states[:, -1])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_the_recorder_of_a_whole_batch_pass_unfuses_the_kernels(kind, passes, monkeypatch):
+    """NOTE: [The recorder unfuses]: the whole-batch pass runs under no ``Unfused`` mode, its
+    recorder decomposes the fused kernels (also those consuming no differentiated parameter, which
+    vmap over the basis could not batch), and the kernel stays exact on a first, a second and a
+    later call."""
+    from torchntk._model import unfused
+
+    model = _build(FrozenRecurrenceBetween, kind)
+    modes_seen, decomposed = [], []
+    original = _side.whole_batch_pass
+    kernel = getattr(torch._VF, kind.lower())
+    decomposition = unfused.DECOMPOSITIONS[kernel]
+
+    def spied(*args, **kwargs):
+        decomposed.append(kernel)
+        return decomposition(*args, **kwargs)
+
+    def watched(side, *args, **kwargs):
+        entered = unfused.Unfused.__enter__
+
+        def counted(self):
+            modes_seen.append(self)
+            return entered(self)
+
+        monkeypatch.setattr(unfused.Unfused, "__enter__", counted)
+        monkeypatch.setitem(unfused.DECOMPOSITIONS, kernel, spied)
+        try:
+            return original(side, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(unfused.Unfused, "__enter__", entered)
+            monkeypatch.setitem(unfused.DECOMPOSITIONS, kernel, decomposition)
+
+    monkeypatch.setattr(_side, "whole_batch_pass", watched)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())
+    for seed in range(3):
+        x1, x2 = _normal(4, 6, 3, seed=seed), _normal(3, 6, 3, seed=seed + 10)
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
+    assert passes.plan.whole_batch is not None, passes.plan.whole_batch_reason
+    assert passes.whole_batch >= 3
+    assert modes_seen == [] and len(decomposed) >= 3

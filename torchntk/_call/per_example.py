@@ -46,14 +46,14 @@ class OutputAxisError(ValueError):
 
 
 @contextlib.contextmanager
-def transformed(model: FunctionalModel, where: str) -> Iterator[None]:
+def transformed(model: FunctionalModel, where: str, unfuse: bool = True) -> Iterator[None]:
     """What a pass of ``model`` under ``torch.func`` transforms runs under: vmap's errors explained,
     the kernels vmap cannot batch computed as plain ops (the model's fused recurrent and weight-norm
-    kernels, NOTE: [Unfused kernels]) and, on CUDA, the fused attention kernels
-    (``_model/unfused.math_attention``)."""
+    kernels, NOTE: [Unfused kernels]; ``unfuse=False`` where the pass's own function mode does it)
+    and, on CUDA, the fused attention kernels (``_model/unfused.math_attention``)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(vmap_errors(where))
-        if model.fused:
+        if model.fused and unfuse:
             stack.enter_context(Unfused())
         if any(param.is_cuda for param in model.params):
             stack.enter_context(math_attention())

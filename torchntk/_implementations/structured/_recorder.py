@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..._model.inner_derivatives import INNER_DERIVATIVES, parameter_behind
-from ..._model.unfused import RECURRENT
+from ..._model.unfused import DECOMPOSITIONS, RECURRENT
 from ._roles import OutputSpec, ParamRef, RuleCall
 from ._views import (
     CAST_OPS,
@@ -77,11 +77,14 @@ class Recorder(TorchFunctionMode):
     """
 
     def __init__(
-        self, params: tuple[torch.Tensor, ...], deltas: Optional[dict[int, torch.Tensor]] = None, looped: bool = False
+        self, params: tuple[torch.Tensor, ...], deltas: Optional[dict[int, torch.Tensor]] = None, looped: bool = False,
+        unfuse: bool = False,
     ):
         super().__init__()
         self._params = params
         self._looped = looped  # examples mapped by a Python loop: NOTE: [Indices that depend on the example]
+        # NOTE: [The recorder unfuses]
+        self._decompositions = DECOMPOSITIONS if unfuse else None
         self._index = {id(param): position for position, param in enumerate(params)}
         self._views: dict[int, tuple[torch.Tensor, ParamRef]] = {}
         self._deltas = deltas
@@ -114,17 +117,17 @@ class Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         found = [(leaf, ref) for leaf in _argument_leaves(args, kwargs) if (ref := self.ref_of(leaf)) is not None]
         if not found:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if self._decompositions is None else self._run(func, args, kwargs)
         if _current_level() != self._level:
             # NOTE: [Transforms inside the model]: no rule states what a transform of the model's own does
             self._unrule(found, f"{INNER_DERIVATIVES} (`{_name(func)}` consumes it inside a derivative the model takes)")
             if isinstance(func, types.FunctionType) and rule_for(func) is None:
                 with self:  # a composite's body may reach parameters that are not among its arguments
                     return _without_outer_check(func)(*args, **kwargs)
-            return func(*args, **kwargs)
+            return self._run(func, args, kwargs)
         if _writes_in_place(func, kwargs):
             self._unrule(found, f"`{_name(func)}` writes in place into it (or a view of it), or writes it elsewhere")
-            return func(*args, **kwargs)
+            return self._run(func, args, kwargs)
         if func in CAST_OPS or func in VIEW_OPS or is_view_property(func):
             return self._view(func, args, kwargs, found)
         decomposition = RECURRENT.get(func)
@@ -144,10 +147,21 @@ class Recorder(TorchFunctionMode):
         elif isinstance(func, types.FunctionType):
             with self:
                 return _without_outer_check(func)(*args, **kwargs)
-        result = func(*args, **kwargs)
+        result = self._run(func, args, kwargs)
         if any(_carries_derivative(leaf) for leaf in pytree.tree_leaves(result)):
             self._unrule(found, _no_rule(func, args))
         return result
+
+    def _run(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """``func(*args, **kwargs)``, a fused kernel as its decomposition where the recorder unfuses
+        (NOTE: [The recorder unfuses])."""
+        if self._decompositions is not None:
+            decomposition = self._decompositions.get(func)
+            if decomposition is not None:
+                result = decomposition(*args, **kwargs)
+                if result is not NotImplemented:
+                    return result
+        return func(*args, **kwargs)
 
     def __enter__(self) -> "Recorder":
         if not self._depth:
@@ -175,7 +189,7 @@ class Recorder(TorchFunctionMode):
             self.reasons.setdefault(ref.param, reason)
 
     def _view(self, func: Callable, args: tuple, kwargs: dict, found: list) -> Any:
-        result = func(*args, **kwargs)
+        result = self._run(func, args, kwargs)
         source_ref = self.ref_of(args[0]) if args else None
         if source_ref is None:
             return result  # a parameter only as a template (``x.view_as(W)``, ``x.to(W)``)
@@ -197,7 +211,20 @@ class Recorder(TorchFunctionMode):
         seen = positions(self._params[source_ref.param], source_ref)
         index = follow_view(func, args, kwargs, 0, seen)
         if any(_is_batched(leaf) for leaf in pytree.tree_leaves(index)) and not _is_batched(seen):
-            # NOTE: [Indices that depend on the example]: ``W[x.argmax(-1)]`` under vmap selects other
+            # NOTE: [The recorder unfuses]
+# Under ``torch.func`` transforms a model's fused recurrent and weight-norm kernels run as their
+# decompositions (NOTE: [Unfused kernels] in ``_model/unfused.py``), which the ``Unfused`` function
+# mode does for every other pass. A whole-batch pass (``_side.whole_batch_pass``) runs the model
+# under the recorder, which sees every call first: a second function mode below it cost every
+# operation of the pass another Python dispatch (an LSTM's unfused cells: a tenth of the Python
+# calls of a warm call) to decompose a handful of them. So the recorder of those passes
+# (``unfuse=True``) runs a kernel of ``DECOMPOSITIONS`` as its decomposition wherever it would run
+# the kernel itself, as ``Unfused`` would have right below it: with the recorder paused, so what it
+# records is unchanged. A recurrent kernel consuming recorded parameters is decomposed under the
+# recorder, as before (``RECURRENT``).
+
+
+# NOTE: [Indices that depend on the example]: ``W[x.argmax(-1)]`` under vmap selects other
             # entries for every example, which one recorded index cannot state.
             self._unrule(found, f"`{_name(func)}` selects its entries with indices computed from the input")
             return result

@@ -495,7 +495,7 @@ def whole_batch_pass(
     recorded: list[tuple[int, Role]] = []
 
     def perturbed_model(deltas: tuple[torch.Tensor, ...]) -> tuple:
-        recorder = Recorder(params, dict(zip(positions, deltas)))
+        recorder = Recorder(params, dict(zip(positions, deltas)), unfuse=bool(side.model.fused))
         with recorder:
             outputs = evaluate(params)
         if not plan.foresees(recorder.calls, recorder.unruled):
@@ -641,6 +641,8 @@ def _whole_batch_basis(outputs: tuple[torch.Tensor, ...], out_axes: Sequence[int
 @contextlib.contextmanager
 def whole_batch_context(side: Side) -> Iterator[None]:
     """What the per-example pass runs under (``Side.per_example``), for the whole-batch pass: its
-    ``vmap`` over the basis meets the same kernels (fused recurrent and attention kernels)."""
-    with transformed(side.model, side.where):
+    ``vmap`` over the basis meets the same kernels (fused recurrent and attention kernels). The
+    model's fused kernels are decomposed by the pass's recorder (``Recorder(unfuse=...)``, NOTE:
+    [The recorder unfuses]), not by a mode of their own."""
+    with transformed(side.model, side.where, unfuse=False):
         yield

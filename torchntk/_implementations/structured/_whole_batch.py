@@ -190,7 +190,7 @@ def _output_axes(examples: Side, plan: Plan) -> tuple[Optional[dict[int, int]], 
     recording pass over ``examples`` (None and why, when one has none)."""
     params = examples.model.params
     evaluate = examples.whole_batch()
-    recorder = Recorder(params)
+    recorder = Recorder(params, unfuse=bool(examples.model.fused))  # under whole_batch_context
 
     def record() -> None:
         with torch.no_grad(), recorder:
