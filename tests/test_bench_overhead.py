@@ -43,6 +43,21 @@ def test_the_counter_tells_copies_and_views_apart():
     assert counter.calls == counter.copies + counter.views + counter.ops["aten::mul"]
 
 
+def test_python_calls_are_counted_exactly():
+    """The same call counts the same; one more Python function called counts one more (or two,
+    with the built-ins it calls)."""
+
+    def inner() -> int:
+        return 1
+
+    def outer(times: int) -> None:
+        for _ in range(times):
+            inner()
+
+    once, again, twice = (bench.count_python(lambda n=n: outer(n)) for n in (1, 1, 2))
+    assert once == again and twice == once + 1
+
+
 def test_the_counter_sees_the_operations_under_torch_func():
     """vmap and jacrev run below the mode's dispatch key: the batched and backward operations count."""
     weight = torch.randn(4, 3)
@@ -61,14 +76,17 @@ def test_a_tiny_row_measures_every_implementation_and_agrees_with_the_tutorial()
         assert not result.error, result.error
         assert result.counter.calls > 0 and len(result.seconds) == 1
         assert result.counter.calls >= result.counter.copies + result.counter.views
+        assert result.python_calls > 0
         wall, outside = result.python
         assert 0 <= outside <= wall
     assert results["AUTO"].pick in (1, 2, 3)
     table = bench.table_rows(row, results, True)
     assert [cells[1] for cells in table][-1] == "tutorial"
+    headers = bench.HEADERS
     for cells in table[:-1]:
-        assert float(cells[8]) < 1e-5  # max relative difference from the tutorial's kernel
-    assert table[-1][6] == "1.00"  # the tutorial's ATen calls over its own
+        assert float(cells[headers.index("max rel. diff from tutorial")]) < 1e-5
+    assert table[-1][headers.index("ATen calls / tutorial")] == "1.00"  # the tutorial's over its own
+    assert table[-1][headers.index("Python calls")] == str(results["tutorial"].python_calls)
 
 
 @pytest.mark.slow

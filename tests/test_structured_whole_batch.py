@@ -365,43 +365,53 @@ class FrozenRecurrenceBetween(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
-def test_the_recorder_of_a_whole_batch_pass_unfuses_the_kernels(kind, passes, monkeypatch):
-    """NOTE: [The recorder unfuses]: the whole-batch pass runs under no ``Unfused`` mode, its
-    recorder decomposes the fused kernels (also those consuming no differentiated parameter, which
-    vmap over the basis could not batch), and the kernel stays exact on a first, a second and a
-    later call."""
+def test_the_recorder_passes_unfuse_the_kernels_themselves(kind, passes, monkeypatch):
+    """NOTE: [The recorder unfuses]: the recording passes of implementation 3 (the probe, the
+    per-example pass of the plan's check, the whole-batch passes) run under no ``Unfused`` mode;
+    their recorder decomposes the fused kernels (also those consuming no differentiated parameter,
+    which vmap could not batch), and the kernel stays exact on a first, a second and a later call."""
     from torchntk._model import unfused
 
     model = _build(FrozenRecurrenceBetween, kind)
-    modes_seen, decomposed = [], []
-    original = _side.whole_batch_pass
+    modes_seen: dict[str, int] = {}
+    decomposed: dict[str, int] = {}
     kernel = getattr(torch._VF, kind.lower())
     decomposition = unfused.DECOMPOSITIONS[kernel]
+    entered = unfused.Unfused.__enter__
 
-    def spied(*args, **kwargs):
-        decomposed.append(kernel)
-        return decomposition(*args, **kwargs)
+    def watched(name: str):
+        original = getattr(_side, name)
 
-    def watched(side, *args, **kwargs):
-        entered = unfused.Unfused.__enter__
+        def spied(*args, **kwargs):
+            decomposed[name] = decomposed.get(name, 0) + 1
+            return decomposition(*args, **kwargs)
 
         def counted(self):
-            modes_seen.append(self)
+            modes_seen[name] = modes_seen.get(name, 0) + 1
             return entered(self)
 
-        monkeypatch.setattr(unfused.Unfused, "__enter__", counted)
-        monkeypatch.setitem(unfused.DECOMPOSITIONS, kernel, spied)
-        try:
-            return original(side, *args, **kwargs)
-        finally:
-            monkeypatch.setattr(unfused.Unfused, "__enter__", entered)
-            monkeypatch.setitem(unfused.DECOMPOSITIONS, kernel, decomposition)
+        def run(*args, **kwargs):
+            monkeypatch.setattr(unfused.Unfused, "__enter__", counted)
+            monkeypatch.setitem(unfused.DECOMPOSITIONS, kernel, spied)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                monkeypatch.setattr(unfused.Unfused, "__enter__", entered)
+                monkeypatch.setitem(unfused.DECOMPOSITIONS, kernel, decomposition)
 
-    monkeypatch.setattr(_side, "whole_batch_pass", watched)
+        return run
+
+    names = ("probe", "per_example_factors", "whole_batch_pass")
+    for name in names:
+        spy = watched(name)
+        for module in (_side, structured, _whole_batch):  # wherever the name is looked up
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, spy)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())
     for seed in range(3):
         x1, x2 = _normal(4, 6, 3, seed=seed), _normal(3, 6, 3, seed=seed + 10)
         assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
     assert passes.plan.whole_batch is not None, passes.plan.whole_batch_reason
     assert passes.whole_batch >= 3
-    assert modes_seen == [] and len(decomposed) >= 3
+    assert modes_seen == {}
+    assert set(decomposed) == set(names) and decomposed["whole_batch_pass"] >= 3

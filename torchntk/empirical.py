@@ -242,7 +242,8 @@ def empirical_ntk_fn(
         Jacobian fallback) for those inputs. ``x1``/``x2`` are inputs (tensors or pytrees of
         tensors; numpy arrays raise a TypeError); ``x2=None`` means x1. ``params``: for a module, optional: a mapping
         ``name -> tensor`` choosing which parameters are differentiated (at these values; the
-        others keep the module's values), or a selection of the module's own parameters at
+        others keep the module's values; a tied parameter under any one of its names, which
+        all get that value: two of its names are a ValueError), or a selection of the module's own parameters at
         their current values, frozen ones included: a glob pattern or list of patterns over
         their names (``"*.lora_*"``, ``["head.*", "*.bias"]``) or a predicate
         ``(name, parameter) -> bool``; for a function, the required parameter pytree.

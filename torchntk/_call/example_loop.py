@@ -61,7 +61,7 @@ class ExampleLoops:
     def __init__(self) -> None:
         self._warned = False
         self._lock = threading.Lock()
-        self._held = threading.local()
+        self._held = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
 
     @contextlib.contextmanager
     def held(self) -> Iterator[list]:

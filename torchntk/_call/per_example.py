@@ -109,14 +109,15 @@ class Side:
         return map_examples(function, in_dims, out_dims, self.loop)
 
     @contextlib.contextmanager
-    def _errors(self) -> Iterator[None]:
+    def _errors(self, unfuse: bool = True) -> Iterator[None]:
         """vmap's errors explained, and the kernels vmap cannot batch computed as plain ops: the
-        model's fused recurrent and weight-norm kernels (NOTE: [Unfused kernels]) and, on CUDA,
-        the fused attention kernels (``_model/unfused.math_attention``)."""
+        model's fused recurrent and weight-norm kernels (NOTE: [Unfused kernels]; not where
+        ``unfuse`` is False: the pass's own function mode does it) and, on CUDA, the fused
+        attention kernels (``_model/unfused.math_attention``)."""
         if self.loop:
             yield
             return
-        with transformed(self.model, self.where):
+        with transformed(self.model, self.where, unfuse=unfuse):
             yield
 
     def batch_size(self) -> int:
@@ -272,16 +273,18 @@ class Side:
         """``(params, x_leaves, kwarg_leaves) -> output leaves``: one example when mapped, else the batch."""
         return self._one_example if self.mapped else self._call
 
-    def per_example(self, function, extra: tuple = (), extra_dims: tuple = ()):
+    def per_example(self, function, extra: tuple = (), extra_dims: tuple = (), unfuse: bool = True):
         """``function(x_leaves, kwarg_leaves, *extra)``, under ``vmap`` per example when mapped.
 
         Mapped results gain a leading example axis; ``extra_dims`` are the mapped axes of ``extra``.
+        ``unfuse=False``: ``function`` decomposes the model's fused kernels itself (a recorder's
+        pass, NOTE: [The recorder unfuses]).
         """
         x_leaves, kwarg_leaves = self._data()
         if not self.mapped:
             return function(x_leaves, kwarg_leaves, *extra)
         in_dims = self._in_dims()[1:] + tuple(extra_dims)
-        with self._errors():
+        with self._errors(unfuse):
             return self._map(function, in_dims)(x_leaves, kwarg_leaves, *extra)
 
 

@@ -52,7 +52,7 @@ class _Request:
     on_clean: Optional[Callable[[], None]] = None
 
 
-_requests = threading.local()
+_requests = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
 
 
 @contextlib.contextmanager

@@ -392,7 +392,7 @@ def _private_evaluation(module: nn.Module, recurrent: bool) -> Callable[[dict, t
     """``evaluate(tensors, args, kwargs)``: ``module(*args, **kwargs)`` with ``tensors`` in place of its
     own, on this thread's shell of the module (NOTE: [Modules are never mutated]); ``recurrent``:
     whether it holds an ``nn.RNNBase``."""
-    local = threading.local()
+    local = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
     local.shell = private_shell(module)
 
     def evaluate(tensors: dict, args: tuple, kwargs: dict) -> Any:

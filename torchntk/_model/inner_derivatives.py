@@ -195,7 +195,7 @@ def _with_wrapped_parameters(
         aliases.pop()
 
 
-_ALIASES = threading.local()
+_ALIASES = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
 """Per thread, a stack of ``{id(wrapped): (wrapped, parameter)}``: the parameters wrapped for the levels of
 models that differentiate with respect to their own parameters, innermost last."""
 

@@ -189,7 +189,7 @@ class _State:
     owners: dict[str, tuple[Any, str, Any]] = {}  # where each stand-in was set, and what to restore
     installed: dict[int, tuple[Any, Any]] = {}  # id(stand-in) -> (stand-in, original), while set
     last_module: Optional[str] = None  # the module imported last when the stand-ins were set
-    local = threading.local()  # ``depth``: this thread's evaluations in progress
+    local = threading.local()  # ``depth``: this thread's evaluations in progress (NOTE: [Thread-local state])
 
 
 def _computing() -> bool:

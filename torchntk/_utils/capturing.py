@@ -13,7 +13,7 @@ from typing import Iterator
 
 from torch.utils._python_dispatch import _disable_current_modes
 
-_CAPTURING = threading.local()
+_CAPTURING = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
 
 
 @contextlib.contextmanager

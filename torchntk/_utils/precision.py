@@ -39,7 +39,7 @@ MODES = ("float32", "tf32", "bfloat16")
 _LEGACY_MATMUL = {"float32": "highest", "tf32": "high", "bfloat16": "medium"}
 _NEW = {"float32": "ieee", "tf32": "tf32"}
 
-_requested = threading.local()
+_requested = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
 _active = WhileAnyActive()
 
 

@@ -10,6 +10,28 @@ threads running ``torch.func.jvp`` at once corrupt each other's tangents (measur
 from implementation 2 in two threads on two different models). Every forward-mode computation of
 the library therefore holds :data:`FORWARD_MODE_LOCK`. It is re-entrant, because a batched call
 that holds it may call a kernel function that takes it again.
+
+NOTE: [Thread-local state]
+State kept per thread (``threading.local``) is state that a caller cannot hand down as an
+argument, because PyTorch or the user's model stands between the two ends, and that must not
+leak into computations of other threads:
+
+* code PyTorch calls back: the recorder and the model wrappers read, from inside a function
+  mode's ``__torch_function__``, a module's ``forward`` or a stand-in set on a module attribute,
+  which parameters the levels of the model's own derivatives wrapped (``_ALIASES`` in
+  ``_model/inner_derivatives.py``), how deep this thread's evaluations are (``wrappers.py``) and
+  whether this thread is tracing a captured graph (``_utils/capturing.py``);
+* one private shell of a module per thread (``_private_evaluation`` in ``_model/functional.py``):
+  ``functional_call`` swaps tensors into the shell while the model runs;
+* context managers the user enters, like PyTorch's own (``torchntk.precision``,
+  ``_utils/precision.py``);
+* scopes that span a call's stages through the implementation table, which hands down a
+  prepared call and nothing else: which models built inside a first call's preparation are
+  watched for aliased parameters (``alias_checks``, ``_model/aliases.py``), the example-loop
+  switches a ``vmap_axes`` trial collects before it decides (``ExampleLoops.held``,
+  ``_call/example_loop.py``), and the last price of implementation 3, which AUTO computes and
+  the memory model then asks of the same call and plan (``structured_cost``,
+  ``_implementations/structured/_cost.py``; weak references, so nothing outlives the call).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:
     return cost
 
 
-_LAST = threading.local()
+_LAST = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
 
 
 def _structured_cost(call: KernelCall, plan: Plan) -> StructuredCost:

@@ -214,14 +214,16 @@ class Recorder(TorchFunctionMode):
             # NOTE: [The recorder unfuses]
 # Under ``torch.func`` transforms a model's fused recurrent and weight-norm kernels run as their
 # decompositions (NOTE: [Unfused kernels] in ``_model/unfused.py``), which the ``Unfused`` function
-# mode does for every other pass. A whole-batch pass (``_side.whole_batch_pass``) runs the model
-# under the recorder, which sees every call first: a second function mode below it cost every
-# operation of the pass another Python dispatch (an LSTM's unfused cells: a tenth of the Python
-# calls of a warm call) to decompose a handful of them. So the recorder of those passes
-# (``unfuse=True``) runs a kernel of ``DECOMPOSITIONS`` as its decomposition wherever it would run
-# the kernel itself, as ``Unfused`` would have right below it: with the recorder paused, so what it
-# records is unchanged. A recurrent kernel consuming recorded parameters is decomposed under the
-# recorder, as before (``RECURRENT``).
+# mode does for every other pass. Implementation 3's recording passes (the probe, the per-example
+# pass and the whole-batch pass in ``_side.py``) run the model under the recorder, which sees every
+# call first: a second function mode below it cost every operation another Python dispatch (an
+# LSTM's unfused cells: a tenth of the Python calls of a warm call) to decompose a handful of them.
+# So those passes enter no ``Unfused`` (``Side.per_example(unfuse=False)``, ``whole_batch_context``)
+# and their recorder (``unfuse=True``) runs a kernel of ``DECOMPOSITIONS`` as its decomposition
+# wherever it would run the kernel itself, as ``Unfused`` would have right below it: with the
+# recorder paused, so what it records is unchanged. A recurrent kernel consuming recorded
+# parameters is decomposed under the recorder, as before (``RECURRENT``). In an example loop no
+# pass unfuses (reverse mode runs the fused kernels), and neither does its recorder.
 
 
 # NOTE: [Indices that depend on the example]: ``W[x.argmax(-1)]`` under vmap selects other

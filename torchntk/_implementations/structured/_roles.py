@@ -142,9 +142,10 @@ class Role:
         """Whether the role states a weight and its bias together."""
         return len(self.refs) > 1
 
-    @property
+    @functools.cached_property
     def unit(self) -> tuple[int, ...]:
-        """The parameter indices this role covers."""
+        """The parameter indices this role covers (asked for a few times per use and contraction
+        on every call; ``refs`` is never reassigned, a changed role is a new one)."""
         return tuple(ref.param for ref in self.refs)
 
     def on_meta(self) -> "Role":

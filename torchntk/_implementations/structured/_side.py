@@ -146,7 +146,7 @@ def probe(side: Side, first_example_only: bool = True) -> Probe:
     """
     if side.mapped and first_example_only:
         side = side.narrow(0, min(1, side.batch_size()))
-    recorder = Recorder(side.model.params, looped=side.loop)
+    recorder = Recorder(side.model.params, looped=side.loop, unfuse=_unfuses(side))
 
     def record(x_leaves: tuple, kwarg_leaves: tuple) -> None:
         with torch.no_grad(), recorder:
@@ -158,8 +158,15 @@ def probe(side: Side, first_example_only: bool = True) -> Probe:
         under_a_transform(lambda: record(x_leaves, kwarg_leaves))
         return torch.zeros(())
 
-    side.per_example(run)
+    side.per_example(run, unfuse=not _unfuses(side))
     return Probe(recorder.calls, recorder.output_specs, recorder.unruled, recorder.reasons)
+
+
+def _unfuses(side: Side) -> bool:
+    """Whether a recorder pass over ``side`` decomposes the model's fused kernels itself (NOTE:
+    [The recorder unfuses]): wherever ``Side.per_example`` would enter ``Unfused`` for it (not in
+    an example loop, whose reverse-mode passes run the fused kernels)."""
+    return bool(side.model.fused) and side.mapped and not side.loop
 
 
 def under_a_transform(function: Callable[[], Any]) -> Any:
@@ -224,11 +231,12 @@ def per_example_factors(
     """:func:`side_factors` from the per-example pass of NOTE: [df/dy by perturbed passes]."""
     params = side.model.params
     kept_roles = _KeptRoles()
+    unfuse = _unfuses(side)
 
     def run(x_leaves: tuple, kwarg_leaves: tuple, *cotangent_leaves: torch.Tensor) -> tuple:
         def perturbed_model(deltas: tuple[torch.Tensor, ...]) -> tuple:
             # One pass records the rule calls, builds their operands and perturbs their outputs.
-            recorder = Recorder(params, dict(zip(positions, deltas)), looped=side.loop)
+            recorder = Recorder(params, dict(zip(positions, deltas)), looped=side.loop, unfuse=unfuse)
             with recorder:
                 outputs = side.evaluate(params, x_leaves, kwarg_leaves)
             if not plan.foresees(recorder.calls, recorder.unruled):
@@ -251,7 +259,7 @@ def per_example_factors(
         else:
             positions = None
         if positions is None:  # shapes differ from the probe's: find them with a recording pass
-            recorder = Recorder(params, looped=side.loop)
+            recorder = Recorder(params, looped=side.loop, unfuse=unfuse)
 
             def record() -> None:
                 with torch.no_grad(), recorder:  # entered inside the transform: NOTE: [Transforms inside the model]
@@ -272,7 +280,7 @@ def per_example_factors(
 
     extra = tuple(cotangents) if cotangents is not None else ()
     extra_dims = tuple(side.out_axes) if (cotangents is not None and side.mapped) else tuple(None for _ in extra)
-    gradients, operands, outputs = side.per_example(run, extra, extra_dims)
+    gradients, operands, outputs = side.per_example(run, extra, extra_dims, unfuse=not unfuse)
     # mapped results are stacked on a leading example axis; the rest is one example's shape
     output_shapes = [tuple(output.shape[1:] if side.mapped else output.shape) for output in outputs]
     if side.mapped:
