@@ -282,3 +282,21 @@ def test_two_names_of_one_tied_parameter_are_refused():
     both = {"0.weight": shared.weight.detach().clone(), "2.weight": shared.weight.detach().clone()}
     with pytest.raises(ValueError, match=r"`params` names '0\.weight' and '2\.weight', which are one tied"):
         ntk_fn(x1, x2, both)
+
+
+def test_a_plan_keeps_no_replaced_submodule_alive():
+    """NOTE: [Module surveys]: the survey a template keeps holds the submodules weakly; a head the
+    user replaced (a new key) is freed, and the new head's kernel is exact on its first and later
+    calls."""
+    model = _mlp()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+    x1, x2 = _inputs(5, 3)
+    ntk_fn(x1, x2)
+    ntk_fn(x1, x2)
+    replaced = weakref.ref(model[2])
+    torch.manual_seed(3)
+    model[2] = nn.Linear(6, 3).to(F64)
+    gc.collect()
+    assert replaced() is None
+    for _ in range(3):
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))

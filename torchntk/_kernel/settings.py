@@ -488,7 +488,7 @@ class NtkSettings:
             template = CallTemplate(
                 call.template(outputs), call.model.names, (call.side1.x_axes, call.side1.kwarg_axes),
                 None if side2 is None else (side2.x_axes, side2.kwarg_axes), call.side1.out_axes,
-                call.model.survey,
+                None if call.model.survey is None else call.model.survey.kept(),
             )
             self.planner.template_for(key, purpose, template, runs)
         return call

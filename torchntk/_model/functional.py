@@ -46,7 +46,7 @@ from .inner_derivatives import with_inner_derivatives
 from .names import parameter_names
 from .requires_grad import ignored_by_global_hooks
 from .shell import private_shell
-from .survey import ModuleSurvey, survey_of
+from .survey import KeptSurvey, ModuleSurvey, survey_of
 from .unfused import recurrent_layers_without_cudnn
 from .wrappers import compiled_function, compiled_wrapper, plain_checkpoints
 
@@ -136,7 +136,7 @@ class FunctionalModel:
 
 def functional_model(
     f: Any, params: Any, where: str, output_fn: Optional["OutputFn"] = None, lazy: bool = False,
-    survey: Optional[ModuleSurvey] = None,
+    survey: Optional[KeptSurvey] = None,
 ) -> FunctionalModel:
     """Builds the :class:`FunctionalModel` of an ``nn.Module`` or of ``f(params, x, **kwargs)``;
     ``output_fn`` comes from :func:`~torchntk._call.outputs.output_fn_argument`. ``lazy``: a module's
@@ -187,7 +187,7 @@ def _has_kernel(leaf: Any) -> bool:
 
 def _module_model(
     module: nn.Module, params: Optional[Mapping[str, torch.Tensor]], where: str, lazy: bool = False,
-    kept: Optional[ModuleSurvey] = None,
+    kept: Optional[KeptSurvey] = None,
 ) -> FunctionalModel:
     wrapped = compiled_wrapper(module)  # NOTE: [Compiled modules]
     prefix = ""

@@ -11,11 +11,14 @@ plan key holds the module's structure fingerprint (every submodule, parameter an
 by identity, every plain attribute) and its train/eval modes, so under one key the tree and
 every answer are the same. The tensors themselves are read from the submodules' tables on
 every call, so a survey holds no tensor, and values written since (an optimiser's step, a
-``load_state_dict``) are seen.
+``load_state_dict``) are seen. A plan keeps a survey with weak references to the submodules
+(:class:`KeptSurvey`), so a submodule the user replaced is not kept alive by the plans of the
+keys it was part of.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -24,7 +27,7 @@ from torch import nn
 
 from .unfused import fused_layers
 
-__all__ = ["ModuleSurvey", "survey_of", "training_mode_layers"]
+__all__ = ["KeptSurvey", "ModuleSurvey", "survey_of", "training_mode_layers"]
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,42 @@ class ModuleSurvey:
         """``dict(module.named_buffers(remove_duplicate=False))``, without walking the tree."""
         return _named(self.entries, "_buffers", False)
 
+    def kept(self) -> "KeptSurvey":
+        """This survey as a plan keeps it: the modules by weak reference."""
+        return KeptSurvey(
+            weakref.ref(self.module), tuple((path, weakref.ref(sub)) for path, sub in self.entries),
+            tuple((path, weakref.ref(sub)) for path, sub in self.unique),
+            (self.scripted, self.recurrent, self.coupled, self.random, self.fused),
+        )
 
-def survey_of(module: nn.Module, kept: Optional[ModuleSurvey] = None) -> ModuleSurvey:
-    """``kept`` where it is a survey of ``module`` (the plan key it was kept under vouches for the
-    rest: NOTE: [Module surveys]), else a new one."""
-    if kept is not None and kept.module is module:
-        return kept
+
+@dataclass(frozen=True)
+class KeptSurvey:
+    """A :class:`ModuleSurvey` with weak references to the modules (see the module docstring)."""
+
+    module: weakref.ref
+    entries: tuple[tuple[str, weakref.ref], ...]
+    unique: tuple[tuple[str, weakref.ref], ...]
+    answers: tuple  # scripted, recurrent, coupled, random, fused
+
+    def revived(self, module: nn.Module) -> Optional[ModuleSurvey]:
+        """The survey of ``module`` again, or None where it was made of another module or one of its
+        submodules is gone."""
+        if self.module() is not module:
+            return None
+        entries = tuple((path, ref()) for path, ref in self.entries)
+        unique = tuple((path, ref()) for path, ref in self.unique)
+        if any(sub is None for _, sub in entries):
+            return None
+        return ModuleSurvey(module, entries, unique, *self.answers)
+
+
+def survey_of(module: nn.Module, kept: Optional[KeptSurvey] = None) -> ModuleSurvey:
+    """The survey ``kept`` under the call's plan key, where it is one of ``module`` (the key vouches
+    for the rest: NOTE: [Module surveys]), else a new one."""
+    revived = None if kept is None else kept.revived(module)
+    if revived is not None:
+        return revived
     entries = tuple(module.named_modules(remove_duplicate=False))
     unique = tuple(module.named_modules())
     scripted = tuple(path or type(sub).__name__ for path, sub in unique if isinstance(sub, torch.jit.ScriptModule))

@@ -104,7 +104,7 @@ class CallTemplate:
     axes1: tuple  # (x_axes, kwarg_axes) of x1
     axes2: Optional[tuple]  # the same for x2, None when x2 is None
     out_axes: tuple  # the outputs' batch axes
-    survey: Any = None  # the module's survey (NOTE: [Module surveys]), which the key vouches for
+    survey: Any = None  # the module's KeptSurvey (NOTE: [Module surveys]), which the key vouches for
 
 
 @dataclass(frozen=True)
