@@ -189,7 +189,7 @@ class Recorder(TorchFunctionMode):
             self.reasons.setdefault(ref.param, reason)
 
     def _view(self, func: Callable, args: tuple, kwargs: dict, found: list) -> Any:
-        result = self._run(func, args, kwargs)
+        result = func(*args, **kwargs)
         source_ref = self.ref_of(args[0]) if args else None
         if source_ref is None:
             return result  # a parameter only as a template (``x.view_as(W)``, ``x.to(W)``)
@@ -211,22 +211,7 @@ class Recorder(TorchFunctionMode):
         seen = positions(self._params[source_ref.param], source_ref)
         index = follow_view(func, args, kwargs, 0, seen)
         if any(_is_batched(leaf) for leaf in pytree.tree_leaves(index)) and not _is_batched(seen):
-            # NOTE: [The recorder unfuses]
-# Under ``torch.func`` transforms a model's fused recurrent and weight-norm kernels run as their
-# decompositions (NOTE: [Unfused kernels] in ``_model/unfused.py``), which the ``Unfused`` function
-# mode does for every other pass. Implementation 3's recording passes (the probe, the per-example
-# pass and the whole-batch pass in ``_side.py``) run the model under the recorder, which sees every
-# call first: a second function mode below it cost every operation another Python dispatch (an
-# LSTM's unfused cells: a tenth of the Python calls of a warm call) to decompose a handful of them.
-# So those passes enter no ``Unfused`` (``Side.per_example(unfuse=False)``, ``whole_batch_context``)
-# and their recorder (``unfuse=True``) runs a kernel of ``DECOMPOSITIONS`` as its decomposition
-# wherever it would run the kernel itself, as ``Unfused`` would have right below it: with the
-# recorder paused, so what it records is unchanged. A recurrent kernel consuming recorded
-# parameters is decomposed under the recorder, as before (``RECURRENT``). In an example loop no
-# pass unfuses (reverse mode runs the fused kernels), and neither does its recorder.
-
-
-# NOTE: [Indices that depend on the example]: ``W[x.argmax(-1)]`` under vmap selects other
+            # NOTE: [Indices that depend on the example]: ``W[x.argmax(-1)]`` under vmap selects other
             # entries for every example, which one recorded index cannot state.
             self._unrule(found, f"`{_name(func)}` selects its entries with indices computed from the input")
             return result
@@ -260,6 +245,21 @@ class Recorder(TorchFunctionMode):
         if delta.shape != call.output.shape or delta.dtype != call.output.dtype:
             raise ShapeMismatch(position, tuple(call.output.shape), tuple(delta.shape))
         return call.output + delta
+
+
+# NOTE: [The recorder unfuses]
+# Under ``torch.func`` transforms a model's fused recurrent and weight-norm kernels run as their
+# decompositions (NOTE: [Unfused kernels] in ``_model/unfused.py``), which the ``Unfused`` function
+# mode does for every other pass. Implementation 3's recording passes (the probe, the per-example
+# pass and the whole-batch pass in ``_side.py``) run the model under the recorder, which sees every
+# call first: a second function mode below it cost every operation another Python dispatch (an
+# LSTM's unfused cells: a tenth of the Python calls of a warm call) to decompose a handful of them.
+# So those passes enter no ``Unfused`` (``Side.per_example(unfuse=False)``, ``whole_batch_context``)
+# and their recorder (``unfuse=True``) runs a kernel of ``DECOMPOSITIONS`` as its decomposition
+# wherever it would run the kernel itself, as ``Unfused`` would have right below it: with the
+# recorder paused, so what it records is unchanged. A recurrent kernel consuming recorded
+# parameters is decomposed under the recorder, as before (``RECURRENT``). In an example loop no
+# pass unfuses (reverse mode runs the fused kernels), and neither does its recorder.
 
 
 # NOTE: [Indices that depend on the example]

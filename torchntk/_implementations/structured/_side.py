@@ -146,7 +146,8 @@ def probe(side: Side, first_example_only: bool = True) -> Probe:
     """
     if side.mapped and first_example_only:
         side = side.narrow(0, min(1, side.batch_size()))
-    recorder = Recorder(side.model.params, looped=side.loop, unfuse=_unfuses(side))
+    unfuse = recorder_unfuses(side)
+    recorder = Recorder(side.model.params, looped=side.loop, unfuse=unfuse)
 
     def record(x_leaves: tuple, kwarg_leaves: tuple) -> None:
         with torch.no_grad(), recorder:
@@ -158,11 +159,11 @@ def probe(side: Side, first_example_only: bool = True) -> Probe:
         under_a_transform(lambda: record(x_leaves, kwarg_leaves))
         return torch.zeros(())
 
-    side.per_example(run, unfuse=not _unfuses(side))
+    side.per_example(run, unfuse=not unfuse)
     return Probe(recorder.calls, recorder.output_specs, recorder.unruled, recorder.reasons)
 
 
-def _unfuses(side: Side) -> bool:
+def recorder_unfuses(side: Side) -> bool:
     """Whether a recorder pass over ``side`` decomposes the model's fused kernels itself (NOTE:
     [The recorder unfuses]): wherever ``Side.per_example`` would enter ``Unfused`` for it (not in
     an example loop, whose reverse-mode passes run the fused kernels)."""
@@ -231,7 +232,7 @@ def per_example_factors(
     """:func:`side_factors` from the per-example pass of NOTE: [df/dy by perturbed passes]."""
     params = side.model.params
     kept_roles = _KeptRoles()
-    unfuse = _unfuses(side)
+    unfuse = recorder_unfuses(side)
 
     def run(x_leaves: tuple, kwarg_leaves: tuple, *cotangent_leaves: torch.Tensor) -> tuple:
         def perturbed_model(deltas: tuple[torch.Tensor, ...]) -> tuple:
@@ -503,7 +504,7 @@ def whole_batch_pass(
     recorded: list[tuple[int, Role]] = []
 
     def perturbed_model(deltas: tuple[torch.Tensor, ...]) -> tuple:
-        recorder = Recorder(params, dict(zip(positions, deltas)), unfuse=bool(side.model.fused))
+        recorder = Recorder(params, dict(zip(positions, deltas)), unfuse=recorder_unfuses(side))
         with recorder:
             outputs = evaluate(params)
         if not plan.foresees(recorder.calls, recorder.unruled):

@@ -42,6 +42,7 @@ from ._side import (
     find_fold,
     per_example_factors,
     read_per_example,
+    recorder_unfuses,
     under_a_transform,
     whole_batch_context,
     whole_batch_pass,
@@ -190,7 +191,7 @@ def _output_axes(examples: Side, plan: Plan) -> tuple[Optional[dict[int, int]], 
     recording pass over ``examples`` (None and why, when one has none)."""
     params = examples.model.params
     evaluate = examples.whole_batch()
-    recorder = Recorder(params, unfuse=bool(examples.model.fused))  # under whole_batch_context
+    recorder = Recorder(params, unfuse=recorder_unfuses(examples))  # under whole_batch_context
 
     def record() -> None:
         with torch.no_grad(), recorder:
