@@ -415,3 +415,32 @@ def test_the_recorder_passes_unfuse_the_kernels_themselves(kind, passes, monkeyp
     assert passes.whole_batch >= 3
     assert modes_seen == {}
     assert set(decomposed) == set(names) and decomposed["whole_batch_pass"] >= 3
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_replays_of_the_unfusing_passes_stay_exact(kind, monkeypatch):
+    """NOTE: [The recorder unfuses] with ``compile=``: the graph captured from the first call's
+    passes (with the recorder's decompositions) replays, and its kernels of other inputs and of
+    weights written in place are exact."""
+    import warnings
+
+    from torchntk._kernel.settings import NtkSettings
+
+    eager = []
+    original = NtkSettings.ntk
+
+    def counted(self, call, key, caller=None):
+        eager.append(key)
+        return original(self, call, key, caller)
+
+    monkeypatch.setattr(NtkSettings, "ntk", counted)
+    model = _build(FrozenRecurrenceBetween, kind)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), compile="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a capture refused or a replay failed
+        for seed in range(3):
+            with torch.no_grad():
+                model.first.weight.mul_(1.1)
+            x1, x2 = _normal(4, 6, 3, seed=seed), _normal(4, 6, 3, seed=seed + 10)
+            assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
+    assert len(eager) == 2  # the first call's eager computation and its trace; the others replayed
