@@ -165,14 +165,15 @@ def predicted(ntk_fn: Any, x1: Any, x2: Any, kwargs: Optional[dict] = None) -> d
     kwargs = kwargs or {}
     key = input_shape_key(x1, x2, None, kwargs)
     call = settings.prepare(x1, x2, None, kwargs, "ntk_fn", shape_key=key)
-    plan = memory_plan(settings.table, settings.implementation, call, key, settings.budget(call))
+    scope = settings.planner.scope(call.plan_key)
+    plan = memory_plan(settings.table, settings.implementation, call, scope, settings.budget(call))
     peak = plan.peak
     if peak is None:  # an unlimited budget plans nothing: the model's peak of the call as given
-        from torchntk._implementations import memory_planner
+        from torchntk._implementations.memory import modelled_peak
 
-        peak = memory_planner(settings.table).peak(
-            call, key, plan.implementation, plan.chunk_size,
-            settings.table[plan.implementation].plan(call, key) if int(plan.implementation) == 3 else None,
+        peak = modelled_peak(
+            call, scope, plan.implementation, plan.chunk_size,
+            settings.table[plan.implementation].plan(call, scope) if int(plan.implementation) == 3 else None,
         )
     return {"implementation": int(plan.implementation), "chunk_size": plan.chunk_size, "predicted": peak.total,
             "result": peak.result, "derivatives": peak.derivatives, "validation": peak.validation}

@@ -157,8 +157,8 @@ def test_a_layout_that_rules_out_whole_batches_is_priced_before_3s_plan_is_check
     reasons = []
     layout_reason = structured_module.StructuredDerivatives.layout_reason
 
-    def spied(self, call, key=None):
-        reasons.append(layout_reason(self, call, key))
+    def spied(self, call, scope=None):
+        reasons.append(layout_reason(self, call, scope))
         return reasons[-1]
 
     with mock.patch.object(structured_module.StructuredDerivatives, "layout_reason", spied), \

@@ -205,9 +205,9 @@ def test_structured_plan_is_redone_when_later_spans_run_other_operations(monkeyp
     thorough = []
     original = torchntk._implementations.structured.StructuredDerivatives.block_plan
 
-    def recording(self, call, key=None, thorough_plan=False):
+    def recording(self, call, scope=None, thorough_plan=False):
         thorough.append(thorough_plan)
-        return original(self, call, key, thorough_plan)
+        return original(self, call, scope, thorough_plan)
 
     monkeypatch.setattr(torchntk._implementations.structured.StructuredDerivatives, "block_plan", recording)
     ntk_fn = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=3)

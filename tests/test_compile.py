@@ -27,9 +27,9 @@ def eager_computations(monkeypatch):
     calls = []
     original = NtkSettings.ntk
 
-    def counted(self, call, key, caller=None):
-        calls.append(key)
-        return original(self, call, key, caller)
+    def counted(self, call, caller=None):
+        calls.append(call.plan_key)
+        return original(self, call, caller)
 
     monkeypatch.setattr(NtkSettings, "ntk", counted)
     return calls

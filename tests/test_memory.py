@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import torchntk
+from torchntk._implementations.memory import modelled_peak
 from torchntk._kernel.settings import NtkSettings
 from tests._memory_grid import (
     BATCHED, BUDGET_SLACK, FAST_GRID, FULL_GRID, GIGABYTE, prediction_errors, run_grid, within_budget,
@@ -158,13 +159,13 @@ def test_a_call_over_its_budget_runs_in_blocks_that_fit_and_gives_the_same_kerne
     settings = unlimited._settings
     key = torchntk._kernel.settings.input_shape_key(x1, x2, None, {})
     call = settings.prepare(x1, x2, None, {}, "ntk_fn", shape_key=key)
-    planner = torchntk._implementations.memory_planner(settings.table)
-    structured = settings.table[3].plan(call, key) if implementation == 3 else None
-    whole = planner.peak(call, key, torchntk.NtkImplementation(implementation), None, structured)
+    scope = settings.planner.scope(call.plan_key)
+    structured = settings.table[3].plan(call, scope) if implementation == 3 else None
+    whole = modelled_peak(call, scope, torchntk.NtkImplementation(implementation), None, structured)
     budget = 0.5 * whole.planned  # the call as given does not fit; blocks of a few examples do
     planned = torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=implementation,
                                         memory=budget)
-    if implementation == 2 and planner.peak(call, key, torchntk.NtkImplementation(2), 1).planned > budget:
+    if implementation == 2 and modelled_peak(call, scope, torchntk.NtkImplementation(2), 1).planned > budget:
         with pytest.raises(torchntk.KernelMemoryError, match="Implementation 2 pushes all of x1"):
             planned(x1, x2)  # its chunk_size cuts x2 only: batch cuts x1 too
         return
@@ -174,7 +175,7 @@ def test_a_call_over_its_budget_runs_in_blocks_that_fit_and_gives_the_same_kerne
     assert len(caught) == 1  # once per kernel function
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(again, actual)
-    plan = torchntk._implementations.memory_plan(settings.table, settings.implementation, call, key, budget)
+    plan = torchntk._implementations.memory_plan(settings.table, settings.implementation, call, scope, budget)
     assert plan.chosen and plan.chunk_size < 40 and plan.peak.planned <= budget
 
 
@@ -197,9 +198,9 @@ def test_working_set_runs_bound_the_planned_activations(implementation, monkeypa
         key = torchntk._kernel.settings.input_shape_key(x, None, None, {})
         call = ntk_fn._settings.prepare(x, None, None, {}, "ntk_fn", shape_key=key, needs_outputs=False)
         assert call.working_runs == runs
-        planner = torchntk._implementations.memory_planner(ntk_fn._settings.table)
-        structured = ntk_fn._settings.table[3].plan(call, key) if implementation == 3 else None
-        return planner.peak(call, key, torchntk.NtkImplementation(implementation), None, structured).planned
+        scope = ntk_fn._settings.planner.scope(call.plan_key)
+        structured = ntk_fn._settings.table[3].plan(call, scope) if implementation == 3 else None
+        return modelled_peak(call, scope, torchntk.NtkImplementation(implementation), None, structured).planned
 
     whole = modelled(None)
     monkeypatch.setattr(working_set, "WORKING_SET_BYTES", 1)  # runs of one example
@@ -233,9 +234,9 @@ def test_without_vmap_axes_the_plan_bounds_the_vectors_differentiated_at_once():
     settings = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=None, implementation=1)._settings
     key = torchntk._kernel.settings.input_shape_key(x, None, None, {})
     call = settings.prepare(x, None, None, {}, "ntk_fn", shape_key=key)
-    planner = torchntk._implementations.memory_planner(settings.table)
-    whole = planner.peak(call, key, torchntk.NtkImplementation(1), None)
-    one = planner.peak(call, key, torchntk.NtkImplementation(1), 1)
+    scope = settings.planner.scope(call.plan_key)
+    whole = modelled_peak(call, scope, torchntk.NtkImplementation(1), None)
+    one = modelled_peak(call, scope, torchntk.NtkImplementation(1), 1)
     budget = (whole.planned + one.planned) / 2
     with pytest.warns(torchntk.MemoryPlanWarning, match="output entries differentiated at once"):
         actual = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=None, implementation=1, memory=budget)(x)
@@ -270,7 +271,7 @@ def test_an_allocator_error_is_re_raised_with_the_plan_and_its_tensors_are_relea
     table = ntk_fn._settings.table
     held = []
 
-    def fails(call, key):
+    def fails(call, scope):
         big = torch.ones(1000)
         held.append(weakref.ref(big))
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: you "

@@ -217,9 +217,9 @@ def test_a_caller_asks_the_plan_whether_the_call_fits_whole(monkeypatch):
     computed = []
     original = implementations._Stateless.kernels
 
-    def counted(self, call, key):
+    def counted(self, call, scope):
         computed.append(call.chunk_size)
-        return original(self, call, key)
+        return original(self, call, scope)
 
     monkeypatch.setattr(implementations._Stateless, "kernels", counted)
     assert within(CallerPlan(1e6, chunking=False))(x1, x2) is NEEDS_BLOCKS
@@ -313,9 +313,9 @@ def test_replays_of_a_tied_module_read_its_tensors_anew(monkeypatch):
     eager = []
     original = NtkSettings.ntk
 
-    def counted(self, call, key, caller=None):
-        eager.append(key)
-        return original(self, call, key, caller)
+    def counted(self, call, caller=None):
+        eager.append(call.plan_key)
+        return original(self, call, caller)
 
     monkeypatch.setattr(NtkSettings, "ntk", counted)
     shared = nn.Linear(4, 4)
@@ -332,3 +332,41 @@ def test_replays_of_a_tied_module_read_its_tensors_anew(monkeypatch):
     model[4].weight = nn.Parameter(torch.randn(3, 4, dtype=F64))
     assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
     assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+
+
+@IMPLEMENTATIONS
+def test_a_key_keeps_what_its_implementations_derived_in_its_record(implementation, monkeypatch):
+    """NOTE: [One record per key]: the implementations hold no state; what they derive (3's plan,
+    AUTO's choice, the counted pass) is kept in the key's one record, so a module whose structure
+    changed (the same parameters, another activation: another key) is planned anew, and a key's
+    first call alone plans."""
+    from torchntk._implementations import auto as auto_module
+    from torchntk._implementations import structured as structured_module
+
+    model = _mlp(width=16)
+    (x,) = _inputs(5)
+    ntk_fn = torchntk.empirical_ntk_fn(model, implementation=implementation)
+    choices, plans = [], []
+    choose, plan_for = auto_module.choose, structured_module.plan_for
+    monkeypatch.setattr(auto_module, "choose", lambda *args, **kwargs: choices.append(1) or choose(*args, **kwargs))
+    monkeypatch.setattr(
+        structured_module, "plan_for", lambda *args, **kwargs: plans.append(1) or plan_for(*args, **kwargs)
+    )
+    for _ in range(3):
+        assert_kernels_close(ntk_fn(x), reference_ntk(model, x))
+    planned = (len(choices), len(plans))
+    assert planned == ((1, int(plans != [])) if implementation == 0 else (0, int(implementation == 3)))
+    model[1] = nn.ReLU()  # the parameters unchanged: only the structure fingerprint tells
+    for _ in range(3):
+        assert_kernels_close(ntk_fn(x), reference_ntk(model, x))
+    assert (len(choices), len(plans)) == (2 * planned[0], 2 * planned[1])
+
+    records = list(ntk_fn._settings.planner._records._entries.values())
+    assert len(records) == 2
+    for record in records:
+        kinds = {entry[0] for entry in record.derived._entries}
+        assert ("structured plan" in kinds) == (implementation == 3 or (implementation == 0 and plans != []))
+        assert ("auto choice" in kinds) == (implementation == 0)
+        assert record.facts.derivatives_checked
+    for entry in ntk_fn._settings.table.values():  # nothing of a call kept outside the records
+        assert all(not hasattr(value, "_entries") for value in vars(entry).values())

@@ -69,7 +69,7 @@ def test_a_two_dimensional_x2_whose_output_drops_the_examples_is_named():
 def test_an_out_of_memory_error_carries_the_budget_its_message_states(monkeypatch, memory):
     ntk_fn = torchntk.empirical_ntk_fn(_mlp(), vmap_axes=0, implementation=1, memory=memory)
 
-    def fails(call, key):
+    def fails(call, scope):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setitem(ntk_fn._settings.table, torchntk.NtkImplementation(1), mock.Mock(kernels=fails))

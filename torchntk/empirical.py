@@ -328,7 +328,7 @@ def empirical_ntk_fn(
         call = settings.prepare(
             x1, x2, params, kwargs, "ntk_fn", shape_key=key, needs_outputs=False, admit=True, caller=caller
         )
-        return settings.ntk(call, key, caller)
+        return settings.ntk(call, caller)
 
     def ntk_fn(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> PyTree:
         return settings.called(ntk, x1, x2, params, kwargs)
@@ -490,7 +490,7 @@ def empirical_kernel_fn(
         )
         kernels = {}
         if "ntk" in names:  # first: nothing is computed where it needs blocks (NOTE: [Budgets of callers])
-            kernels["ntk"] = settings.ntk(call, key, caller)
+            kernels["ntk"] = settings.ntk(call, caller)
             if kernels["ntk"] is NEEDS_BLOCKS:
                 return NEEDS_BLOCKS
         if "nngp" in names:

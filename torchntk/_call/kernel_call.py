@@ -156,10 +156,11 @@ class KernelCall:
         return replace(self, side1=side1, side2=side2, outputs1=outputs1, outputs2=self.expected_outputs(side2))
 
     def cache_key(self, key: Any) -> Any:
-        """``key`` (the caller's shape key) extended by what else decides a cached plan or choice:
-        which parameters are differentiated and their shapes, which may change between calls, and
-        how the examples are mapped (a key's first call with ``vmap_axes="auto"`` prices a loop and
-        whole batches alike, NOTE: [Loop or whole batches]). None stays None (nothing is cached)."""
+        """``key`` (a scope's name within its plan key's record, NOTE: [One record per key]) extended
+        by what else decides a kept plan or choice under one plan key: which parameters are
+        differentiated and their shapes, which may change between calls, and how the examples are
+        mapped (a key's first call with ``vmap_axes="auto"`` prices a loop and whole batches alike,
+        NOTE: [Loop or whole batches]). None stays None (nothing is kept)."""
         if key is None:
             return None
         mapping = (self.side1.mapped, self.side1.loop)

@@ -2,22 +2,22 @@
 
 NOTE: [The implementation table]
 Every implementation answers three questions about a validated
-:class:`~torchntk._call.kernel_call.KernelCall` (``key`` is the call's shape key, under which an
-implementation may cache what it learnt about those shapes):
+:class:`~torchntk._call.kernel_call.KernelCall` (``scope`` is the record of the call's key, where
+an implementation keeps what it derived for later calls with the key, NOTE: [One record per key]
+in ``_plan/scope.py``; None: nothing is kept):
 
-* ``kernels(call, key)``: one unnormalised kernel per output leaf (see :meth:`KernelCall.normalise`);
-* ``blocks(call, key, thorough, block)``: the same computation as a
+* ``kernels(call, scope)``: one unnormalised kernel per output leaf (see :meth:`KernelCall.normalise`);
+* ``blocks(call, scope, thorough, block)``: the same computation as a
   :class:`~torchntk._call.blocks.BlockPlan`, for ``chunk_size`` and ``batch`` (``thorough`` asks
   structured derivatives for a plan probed on every example; ``block`` is the block size, which
   AUTO chooses for);
-* ``choice(call, key)``: the :class:`~torchntk.AutoChoice` reported by ``ntk_fn.auto_choice``.
+* ``choice(call, scope)``: the :class:`~torchntk.AutoChoice` reported by ``ntk_fn.auto_choice``.
 
 With parameter groups (``call.groups``, NOTE: [Parameter groups] in ``_call/groups.py``) every kernel or
 block of an output leaf is a tuple of one per group; AUTO passes the call on unchanged.
 
-Jacobian contraction (1) and NTK-vector products (2) keep no state; structured derivatives (3)
-keep a plan per input shapes and AUTO (0) a choice per input shapes, so :func:`implementation_table`
-builds a fresh table for every kernel function.
+No implementation holds state: structured derivatives (3) keep their plan, and AUTO (0) its
+choice, in the key's record. A table differs between kernel functions by 3's options only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -35,7 +35,8 @@ from .._utils.types import NtkImplementation
 from .auto import AutoSelector
 from .choice import AutoChoice
 from .jacobian_contraction import jacobian_contraction_blocks, jacobian_contraction_ntk
-from .memory import MemoryPlan, MemoryPlanner, result_refusal
+from .._plan.scope import Scope
+from .memory import MemoryPlan, fitted_plan, result_refusal
 from .ntk_vector_products import ntk_vector_products_blocks, ntk_vector_products_ntk
 from .structured import StructuredDerivatives, StructuredOptions
 
@@ -43,13 +44,13 @@ from .structured import StructuredDerivatives, StructuredOptions
 class Implementation(Protocol):
     """See NOTE: [The implementation table]."""
 
-    def kernels(self, call: KernelCall, key: Hashable) -> list[torch.Tensor]: ...
+    def kernels(self, call: KernelCall, scope: Optional[Scope]) -> list[torch.Tensor]: ...
 
     def blocks(
-        self, call: KernelCall, key: Hashable, thorough: bool = False, block: Optional[tuple] = None
+        self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None
     ) -> BlockPlan: ...
 
-    def choice(self, call: KernelCall, key: Hashable) -> AutoChoice: ...
+    def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice: ...
 
 
 @dataclass(frozen=True)
@@ -60,15 +61,15 @@ class _Stateless:
     compute: Callable[[KernelCall], list[torch.Tensor]]
     plan: Callable[[KernelCall], BlockPlan]
 
-    def kernels(self, call: KernelCall, key: Hashable) -> list[torch.Tensor]:
+    def kernels(self, call: KernelCall, scope: Optional[Scope]) -> list[torch.Tensor]:
         return self.compute(call)
 
     def blocks(
-        self, call: KernelCall, key: Hashable, thorough: bool = False, block: Optional[tuple] = None
+        self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None
     ) -> BlockPlan:
         return dataclasses.replace(self.plan(call), implementation=self.implementation)
 
-    def choice(self, call: KernelCall, key: Hashable) -> AutoChoice:
+    def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice:
         return AutoChoice(self.implementation)
 
 
@@ -82,19 +83,19 @@ NTK_VECTOR_PRODUCTS = _Stateless(
 
 def implementation_table(options: StructuredOptions) -> dict[NtkImplementation, Any]:
     """The four implementations for one kernel function; ``options`` configure structured
-    derivatives (AUTO prices and uses the same instance, so a plan made to price 3 is reused)."""
+    derivatives (AUTO prices and uses the same entry, so a plan made to price 3 is reused)."""
     table: dict[NtkImplementation, Any] = {
         NtkImplementation.JACOBIAN_CONTRACTION: JACOBIAN_CONTRACTION,
         NtkImplementation.NTK_VECTOR_PRODUCTS: NTK_VECTOR_PRODUCTS,
         NtkImplementation.STRUCTURED_DERIVATIVES: StructuredDerivatives(options),
     }
-    table[NtkImplementation.AUTO] = AutoSelector(table, MemoryPlanner())
+    table[NtkImplementation.AUTO] = AutoSelector(table)
     return table
 
 
 def memory_plan(
-    table: dict[NtkImplementation, Any], implementation: NtkImplementation, call: KernelCall, key: Hashable,
-    budget: float,
+    table: dict[NtkImplementation, Any], implementation: NtkImplementation, call: KernelCall,
+    scope: Optional[Scope], budget: float,
 ) -> MemoryPlan:
     """How ``call`` runs within ``budget`` bytes with ``implementation`` of ``table`` (AUTO: the
     implementation and ``chunk_size`` it picks). See NOTE: [Memory plans].
@@ -108,13 +109,8 @@ def memory_plan(
         refusal = result_refusal(call, budget) if math.isfinite(budget) else None
         if refusal is not None:  # before choosing, which probes the model
             raise refusal
-        return selector.plan(call, key, budget)
+        return selector.plan(call, scope, budget)
     structured = None
     if implementation == NtkImplementation.STRUCTURED_DERIVATIVES and math.isfinite(budget):
-        structured = table[implementation].plan(call, key)
-    return selector.planner.plan(call, key, implementation, budget, structured)
-
-
-def memory_planner(table: dict[NtkImplementation, Any]) -> MemoryPlanner:
-    """The :class:`MemoryPlanner` of a kernel function's table."""
-    return table[NtkImplementation.AUTO].planner
+        structured = table[implementation].plan(call, scope)
+    return fitted_plan(call, scope, implementation, budget, structured)

@@ -34,7 +34,7 @@ NOTE: [What choosing may cost]
 Choosing must cost a small fraction of the kernel it picks, also for models whose kernel takes a
 few milliseconds, where every probe pass is a sizeable share of the kernel. Only the count is
 always made (a plain forward pass of one example plus a few microseconds of Python dispatch per
-ATen call, NOTE: [One counting pass], once per input shapes and shared with the memory model);
+ATen call, NOTE: [One counting pass], once per key and shared with the memory model);
 everything else is made when it can change the pick and can pay for itself:
 
 * implementation 2 is priced first with forward mode assumed, its lowest price, and probed
@@ -94,20 +94,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
 from .._call.kernel_call import KernelCall
 from .._call.per_example import Side
+from .._plan.scope import Scope
 from .._layout.runs import runs
 from .._memory import KernelMemoryError, default_budget, format_bytes
-from .._utils.bounded_cache import BoundedCache
 from .._utils.types import NtkImplementation
 from .choice import AutoChoice, Estimate
-from .counting import Counter, ExampleCount, counted_example, example_shapes, uncached
-from .memory import PLAN_ADVICE, MemoryPlan, MemoryPlanner, run_count
+from .counting import Counter, ExampleCount, counted_example, counter, example_shapes, uncached
+from .memory import PLAN_ADVICE, MemoryPlan, bounded_peak, fitted_plan, kept_sizes, modelled_peak, run_count
 from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
 from .structured._cost import structured_cost
 from .structured._joint import gradients_per_example, joinable
@@ -131,8 +131,7 @@ class StructuredPlans:
 
 
 def choose(
-    call: KernelCall, plans: StructuredPlans, budget: Optional[float] = None, planner: Optional[MemoryPlanner] = None,
-    key: Hashable = None,
+    call: KernelCall, plans: StructuredPlans, budget: Optional[float] = None, scope: Optional[Scope] = None,
 ) -> AutoChoice:
     """Prices implementations 1, 2 and 3 for ``call`` and picks the cheapest that can run and fits.
 
@@ -144,13 +143,12 @@ def choose(
         plans: implementation 3's plans for ``call`` (made, or returned from the cache, only when 3
             is priced; checked only when 3 is picked).
         budget: the memory budget in bytes; None: the default for the call's device.
-        planner, key: the kernel function's :class:`MemoryPlanner` and the call's shape key, under
-            which it caches the call's sizes (None: a planner of this choice alone).
+        scope: the record of the call's key, where the counts and the memory model's sizes are
+            kept (NOTE: [One record per key]; None: for this choice alone).
     """
     budget = _memory_budget(call.outputs1[0].device) if budget is None else budget
-    planner = MemoryPlanner() if planner is None else planner
     try:
-        prices = _Prices(call, planner.counts.for_call(call, key))
+        prices = _Prices(call, counter(call, scope))
     except Exception as error:  # noqa: BLE001 - the most general implementation runs unpriced
         reason = f"not priced: the cost model failed ({type(error).__name__}: {error})"
         return AutoChoice(_JACOBIAN, {}, budget, {}, {}, {implementation: reason for implementation in _CANDIDATES})
@@ -162,7 +160,7 @@ def choose(
         try:
             priced = estimate()
             # NOTE: [Memory plans]: the memory model's peak, chunked to fit the budget when it must be
-            estimates[implementation] = _planned(call, key, planner, prices, implementation, priced, budget, structured)
+            estimates[implementation] = _planned(call, scope, prices, implementation, priced, budget, structured)
         except Exception as error:  # noqa: BLE001 - a failure excludes the candidate, never the call
             estimates.pop(implementation, None)
             excluded[implementation] = f"{type(error).__name__}: {error}"
@@ -231,7 +229,7 @@ def choose(
 
 
 def estimate_of(
-    table: dict[NtkImplementation, Any], implementation: NtkImplementation, call: KernelCall, key: Hashable
+    table: dict[NtkImplementation, Any], implementation: NtkImplementation, call: KernelCall, scope: Optional[Scope]
 ) -> Estimate:
     """The cost model's estimate of ``implementation`` (1, 2 or 3) on ``call``, FLOPs only, as
     :func:`choose` prices it unplanned: what a kernel function built with that implementation
@@ -240,13 +238,12 @@ def estimate_of(
     Raises:
         Exception: whatever the count, the probe or the plan raises (the caller does without).
     """
-    selector = table[NtkImplementation.AUTO]
-    prices = _Prices(call, selector.planner.counts.for_call(call, key))
+    prices = _Prices(call, counter(call, scope))
     if implementation == _JACOBIAN:
         return prices.jacobian_contraction()
     if implementation == _PRODUCTS:
         return prices.ntk_vector_products(vector_products_method(call.side1))
-    return prices.structured_derivatives(table[_STRUCTURED].unchecked_plan(call, key))
+    return prices.structured_derivatives(table[_STRUCTURED].unchecked_plan(call, scope))
 
 
 def _pick(estimates: dict[NtkImplementation, Estimate], budget: float) -> Optional[NtkImplementation]:
@@ -262,7 +259,7 @@ def _pick(estimates: dict[NtkImplementation, Estimate], budget: float) -> Option
 
 
 def _planned(
-    call: KernelCall, key: Hashable, planner: MemoryPlanner, prices: "_Prices", implementation: NtkImplementation,
+    call: KernelCall, scope: Optional[Scope], prices: "_Prices", implementation: NtkImplementation,
     estimate: Estimate, budget: float, structured: Any,
 ) -> Estimate:
     """``estimate`` with the memory model's peak of the call as given (NOTE: [Memory plans]), or an
@@ -274,19 +271,19 @@ def _planned(
         # AUTO's own count bounds the elements one example writes (each costs _ELEMENT_FLOPS of its
         # work): a candidate whose bounded peak fits needs no counted pass of its own.
         written = prices.example_work / _ELEMENT_FLOPS if prices.example_work > 2.0 * prices.params else 0.0
-        bound = planner.bounded_peak(call, implementation, written, structured)
+        bound = bounded_peak(call, implementation, written, structured)
         as_given = dataclasses.replace(estimate, flops=estimate.flops + _working_set_runs(prices, implementation))
         if bound is not None and bound.planned <= budget:
             return dataclasses.replace(as_given, memory_bytes=bound.planned)
-        peak = planner.peak(call, key, implementation, call.chunk_size, structured)
+        peak = modelled_peak(call, scope, implementation, call.chunk_size, structured)
         if peak.planned <= budget or not math.isfinite(budget):
             return dataclasses.replace(as_given, memory_bytes=peak.planned)
-        plan = planner.plan(call, key, implementation, budget, structured)
+        plan = fitted_plan(call, scope, implementation, budget, structured)
     except KernelMemoryError as refusal:
         return dataclasses.replace(estimate, memory_bytes=refusal.needed_bytes or math.inf)
     except Exception:  # noqa: BLE001 - an estimate only: the FLOP model's figure stays
         return estimate
-    runs1, runs2 = run_count(planner.sizes(call, key), implementation, plan.chunk_size)
+    runs1, runs2 = run_count(kept_sizes(call, scope), implementation, plan.chunk_size)
     flops = estimate.flops + _recomputed(prices, implementation, runs1, runs2, call.reuses_x1)
     return dataclasses.replace(estimate, flops=flops, memory_bytes=plan.peak.planned, chunk_size=plan.chunk_size)
 
@@ -552,43 +549,47 @@ def _memory_budget(device: torch.device) -> float:
     return default_budget(device)
 
 
+_CHOICE = "auto choice"
+"""The kind of AUTO's choice in a key's record (NOTE: [One record per key])."""
+
+
+@dataclass(frozen=True)
 class AutoSelector:
-    """Implementation 0: chooses per input shapes (cached) and runs the chosen implementation.
+    """Implementation 0: chooses per key (the choice kept in the key's record, reached by the
+    ``scope`` each method is given: NOTE: [One record per key]) and runs the chosen implementation.
 
     ``table`` is the kernel function's implementation table (NOTE: [The implementation table]); its
-    structured derivatives are priced from, and then compute with, the same cached plan.
+    structured derivatives are priced from, and then compute with, the same kept plan.
     """
 
-    def __init__(self, table: dict[NtkImplementation, Any], planner: Optional[MemoryPlanner] = None):
-        self._table = table
-        self._choices = BoundedCache(_REMEMBERED_CHOICES)
-        self.planner = MemoryPlanner() if planner is None else planner
+    table: dict = field(compare=False)
 
-    def choice(self, call: KernelCall, key: Hashable, budget: Optional[float] = None) -> AutoChoice:
-        """The cached choice for ``key``; made anew when the cached plan exceeds ``budget`` (a default
-        budget follows the free memory, which changes between calls)."""
-        cache_key = call.cache_key(key)
-        choice = self._choices.get(cache_key)
+    def choice(self, call: KernelCall, scope: Optional[Scope], budget: Optional[float] = None) -> AutoChoice:
+        """The kept choice; made anew when the kept plan exceeds ``budget`` (a default budget
+        follows the free memory, which changes between calls)."""
+        choice = None if scope is None else scope.get(_CHOICE, call)
         if choice is None or (budget is not None and not _fits(choice, budget)):
-            structured = self._table[_STRUCTURED]
+            structured = self.table[_STRUCTURED]
             plans = StructuredPlans(
-                lambda: structured.unchecked_plan(call, key), lambda: structured.plan(call, key),
-                lambda: structured.layout_reason(call, key),
+                lambda: structured.unchecked_plan(call, scope), lambda: structured.plan(call, scope),
+                lambda: structured.layout_reason(call, scope),
             )
-            choice = choose(call, plans, budget, self.planner, key)
-            self._choices[cache_key] = choice
+            choice = choose(call, plans, budget, scope)
+            if scope is not None:
+                scope.put(_CHOICE, call, choice)
         return choice
 
-    def plan(self, call: KernelCall, key: Hashable, budget: float) -> MemoryPlan:
+    def plan(self, call: KernelCall, scope: Optional[Scope], budget: float) -> MemoryPlan:
         """The plan of the implementation AUTO picks within ``budget`` (NOTE: [Memory plans]).
 
         Raises:
             KernelMemoryError: no candidate's plan fits.
         """
-        choice = self.choice(call, key, budget)
+        choice = self.choice(call, scope, budget)
         estimate = choice.estimates.get(choice.implementation)
         if estimate is None:  # not priced (the cost model failed): plan it as a fixed implementation
-            return self.planner.plan(call, key, choice.implementation, budget, self._structured_plan(choice, call, key))
+            structured = self._structured_plan(choice, call, scope)
+            return fitted_plan(call, scope, choice.implementation, budget, structured)
         if math.isfinite(budget) and estimate.memory_bytes > budget:
             needs = ", ".join(
                 f"{int(implementation)} needs {format_bytes(value.memory_bytes)}"
@@ -601,31 +602,33 @@ class AutoSelector:
             )
         if not math.isfinite(budget):
             return MemoryPlan(choice.implementation, estimate.chunk_size or call.chunk_size, None, budget)
-        structured = self._structured_plan(choice, call, key)
+        structured = self._structured_plan(choice, call, scope)
         chunk = estimate.chunk_size if estimate.chunk_size is not None else call.chunk_size
-        peak = self.planner.peak(call, key, choice.implementation, chunk, structured)
+        peak = modelled_peak(call, scope, choice.implementation, chunk, structured)
         replaced = None
         if chunk != call.chunk_size:
-            replaced = self.planner.peak(call, key, choice.implementation, call.chunk_size, structured)
+            replaced = modelled_peak(call, scope, choice.implementation, call.chunk_size, structured)
         return MemoryPlan(choice.implementation, chunk, peak, budget, replaced)
 
-    def _structured_plan(self, choice: AutoChoice, call: KernelCall, key: Hashable) -> Any:
+    def _structured_plan(self, choice: AutoChoice, call: KernelCall, scope: Optional[Scope]) -> Any:
         if choice.implementation != _STRUCTURED:
             return None
-        return self._table[_STRUCTURED].plan(call, key)
+        return self.table[_STRUCTURED].plan(call, scope)
 
-    def kernels(self, call: KernelCall, key: Hashable) -> Any:
-        return self._table[self.choice(call, key).implementation].kernels(call, key)
+    def kernels(self, call: KernelCall, scope: Optional[Scope]) -> Any:
+        return self.table[self.choice(call, scope).implementation].kernels(call, scope)
 
-    def blocks(self, call: KernelCall, key: Hashable, thorough: bool = False, block: Optional[tuple] = None) -> Any:
+    def blocks(
+        self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None
+    ) -> Any:
         """The block plan of the implementation chosen for the first block (``block``: the block
         sizes of x1 and x2), whose shapes every other block but the last shares."""
-        first, choice_key = call, key
+        first, choice_scope = call, scope
         if block is not None:
             first = call.narrow((0, block[0]), None if call.reuses_x1 else (0, block[1]))
-            choice_key = (key, block)
-        chosen = self.choice(first, choice_key).implementation
-        return self._table[chosen].blocks(call, key, thorough, block)
+            choice_scope = None if scope is None else scope.within(block)
+        chosen = self.choice(first, choice_scope).implementation
+        return self.table[chosen].blocks(call, scope, thorough, block)
 
 
 def _fits(choice: AutoChoice, budget: float) -> bool:
@@ -633,5 +636,3 @@ def _fits(choice: AutoChoice, budget: float) -> bool:
     estimate = choice.estimates.get(choice.implementation)
     return estimate is None or estimate.memory_bytes <= budget
 
-
-_REMEMBERED_CHOICES = 64

@@ -6,8 +6,8 @@ AUTO (NOTE: [AUTO's cost model] in ``auto.py``) and the memory model (NOTE: [Mem
 ATen calls, FLOPs and the elements its operations write, the memory model from the elements its
 operations write (views and the functional model's copies apart), the largest of them and the
 parameters used more than once. One pass under :class:`_CountingMode` records all of it, and a
-kernel function counts each side once per input shapes (:class:`ExampleCounts`, held by its
-:class:`~torchntk._implementations.memory.MemoryPlanner`, which AUTO shares): on an AUTO kernel
+kernel function counts each side once per key (:func:`counter`, kept in the key's record, NOTE:
+[One record per key], which AUTO and the memory model share): on an AUTO kernel
 function's first call the working-set runs (``_kernel/working_set.py``), the memory plan and
 AUTO's choice used to make two such passes, now they make one. The one pass costs what the memory
 model's alone did: 0.3, 0.7 and 15 ms on one example of an 8-32-32-4 MLP, the benchmark CNN and
@@ -28,7 +28,7 @@ paths a no-grad pass would. That context saves and restores process-wide PyTorch
 between, so the pass holds :data:`~torchntk._utils.threads.FORWARD_MODE_LOCK` like every other
 user of the context (NOTE: [Threads]). The lock is re-entrant: an AUTO or implementation-2 call
 that already holds it pays nothing more; ``auto_choice`` and implementations 1 and 3 take it for
-the pass only (a few milliseconds once per input shapes).
+the pass only (a few milliseconds once per key).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -47,7 +47,7 @@ from .._call.kernel_call import KernelCall
 from .._call.per_example import Side
 from .._model.aliases import storage_key
 from .._model.unfused import forward_mode_kernels
-from .._utils.bounded_cache import BoundedCache
+from .._plan.scope import Scope, cached
 from .._utils.threads import FORWARD_MODE_LOCK
 from .._utils.values import leaf_key
 
@@ -232,42 +232,32 @@ def example_shapes(side: Side) -> Optional[tuple]:
 
 
 Counter = Callable[[Side], Optional[ExampleCount]]
-"""``side -> its count``, for the sides of one call (:meth:`ExampleCounts.for_call`)."""
+"""``side -> its count``, for the sides of one call (:func:`counter`)."""
+
+_COUNT = "example count"
+"""The kind of a side's count in a key's record (NOTE: [One record per key])."""
 
 _MISSING = object()
 
 
-class ExampleCounts:
-    """The counts of a kernel function's calls: one per side and input shapes (NOTE: [One counting
-    pass]). Thread-safe: its cache is, and two threads counting the same side at once both count
-    (the same numbers)."""
+def counter(call: KernelCall, scope: Optional[Scope]) -> Counter:
+    """``side -> count`` for the sides of ``call``, kept in the key's record (``scope``; None:
+    kept for this call only). x2 is priced from x1's count when its examples have x1's shapes.
+    Thread-safe: two threads counting the same side at once both count (the same numbers)."""
+    within: dict = {}
 
-    def __init__(self, size: int = 128) -> None:
-        self._cache = BoundedCache(size)
+    def count(side: Side) -> Optional[ExampleCount]:
+        shapes = example_shapes(side)
+        side_key = ("example", shapes) if shapes is not None else ("side", side.name)
+        found = within.get(side_key, _MISSING)
+        if found is _MISSING:
+            found = within[side_key] = cached(scope, _COUNT, call, lambda: count_example(side), side_key)
+        return found
 
-    def for_call(self, call: KernelCall, key: Hashable) -> Counter:
-        """``side -> count`` for the sides of ``call``, whose shape key is ``key`` (None: nothing is
-        kept beyond the call). x2 is priced from x1's count when its examples have x1's shapes."""
-        base = call.cache_key(key)
-        within: dict = {}
-
-        def count(side: Side) -> Optional[ExampleCount]:
-            shapes = example_shapes(side)
-            side_key = ("example", shapes) if shapes is not None else ("side", side.name)
-            found = within.get(side_key, _MISSING)
-            if found is _MISSING and base is not None:
-                found = self._cache.get((base, side_key), _MISSING)
-            if found is _MISSING:
-                found = count_example(side)
-                if base is not None:
-                    self._cache[base, side_key] = found
-            within[side_key] = found
-            return found
-
-        return count
+    return count
 
 
 def uncached(call: KernelCall) -> Counter:
     """``side -> count`` for one call, kept for that call only (x2 priced from x1's count when
     their examples' shapes agree)."""
-    return ExampleCounts().for_call(call, None)
+    return counter(call, None)

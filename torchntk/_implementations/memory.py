@@ -61,18 +61,18 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .._call.kernel_call import KernelCall
+from .._plan.scope import Scope, cached
 from .._layout.runs import runs
 from .._layout.tiles import Placement
 from .._memory import KernelMemoryError, MemoryPlanWarning, available_bytes, format_bytes
-from .._utils.bounded_cache import BoundedCache
 from .._utils.checks import user_stacklevel
 from .._utils.types import NtkImplementation
-from .counting import Counter, ExampleCount, ExampleCounts, example_shapes, uncached
+from .counting import Counter, ExampleCount, counter, example_shapes, uncached
 from .ntk_vector_products import default_run_length
 from .structured._cost import structured_cost
 
@@ -149,7 +149,7 @@ class _SideSizes:
 
 @dataclass(frozen=True)
 class CallSizes:
-    """What the model needs of one call, measured once per input shapes (:meth:`MemoryPlanner.sizes`)."""
+    """What the model needs of one call, measured once per key (:func:`kept_sizes`)."""
 
     mapped: bool
     reuses_x1: bool
@@ -532,112 +532,97 @@ def plan_refusal(
     )
 
 
-class MemoryPlanner:
-    """The sizes and modelled peaks of calls (cached per input shapes) and the plans made from them,
-    for one kernel function (NOTE: [Memory plans]). Thread-safe: its caches are."""
+_SIZES, _PEAK = "memory sizes", "memory peak"
+"""The kinds of what the memory model keeps in a key's record (NOTE: [One record per key])."""
 
-    def __init__(self) -> None:
-        self._sizes = BoundedCache(_REMEMBERED)
-        self._peaks = BoundedCache(_REMEMBERED * 8)
-        self._warned = False
-        self.counts = ExampleCounts()  # NOTE: [One counting pass]: AUTO prices from the same counts
 
-    @staticmethod
-    def _key(call: KernelCall, key: Hashable) -> Optional[Hashable]:
-        cache_key = call.cache_key(key)
-        return None if cache_key is None else (cache_key, call.side1.loop)
+def kept_sizes(call: KernelCall, scope: Optional[Scope]) -> CallSizes:
+    """The call's :class:`CallSizes`, measured once per key (``scope``; None: for this call alone)."""
+    return cached(scope, _SIZES, call, lambda: call_sizes(call, count=counter(call, scope)))
 
-    def sizes(self, call: KernelCall, key: Hashable) -> CallSizes:
-        cache_key = self._key(call, key)
-        found = self._sizes.get(cache_key) if cache_key is not None else None
-        if found is None:
-            found = call_sizes(call, count=self.counts.for_call(call, key))
-            if cache_key is not None:
-                self._sizes[cache_key] = found
-        return found
 
-    def bounded_peak(
-        self, call: KernelCall, implementation: NtkImplementation, written: float, structured_plan: Any = None,
-    ) -> Optional[Peak]:
-        """An upper bound of :meth:`peak` for the call as given, without the counted pass: every
-        example writing at most ``written`` elements (all of them one tensor) and every parameter
-        used twice. None where the bound cannot be made (x2's examples shaped unlike x1's, no
-        ``written``). AUTO takes it for a candidate that fits its budget even so."""
-        if not written > 0 or (call.side2 is not None and example_shapes(call.side1) != example_shapes(call.side2)):
-            return None
-        activations = Activations(written, written, tuple(range(len(call.model.params))))
+def bounded_peak(
+    call: KernelCall, implementation: NtkImplementation, written: float, structured_plan: Any = None,
+) -> Optional[Peak]:
+    """An upper bound of :func:`modelled_peak` for the call as given, without the counted pass: every
+    example writing at most ``written`` elements (all of them one tensor) and every parameter
+    used twice. None where the bound cannot be made (x2's examples shaped unlike x1's, no
+    ``written``). AUTO takes it for a candidate that fits its budget even so."""
+    if not written > 0 or (call.side2 is not None and example_shapes(call.side1) != example_shapes(call.side2)):
+        return None
+    activations = Activations(written, written, tuple(range(len(call.model.params))))
+    structured = None if structured_plan is None else structured_memory(call, structured_plan)
+    default_run = default_run_length(call) if implementation == _PRODUCTS else None
+    sizes = call_sizes(call, bound=activations)
+    return peak_bytes(sizes, implementation, call.chunk_size, structured, default_run,
+                      working_runs=call.working_runs if call.chunk_size is None else None)
+
+
+def modelled_peak(
+    call: KernelCall, scope: Optional[Scope], implementation: NtkImplementation, chunk: Optional[int],
+    structured_plan: Any = None, cut: bool = False,
+) -> Peak:
+    """The modelled peak of ``call`` run by ``implementation`` with ``chunk_size=chunk``, kept in
+    the key's record (``scope``); ``structured_plan``: implementation 3's plan (required for it);
+    ``cut``: see :func:`peak_bytes`."""
+    working_runs = call.working_runs if chunk is None and not cut else None
+
+    def made() -> Peak:
         structured = None if structured_plan is None else structured_memory(call, structured_plan)
         default_run = default_run_length(call) if implementation == _PRODUCTS else None
-        sizes = call_sizes(call, bound=activations)
-        return peak_bytes(sizes, implementation, call.chunk_size, structured, default_run,
-                          working_runs=call.working_runs if call.chunk_size is None else None)
+        return peak_bytes(
+            kept_sizes(call, scope), implementation, chunk, structured, default_run, cut, working_runs)
 
-    def peak(
-        self, call: KernelCall, key: Hashable, implementation: NtkImplementation, chunk: Optional[int],
-        structured_plan: Any = None, cut: bool = False,
-    ) -> Peak:
-        """The modelled peak of ``call`` run by ``implementation`` with ``chunk_size=chunk``;
-        ``structured_plan``: implementation 3's plan (required for it); ``cut``: see :func:`peak_bytes`."""
-        cache_key = self._key(call, key)
-        working_runs = call.working_runs if chunk is None and not cut else None
-        peak_key = None if cache_key is None else (
-            cache_key, implementation, chunk, id(structured_plan), cut, working_runs)
-        found = self._peaks.get(peak_key) if peak_key is not None else None
-        if found is None:
-            structured = None if structured_plan is None else structured_memory(call, structured_plan)
-            default_run = default_run_length(call) if implementation == _PRODUCTS else None
-            found = peak_bytes(
-                self.sizes(call, key), implementation, chunk, structured, default_run, cut, working_runs)
-            if peak_key is not None:
-                self._peaks[peak_key] = found
-        return found
+    # a plan is kept in the same record as long as the peaks priced from it: its identity names it
+    parts = (implementation, chunk, id(structured_plan), cut, working_runs)
+    return cached(scope, _PEAK, call, made, *parts)
 
-    def plan(
-        self, call: KernelCall, key: Hashable, implementation: NtkImplementation, budget: float,
-        structured_plan: Any = None,
-    ) -> MemoryPlan:
-        """The plan of ``call`` with ``implementation`` within ``budget`` bytes: its ``chunk_size``
-        if that fits, else the largest that does.
 
-        Raises:
-            KernelMemoryError: the result alone, or the smallest plan, exceeds the budget.
-        """
-        if not math.isfinite(budget):
-            return MemoryPlan(implementation, call.chunk_size, None, budget)
-        refusal = result_refusal(call, budget)
-        if refusal is not None:
-            raise refusal
-        sizes = self.sizes(call, key)
+def fitted_plan(
+    call: KernelCall, scope: Optional[Scope], implementation: NtkImplementation, budget: float,
+    structured_plan: Any = None,
+) -> MemoryPlan:
+    """The plan of ``call`` with ``implementation`` within ``budget`` bytes: its ``chunk_size``
+    if that fits, else the largest that does.
 
-        def peak(chunk: Optional[int]) -> Peak:
-            return self.peak(call, key, implementation, chunk, structured_plan)
+    Raises:
+        KernelMemoryError: the result alone, or the smallest plan, exceeds the budget.
+    """
+    if not math.isfinite(budget):
+        return MemoryPlan(implementation, call.chunk_size, None, budget)
+    refusal = result_refusal(call, budget)
+    if refusal is not None:
+        raise refusal
+    sizes = kept_sizes(call, scope)
 
-        given = peak(call.chunk_size)
-        if given.planned <= budget:
-            return MemoryPlan(implementation, call.chunk_size, given, budget)
-        total = chunk_limit(sizes)
-        limit = min(total, call.chunk_size) if call.chunk_size is not None else total
-        chosen = largest_chunk(limit, lambda chunk: peak(chunk).planned <= budget)
-        if chosen is None:
-            raise plan_refusal(peak(1), sizes, implementation, budget, call.where)
-        return MemoryPlan(implementation, chosen, peak(chosen), budget, replaced=given)
+    def peak(chunk: Optional[int]) -> Peak:
+        return modelled_peak(call, scope, implementation, chunk, structured_plan)
 
-    def notify(self, plan: MemoryPlan, call: KernelCall) -> None:
-        """The once-per-kernel-function :class:`MemoryPlanWarning` of a chosen ``chunk_size``."""
-        if not plan.chosen or self._warned:
-            return
-        self._warned = True
-        unit = "examples of x1 and x2 per block" if call.side1.mapped else "output entries differentiated at once"
-        given = "no chunk_size" if call.chunk_size is None else f"chunk_size={call.chunk_size}"
-        warnings.warn(
-            f"{call.where}: with {given}, implementation {int(plan.implementation)} would need about "
-            f"{format_bytes(plan.replaced.planned)}, more than the memory budget of {format_bytes(plan.budget)}; "
-            f"computing it with chunk_size={plan.chunk_size} ({unit}, an estimated peak of "
-            f"{format_bytes(plan.peak.total if plan.peak else math.nan)}) instead. Pass chunk_size or memory= to "
-            f"choose yourself. Shown once per kernel function.",
-            MemoryPlanWarning,
-            stacklevel=user_stacklevel(),
-        )
+    given = peak(call.chunk_size)
+    if given.planned <= budget:
+        return MemoryPlan(implementation, call.chunk_size, given, budget)
+    total = chunk_limit(sizes)
+    limit = min(total, call.chunk_size) if call.chunk_size is not None else total
+    chosen = largest_chunk(limit, lambda chunk: peak(chunk).planned <= budget)
+    if chosen is None:
+        raise plan_refusal(peak(1), sizes, implementation, budget, call.where)
+    return MemoryPlan(implementation, chosen, peak(chosen), budget, replaced=given)
+
+
+def warn_chosen_chunk(plan: MemoryPlan, call: KernelCall) -> None:
+    """The :class:`MemoryPlanWarning` of a ``chunk_size`` the plan chose (the kernel function gives
+    it once)."""
+    unit = "examples of x1 and x2 per block" if call.side1.mapped else "output entries differentiated at once"
+    given = "no chunk_size" if call.chunk_size is None else f"chunk_size={call.chunk_size}"
+    warnings.warn(
+        f"{call.where}: with {given}, implementation {int(plan.implementation)} would need about "
+        f"{format_bytes(plan.replaced.planned)}, more than the memory budget of {format_bytes(plan.budget)}; "
+        f"computing it with chunk_size={plan.chunk_size} ({unit}, an estimated peak of "
+        f"{format_bytes(plan.peak.total if plan.peak else math.nan)}) instead. Pass chunk_size or memory= to "
+        f"choose yourself. Shown once per kernel function.",
+        MemoryPlanWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def chunk_limit(sizes: CallSizes) -> int:
@@ -668,8 +653,6 @@ def structured_memory(call: KernelCall, plan: Any) -> StructuredMemory:
 
     return elements
 
-
-_REMEMBERED = 64
 
 
 def with_chunk(call: KernelCall, plan: MemoryPlan) -> KernelCall:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import sys
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
 
@@ -26,8 +27,10 @@ from .._call.kernel_call import CallSpec, KernelCall, bind_call, prepare_call
 from .._call.outputs import output_fn_argument
 from .._call.per_example import VmapLimitation, first_line
 from .._call.vmap_axes import FOUND, ParsedVmapAxes, candidate_vmap_axes, parse_vmap_axes
-from .._implementations import implementation_table, memory_plan, memory_planner
-from .._implementations.memory import OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, kernel_refusal, with_chunk
+from .._implementations import implementation_table, memory_plan
+from .._implementations.memory import (
+    OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, kept_sizes, kernel_refusal, modelled_peak, warn_chosen_chunk, with_chunk,
+)
 from .._implementations.auto import estimate_of
 from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
@@ -43,7 +46,7 @@ from .._memory import (
 )
 from .._model.aliases import alias_checks
 from .._model.survey import training_mode_layers
-from .._plan import UNDECIDED, CallPlan, CallTemplate, PlanKey, Planner, Purpose, input_shape_key, plan_key
+from .._plan import UNDECIDED, CallPlan, CallTemplate, PlanKey, Planner, Purpose, Scope, input_shape_key, plan_key
 from .._model.torch_errors import explained
 from .._utils import checks as _checks
 from .._utils.bounded_cache import BoundedCache
@@ -98,6 +101,19 @@ class NtkOptions:
 _STRUCTURED_OPTIONS = ("structure_rules", "closed_form_rules", "local_jacobian", "verify")
 
 
+class _Once:
+    """True the first time only: a warning a kernel function gives once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._given = False
+
+    def first(self) -> bool:
+        with self._lock:
+            first, self._given = not self._given, True
+        return first
+
+
 @dataclass
 class KernelFunctionState:
     """What the calls of one kernel function share and learn (NOTE: [The planning stage]): its
@@ -107,6 +123,7 @@ class KernelFunctionState:
         planner: the facts and plans of its calls (``_plan/stage.py``).
         captured: NOTE: [Captured kernels]'s graphs; None: every call eager.
         example_loops: the example loop's warning, once per kernel function.
+        chunk_warnings: the warning of a ``chunk_size`` a memory plan chose, once per kernel function.
         variants: the settings with each ``vmap_axes`` found, by axes and checks (NOTE: [Found
             vmap_axes]).
         reported: ``auto_choice``'s reports, kept so that a cached choice is the same object.
@@ -115,6 +132,7 @@ class KernelFunctionState:
     planner: Planner
     captured: Optional[CapturedCalls] = None
     example_loops: ExampleLoops = field(default_factory=ExampleLoops)
+    chunk_warnings: _Once = field(default_factory=_Once)
     variants: dict = field(default_factory=dict)
     reported: BoundedCache = field(default_factory=lambda: BoundedCache(64))
 
@@ -358,8 +376,8 @@ class NtkSettings:
         whole = None
         if options["computes_ntk"]:  # an NNGP alone is forward passes: nothing to weigh
             whole = self._with_axes(None).prepare(x1, x2, params, kwargs, where, **options)
-            shape_key = options["shape_key"].parts[0]  # the plan key's shapes: the choices' cache key
-            loop_price, whole_price = self._price(looped, shape_key), self._price(whole, shape_key)
+            scope = self.planner.scope(options["shape_key"])  # the plan key (see prepare)
+            loop_price, whole_price = self._price(looped, scope), self._price(whole, scope)
         if whole is not None and loop_price is not None and whole_price is not None and whole_price < loop_price:
             reason = (
                 f"torch.func.vmap cannot evaluate the model per example ({failure}), and whole batches are "
@@ -383,15 +401,15 @@ class NtkSettings:
         self.example_loops.switch(error, where)
         return looped
 
-    def _price(self, call: KernelCall, shape_key: tuple) -> Optional[float]:
+    def _price(self, call: KernelCall, scope: Optional[Scope]) -> Optional[float]:
         """The cost model's FLOP equivalents of ``call``'s NTK with the implementation that would
         compute it (NOTE: [Loop or whole batches]), or None where it cannot be priced."""
         try:
             if self.implementation == NtkImplementation.AUTO:
-                choice = self.choice(call, shape_key)
+                choice = self.choice(call, scope)
                 estimate = choice.estimates.get(choice.implementation)
             else:
-                estimate = estimate_of(self.table, self.implementation, call, shape_key)
+                estimate = estimate_of(self.table, self.implementation, call, scope)
         except Exception:  # noqa: BLE001 - pricing decides nothing the call cannot do without it
             return None
         if estimate is None or not math.isfinite(estimate.flops):
@@ -458,11 +476,11 @@ class NtkSettings:
                 computes_ntk=computes_ntk, forward_run_length=forward_run_length,
             )
             if not purpose.needs_outputs and self.chunk_size is None and not self.given.compile and call.side1.mapped:
-                sizes = memory_planner(self.table).sizes(call, shape_key)  # counted once per input shapes
+                sizes = kept_sizes(call, self.planner.scope(key))  # counted once per key
                 runs = working_set_run_length(call.side1.batch_size(), sizes.side1.activations.written, sizes.element)
                 call = replace(call, working_runs=runs)
             if call.derivative_check is not None:  # priced as computed: with its working-set runs
-                self._settle_derivatives(call, shape_key, caller)
+                self._settle_derivatives(call, self.planner.scope(key), caller)
             return call
 
         with aliases:
@@ -493,7 +511,7 @@ class NtkSettings:
             self.planner.template_for(key, purpose, template, runs)
         return call
 
-    def _settle_derivatives(self, call: KernelCall, shape_key: tuple, caller: Optional[CallerPlan]) -> None:
+    def _settle_derivatives(self, call: KernelCall, scope: Optional[Scope], caller: Optional[CallerPlan]) -> None:
         """The derivative check a first call left to the plan (NOTE: [The derivative check within a
         plan's check]): the call's choice is made first, within the budget its kernel will have
         (AUTO's pick and, where it is 3, 3's plan, checked; cached for the kernel that follows),
@@ -505,8 +523,8 @@ class NtkSettings:
         def choose() -> AutoChoice:
             with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]: AUTO probes forward mode
                 if self.implementation == NtkImplementation.AUTO:
-                    return self.table[self.implementation].choice(call, shape_key, budget)
-                return self.choice(call, shape_key)
+                    return self.table[self.implementation].choice(call, scope, budget)
+                return self.choice(call, scope)
 
         try:
             # as the kernel's own planning is: NOTE: [Out of memory at the kernel boundary]
@@ -579,18 +597,19 @@ class NtkSettings:
         if not call.side1.mapped:
             return None
         plan = None
+        spans = self.planner.scope(call.plan_key, "blocks")  # planned apart from whole calls
         if "ntk" in names:
             n1 = call.side1.batch_size()
             n2 = n1 if call.reuses_x1 else call.side2.batch_size()
             block = (min(n1, request.block_size or n1), min(n2, request.block_size or n2))
-            plan = self.table[self.implementation].blocks(call, ("blocks", shape_key), request.thorough, block)
+            plan = self.table[self.implementation].blocks(call, spans, request.thorough, block)
         span_memory = None
         if plan is not None and plan.implementation is not None:
-            planner, implementation, structured = memory_planner(self.table), plan.implementation, plan.structured
+            implementation, structured = plan.implementation, plan.structured
 
             def span_memory(length: int) -> float:
                 """NOTE: [Memory plans]: two spans of ``length`` prepared and contracted (no result)."""
-                peak = planner.peak(call, ("blocks", shape_key), implementation, length, structured, cut=True)
+                peak = modelled_peak(call, spans, implementation, length, structured, cut=True)
                 return peak.derivatives
 
         return BlockSource(
@@ -610,16 +629,16 @@ class NtkSettings:
         local = self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES and not self.options.closed_form_rules
         return not (forward_mode or local)
 
-    def choice(self, call: KernelCall, key: tuple) -> AutoChoice:
+    def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice:
         if self.implementation == NtkImplementation.AUTO:
-            return self.table[self.implementation].choice(call, key, self.budget(call, None))
-        return self.table[self.implementation].choice(call, key)
+            return self.table[self.implementation].choice(call, scope, self.budget(call, None))
+        return self.table[self.implementation].choice(call, scope)
 
     def budget(self, call: KernelCall, caller: Optional[CallerPlan] = None) -> float:
         """The call's memory budget in bytes (NOTE: [Memory budgets]), at most ``caller``'s."""
         return resolve_budget(self.memory, call.outputs1[0].device, caller)
 
-    def ntk(self, call: KernelCall, key: tuple, caller: Optional[CallerPlan] = None) -> Any:
+    def ntk(self, call: KernelCall, caller: Optional[CallerPlan] = None) -> Any:
         """The NTK of a prepared call, planned within the budget (and ``caller``'s, NOTE: [Budgets of
         callers]): :data:`NEEDS_BLOCKS`, computing nothing, where ``caller`` allows no blocks and the
         plan would need them."""
@@ -636,13 +655,15 @@ class NtkSettings:
         budget = self.budget(call, caller)
         chunking = caller is None or caller.chunking
         attempted: list = []
+        scope = self.planner.scope(call.plan_key)
 
         def planned(call: KernelCall) -> Any:
             # NOTE: [Memory plans]: refused, or given a chunk_size, before any derivative is taken
             # (inside `computed`: implementation 3's plan may need the example loop too)
             try:
                 plan = self.planner.memory_plan(
-                    _memory_key(call), budget, lambda budget: memory_plan(self.table, self.implementation, call, key, budget)
+                    call.plan_key, _memory_choices(call), budget,
+                    lambda budget: memory_plan(self.table, self.implementation, call, scope, budget),
                 )
             except KernelMemoryError as refusal:
                 if chunking or refusal.kernel_alone:
@@ -650,9 +671,10 @@ class NtkSettings:
                 return NEEDS_BLOCKS  # NOTE: [Budgets of callers]: the caller cuts x1 too
             if plan.chosen and not chunking:
                 return NEEDS_BLOCKS
-            memory_planner(self.table).notify(plan, call)
+            if plan.chosen and self.state.chunk_warnings.first():
+                warn_chosen_chunk(plan, call)
             attempted.append(plan)
-            return self.table[plan.implementation].kernels(with_chunk(call, plan), key)
+            return self.table[plan.implementation].kernels(with_chunk(call, plan), scope)
 
         def compute() -> PyTree:
             with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]
@@ -713,9 +735,9 @@ class NtkSettings:
         def auto_choice(x1: PyTree, x2: Optional[PyTree] = None, params: Any = None, **kwargs: Any) -> AutoChoice:
             key = input_shape_key(x1, x2, params, kwargs)
             # prepared as the NTK call prepares it (its working-set runs among what is priced), so
-            # that the cached choice is the same whichever of the two comes first
-            choice = self.choice(self.prepare(x1, x2, params, kwargs, where, shape_key=key, needs_outputs=False), key)
-            return self.with_axes_reported(choice, key)
+            # that the kept choice is the same whichever of the two comes first
+            call = self.prepare(x1, x2, params, kwargs, where, shape_key=key, needs_outputs=False)
+            return self.with_axes_reported(self.choice(call, self.planner.scope(call.plan_key)), key)
 
         published = KernelFunction(kernel_fn, spec, doc, auto_choice)
         published._settings = self  # for the memory model's tests and benchmarks (tests/_memory_grid.py)
@@ -727,12 +749,10 @@ def _last(compute: Callable[..., Any], settings: "NtkSettings", *arguments: Any,
     return compute(settings, *arguments, caller)
 
 
-def _memory_key(call: KernelCall) -> Optional[tuple]:
+def _memory_choices(call: KernelCall) -> tuple:
     """What a call's memory plan depends on besides its plan key (NOTE: [Plan keys]): the parameters
     differentiated, the chunk and run lengths, the example loop, the groups."""
-    if call.plan_key is None:
-        return None
-    return (call.plan_key, call.model.names, call.chunk_size, call.working_runs, call.side1.loop, call.groups)
+    return (call.model.names, call.chunk_size, call.working_runs, call.side1.loop, call.groups)
 
 
 def structured_options(values: dict, chosen: NtkImplementation, where: str) -> StructuredOptions:

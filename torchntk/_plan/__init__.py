@@ -1,13 +1,15 @@
 """The planning stage: what a kernel call does, decided once per key (NOTE: [The planning stage]).
 
 ``key.py`` says what a plan depends on, ``plan.py`` what it holds, ``stage.py`` keeps one kernel
-function's facts and plans.
+function's records of keys, ``scope.py`` the implementations' view of one.
 """
 
 from .key import PlanKey, input_shape_key, plan_key
 from .plan import UNDECIDED, CallPlan, CallTemplate, Facts, Purpose
-from .stage import Planner
+from .scope import Scope, cached
+from .stage import KeyRecord, Planner
 
 __all__ = [
-    "CallPlan", "CallTemplate", "Facts", "PlanKey", "Planner", "Purpose", "UNDECIDED", "input_shape_key", "plan_key",
+    "CallPlan", "CallTemplate", "Facts", "KeyRecord", "PlanKey", "Planner", "Purpose", "Scope", "UNDECIDED", "cached",
+    "input_shape_key", "plan_key",
 ]

@@ -1,6 +1,6 @@
-"""The plans of one kernel function: decided from facts once per key, kept in a bounded cache.
+"""The plans of one kernel function: decided from facts once per key, kept in one record per key.
 
-See NOTE: [The planning stage] in ``plan.py``.
+See NOTE: [The planning stage] in ``plan.py`` and NOTE: [One record per key] in ``scope.py``.
 """
 
 from __future__ import annotations
@@ -12,21 +12,47 @@ from typing import Any, Callable, Hashable, Optional
 
 from .._utils.bounded_cache import BoundedCache
 from .plan import CallPlan, CallTemplate, Facts, Purpose
+from .scope import Scope
 
-__all__ = ["Planner"]
+__all__ = ["KeyRecord", "Planner"]
 
 _KEYS = 64
-"""Keys (input shapes, module structures) whose facts a kernel function keeps."""
+"""Keys (input shapes, module structures) whose records a kernel function keeps."""
 
-_PLANS = 4 * _KEYS
-"""Plans a kernel function keeps: a few purposes per key."""
+_MEMORY_PLANS = 16
+"""Memory plans a record keeps: per differentiated parameters, chunk and run lengths, loop, groups."""
+
+_DERIVED = 128
+"""Entries a record keeps of what the implementations derived (NOTE: [One record per key])."""
 
 _NO_FACTS = Facts()
 
 
+class KeyRecord:
+    """Everything a kernel function keeps about one plan key (NOTE: [One record per key]).
+
+    Attributes:
+        key: the key, as first seen (see :meth:`Planner.canonical`).
+        facts: what calls with the key learnt.
+        plans: ``purpose -> (facts, CallPlan)``: the plans kept, with the facts they were decided from.
+        memory: the memory plans by the call's choices within the key.
+        derived: what the implementations derived (:class:`~torchntk._plan.scope.Scope`).
+    """
+
+    __slots__ = ("key", "facts", "plans", "memory", "derived")
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
+        self.facts = _NO_FACTS
+        self.plans: dict = {}
+        self.memory = BoundedCache(_MEMORY_PLANS)
+        self.derived = BoundedCache(_DERIVED)
+
+
 class Planner:
-    """The facts and plans of one kernel function (NOTE: [The planning stage]). Thread-safe: its
-    caches are, and a fact is only ever added (two threads learning the same fact agree).
+    """The records of one kernel function's keys (NOTE: [The planning stage], NOTE: [One record
+    per key]). Thread-safe: its cache is, a record is made under a lock, and a fact is only ever
+    added (two threads learning the same fact agree).
 
     Args:
         keeps_forward_pass: calls always evaluate the whole batch (captured kernels, whose graph
@@ -38,36 +64,46 @@ class Planner:
     def __init__(self, keeps_forward_pass: bool, watches_aliases: bool) -> None:
         self.keeps_forward_pass = keeps_forward_pass
         self.watches_aliases = watches_aliases
-        self._keys = BoundedCache(_KEYS)
-        self._facts = BoundedCache(_KEYS)
-        self._plans = BoundedCache(_PLANS)
-        self._memory = BoundedCache(_PLANS)
+        self._records = BoundedCache(_KEYS)
         self._lock = threading.Lock()
+
+    def record(self, key: Hashable) -> KeyRecord:
+        """The record of ``key``, made empty the first time."""
+        found = self._records.get(key)
+        if found is None:
+            with self._lock:
+                found = self._records.get(key)
+                if found is None:
+                    found = self._records[key] = KeyRecord(key)
+        return found
+
+    def scope(self, key: Optional[Hashable], name: Hashable = "call") -> Optional[Scope]:
+        """Where the implementations keep what they derive for calls of ``key`` (None: a call
+        planned alone, nothing kept)."""
+        return None if key is None else Scope(self.record(key).derived, name)
 
     def canonical(self, key: Hashable) -> Hashable:
         """The key this planner keeps for keys equal to ``key`` (``key`` itself the first time): a
-        call's lookups in the planner's caches then find it by identity, where a new key's equal
-        parts (a module's structure fingerprint, a deep tuple) would be compared anew in every one
-        (eight times per warm call, 0.2 ms of a schnetpack SchNet's 12 ms)."""
-        kept = self._keys.get(key)
-        if kept is None:
-            self._keys[key] = key
-            return key
-        return kept
+        call's lookups of its record then find it by identity, where a new key's equal parts (a
+        module's structure fingerprint, a deep tuple) would be compared anew in every one (they
+        were 0.2 ms of a schnetpack SchNet's 12 ms)."""
+        return self.record(key).key
 
     def facts(self, key: Hashable) -> Facts:
         """What calls with ``key`` learnt."""
-        return self._facts.get(key, _NO_FACTS)
+        return self.record(key).facts
 
     def learn(self, key: Hashable, **facts: Any) -> None:
         """Adds facts about ``key``; plans decided from the older facts are not used again."""
+        record = self.record(key)
         with self._lock:
-            self._facts[key] = self.facts(key).learnt(**facts)
+            record.facts = record.facts.learnt(**facts)
 
     def plan(self, key: Hashable, purpose: Purpose) -> CallPlan:
         """The plan for ``key`` and ``purpose``: the kept one, else one decided from the facts."""
-        facts = self.facts(key)
-        found = self._plans.get((key, purpose))
+        record = self.record(key)
+        facts = record.facts
+        found = record.plans.get(purpose)
         if found is not None and found[0] is facts:
             return found[1]
         return self.decide(facts, purpose)
@@ -99,7 +135,8 @@ class Planner:
 
     def keep(self, key: Hashable, purpose: Purpose, plan: CallPlan) -> None:
         """Keeps ``plan`` for ``key`` and ``purpose`` while the facts it was decided from hold."""
-        self._plans[(key, purpose)] = (self.facts(key), plan)
+        record = self.record(key)
+        record.plans[purpose] = (record.facts, plan)
 
     def template_for(
         self, key: Hashable, purpose: Purpose, template: CallTemplate, working_runs: Optional[int],
@@ -114,18 +151,22 @@ class Planner:
         self.keep(key, purpose, plan)
         return plan
 
-    def memory_plan(self, key: Optional[Hashable], budget: float, make: Callable[[float], Any]) -> Any:
-        """The memory plan (``MemoryPlan``) of a call whose plan key and call-specific choices are
-        ``key`` (None: nothing kept), made by ``make(budget)`` unless the one kept for ``key`` still
-        holds: made for this budget, or for another whose plan chose no ``chunk_size`` and fits this
-        one too (a default budget follows the free memory, which moves between calls; AUTO keeps its
-        pick on the same rule). ``make`` raises the refusal of a call that does not fit."""
-        kept = None if key is None else self._memory.get(key)
+    def memory_plan(
+        self, key: Optional[Hashable], choices: Hashable, budget: float, make: Callable[[float], Any]
+    ) -> Any:
+        """The memory plan (``MemoryPlan``) of a call whose plan key is ``key`` (None: nothing kept)
+        and whose other choices are ``choices``, made by ``make(budget)`` unless the one kept for
+        them still holds: made for this budget, or for another whose plan chose no ``chunk_size``
+        and fits this one too (a default budget follows the free memory, which moves between calls;
+        AUTO keeps its pick on the same rule). ``make`` raises the refusal of a call that does not
+        fit."""
+        memory = None if key is None else self.record(key).memory
+        kept = None if memory is None else memory.get(choices)
         if kept is not None and _still_holds(kept, budget):
             return kept
         made = make(budget)
-        if key is not None:
-            self._memory[key] = made
+        if memory is not None:
+            memory[choices] = made
         return made
 
 

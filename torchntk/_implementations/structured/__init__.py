@@ -28,7 +28,7 @@ import torch
 from ..._call.blocks import BlockPlan, Replan, assemble
 from ..._call.kernel_call import KernelCall
 from ..._call.per_example import Side
-from ..._utils.bounded_cache import BoundedCache
+from ..._plan.scope import Scope, cached
 from ..._utils.types import NtkImplementation
 from ..choice import AutoChoice
 from ._contract import contract_sides
@@ -196,10 +196,6 @@ def _with_probe(plan: Plan, calls: list[RuleCall], thorough: bool) -> Plan:
     return plan if thorough else dataclasses.replace(plan, first_example_calls=tuple(calls))
 
 
-_REMEMBERED_PLANS = 64
-"""Input shapes whose plans a kernel function keeps (the least recently used is dropped)."""
-
-
 def _nondeterministic(where: str) -> RuntimeError:
     return RuntimeError(
         f"{where}: structured derivatives: the model consumed its parameters through different "
@@ -208,93 +204,91 @@ def _nondeterministic(where: str) -> RuntimeError:
     )
 
 
-class StructuredDerivatives:
-    """Implementation 3 for one kernel function: its options and a plan per input shapes.
+_PLAN, _PROBE, _SHAPES = "structured plan", "structured probe", "structured layout shapes"
+"""The kinds of what implementation 3 keeps in a key's record (NOTE: [One record per key]): the
+checked plan; the quick probe AUTO priced from, until checked; what ``layout_reason`` found, until
+checked."""
 
-    The plan (which parameters the rules cover) comes from a probe of one example and is reused
-    for calls with the same input shapes; every pass checks that the model still consumes its
-    parameters as the plan says and re-plans from a probe of all examples when it does not.
+
+@dataclass(frozen=True)
+class StructuredDerivatives:
+    """Implementation 3 with its options. Holds no state: the plan of a key (which parameters the
+    rules cover) is kept in the key's record, reached by the ``scope`` each method is given
+    (NOTE: [One record per key]; None: planned for the call alone).
+
+    The plan comes from a probe of one example and is reused for calls with the same key; every
+    pass checks that the model still consumes its parameters as the plan says and re-plans from a
+    probe of all examples when it does not.
     """
 
-    def __init__(self, options: StructuredOptions = StructuredOptions()):
-        self.options = options
-        self._plans = BoundedCache(_REMEMBERED_PLANS)
-        self._probes = BoundedCache(_REMEMBERED_PLANS)  # quick probes AUTO priced from, until checked
-        self._shapes = BoundedCache(_REMEMBERED_PLANS)  # what AUTO's layout_reason found, until checked
+    options: StructuredOptions = StructuredOptions()
 
-    def __call__(self, call: KernelCall, key: Any = None) -> list[torch.Tensor]:
+    def __call__(self, call: KernelCall, scope: Optional[Scope] = None) -> list[torch.Tensor]:
         try:
-            return assemble(call, self.block_plan(call, key))
+            return assemble(call, self.block_plan(call, scope))
         except Replan:
-            return assemble(call, self.block_plan(call, key, thorough=True))
+            return assemble(call, self.block_plan(call, scope, thorough=True))
 
     # -- NOTE: [The implementation table] ------------------------------------------------------
 
-    def kernels(self, call: KernelCall, key: Any) -> list[torch.Tensor]:
-        return self(call, key)
+    def kernels(self, call: KernelCall, scope: Optional[Scope]) -> list[torch.Tensor]:
+        return self(call, scope)
 
-    def blocks(self, call: KernelCall, key: Any, thorough: bool = False, block: Optional[tuple] = None) -> BlockPlan:
-        return self.block_plan(call, key, thorough)
+    def blocks(
+        self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None
+    ) -> BlockPlan:
+        return self.block_plan(call, scope, thorough)
 
-    def choice(self, call: KernelCall, key: Any) -> AutoChoice:
-        fallback = self.fallback_parameters(call, key)  # from the plan the kernel itself uses
+    def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice:
+        fallback = self.fallback_parameters(call, scope)  # from the plan the kernel itself uses
         return AutoChoice(NtkImplementation.STRUCTURED_DERIVATIVES, fallback_parameters=fallback)
 
-    def plan(self, call: KernelCall, key: Any = None, thorough: bool = False) -> Plan:
-        """The cached plan for ``key`` (or a new one, cached; always new when ``thorough``)."""
-        key = call.cache_key(key)
-        plan = None if thorough else self._plans.get(key)
+    def plan(self, call: KernelCall, scope: Optional[Scope] = None, thorough: bool = False) -> Plan:
+        """The kept plan of the call's key (or a new one, kept; always new when ``thorough``)."""
+        plan = None if thorough or scope is None else scope.get(_PLAN, call)
         if plan is None:
-            probed = None if thorough or key is None else self._probes.pop(key, None)
-            shapes = None if thorough or key is None else self._shapes.pop(key, None)
+            probed = None if thorough or scope is None else scope.pop(_PROBE, call)
+            shapes = None if thorough or scope is None else scope.pop(_SHAPES, call)
             plan = plan_for(call, self.options, thorough=thorough, probed=probed, shapes=shapes)
-        if key is not None:
-            self._plans[key] = plan
+        if scope is not None:
+            scope.put(_PLAN, call, plan)
         return plan
 
-    def unchecked_plan(self, call: KernelCall, key: Any = None) -> Plan:
-        """The quick plan for ``key`` before its check against autograd (what AUTO prices 3 from);
-        the checked plan when there is one. Its probe is kept for :meth:`plan` to check."""
-        cache_key = call.cache_key(key)
-        plan = self._plans.get(cache_key)
+    def unchecked_plan(self, call: KernelCall, scope: Optional[Scope] = None) -> Plan:
+        """The quick plan before its check against autograd (what AUTO prices 3 from); the checked
+        plan when there is one. Its probe is kept for :meth:`plan` to check."""
+        plan = None if scope is None else scope.get(_PLAN, call)
         if plan is not None:
             return plan
         if not self.options.structure_rules:
-            return self.plan(call, key)  # nothing to probe or check
-        probed = self._probes.get(cache_key)
-        if probed is None:
-            probed = probe_plan(call, self.options)
-            if cache_key is not None:
-                self._probes[cache_key] = probed
-        return probed.unchecked()
+            return self.plan(call, scope)  # nothing to probe or check
+        return cached(scope, _PROBE, call, lambda: probe_plan(call, self.options)).unchecked()
 
-    def layout_reason(self, call: KernelCall, key: Any = None) -> Optional[str]:
+    def layout_reason(self, call: KernelCall, scope: Optional[Scope] = None) -> Optional[str]:
         """Why the quick plan's passes cannot run over the whole batch, as far as the shapes of one
         recording pass tell (``layout_shapes``; None: they may), without checking the plan: AUTO
         prices 3 from it before paying for the check. Kept for :meth:`plan`'s check to reuse."""
-        cache_key = call.cache_key(key)
-        plan = self._plans.get(cache_key)
+        plan = None if scope is None else scope.get(_PLAN, call)
         if plan is not None:
             return plan.whole_batch_reason
-        shapes = layout_shapes(call, self.unchecked_plan(call, key))
-        if cache_key is not None:
-            self._shapes[cache_key] = shapes
+        shapes = layout_shapes(call, self.unchecked_plan(call, scope))
+        if scope is not None:
+            scope.put(_SHAPES, call, shapes)
         return shapes.reason
 
-    def fallback_parameters(self, call: KernelCall, key: Any = None) -> dict[str, str]:
+    def fallback_parameters(self, call: KernelCall, scope: Optional[Scope] = None) -> dict[str, str]:
         """``{name: reason}`` of the parameters whose share comes from the Jacobian fallback."""
-        plan = self.plan(call, key)
+        plan = self.plan(call, scope)
         return {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
 
-    def block_plan(self, call: KernelCall, key: Any = None, thorough: bool = False) -> BlockPlan:
-        """The :class:`BlockPlan` of ``call`` under the cached plan, or a ``thorough`` new one.
+    def block_plan(self, call: KernelCall, scope: Optional[Scope] = None, thorough: bool = False) -> BlockPlan:
+        """The :class:`BlockPlan` of ``call`` under the kept plan, or a ``thorough`` new one.
 
-        Its prepare functions raise :class:`Replan` when a pass meets parameter uses the cached
-        plan did not foresee (the plan is then dropped from the cache); under a thorough plan
+        Its prepare functions raise :class:`Replan` when a pass meets parameter uses the kept
+        plan did not foresee (the plan is then dropped from the record); under a thorough plan
         that is a RuntimeError: the model runs different operations on the same inputs.
         """
-        plan = self.plan(call, key, thorough)
-        key = call.cache_key(key)
+        plan = self.plan(call, scope, thorough)
         blocks = _block_plan(call, self.options, plan)
 
         def guarded(prepare: Callable[[Side], SideFactors]) -> Callable[[Side], SideFactors]:
@@ -304,7 +298,8 @@ class StructuredDerivatives:
                 except PlanMismatch:
                     if thorough:
                         raise _nondeterministic(call.where) from None
-                    self._plans.pop(key, None)
+                    if scope is not None:
+                        scope.pop(_PLAN, call)
                     raise Replan from None
 
             return run
