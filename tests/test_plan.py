@@ -368,5 +368,7 @@ def test_a_key_keeps_what_its_implementations_derived_in_its_record(implementati
         assert ("structured plan" in kinds) == (implementation == 3 or (implementation == 0 and plans != []))
         assert ("auto choice" in kinds) == (implementation == 0)
         assert record.facts.derivatives_checked
-    for entry in ntk_fn._settings.table.values():  # nothing of a call kept outside the records
+    table = ntk_fn._settings.table
+    assert set(table) == {1, 2, 3}  # AUTO is a policy over the table, not one of its entries
+    for entry in table.values():  # nothing of a call kept outside the records
         assert all(not hasattr(value, "_entries") for value in vars(entry).values())

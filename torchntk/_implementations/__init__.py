@@ -1,6 +1,8 @@
-"""One table of the four NTK implementations, behind one small protocol.
+"""One table of the three NTK implementations, behind one small protocol, and AUTO's policy over it.
 
 NOTE: [The implementation table]
+Implementations 1, 2 and 3 compute; AUTO (0) is not one of them but a cost policy that picks one
+(:class:`~torchntk._implementations.auto.AutoSelector`, built over the table: :func:`policy`).
 Every implementation answers three questions about a validated
 :class:`~torchntk._call.kernel_call.KernelCall` (``scope`` is the record of the call's key, where
 an implementation keeps what it derived for later calls with the key, NOTE: [One record per key]
@@ -9,14 +11,15 @@ in ``_plan/scope.py``; None: nothing is kept):
 * ``kernels(call, scope)``: one unnormalised kernel per output leaf (see :meth:`KernelCall.normalise`);
 * ``blocks(call, scope, thorough, block)``: the same computation as a
   :class:`~torchntk._call.blocks.BlockPlan`, for ``chunk_size`` and ``batch`` (``thorough`` asks
-  structured derivatives for a plan probed on every example; ``block`` is the block size, which
-  AUTO chooses for);
+  structured derivatives for a plan probed on every example; ``block`` is the block size);
 * ``choice(call, scope)``: the :class:`~torchntk.AutoChoice` reported by ``ntk_fn.auto_choice``.
 
 With parameter groups (``call.groups``, NOTE: [Parameter groups] in ``_call/groups.py``) every kernel or
 block of an output leaf is a tuple of one per group; AUTO passes the call on unchanged.
 
-No implementation holds state: structured derivatives (3) keep their plan, and AUTO (0) its
+AUTO answers ``choice`` and ``blocks`` the same way (``choice`` within a memory budget too) and
+plans the call's memory (:func:`memory_plan`); the kernel is then computed by the implementation
+it picked. Nothing here holds state: structured derivatives (3) keep their plan, and AUTO its
 choice, in the key's record. A table differs between kernel functions by 3's options only.
 """
 
@@ -82,15 +85,19 @@ NTK_VECTOR_PRODUCTS = _Stateless(
 
 
 def implementation_table(options: StructuredOptions) -> dict[NtkImplementation, Any]:
-    """The four implementations for one kernel function; ``options`` configure structured
+    """Implementations 1, 2 and 3 for one kernel function; ``options`` configure structured
     derivatives (AUTO prices and uses the same entry, so a plan made to price 3 is reused)."""
-    table: dict[NtkImplementation, Any] = {
+    return {
         NtkImplementation.JACOBIAN_CONTRACTION: JACOBIAN_CONTRACTION,
         NtkImplementation.NTK_VECTOR_PRODUCTS: NTK_VECTOR_PRODUCTS,
         NtkImplementation.STRUCTURED_DERIVATIVES: StructuredDerivatives(options),
     }
-    table[NtkImplementation.AUTO] = AutoSelector(table)
-    return table
+
+
+def policy(table: dict[NtkImplementation, Any], implementation: NtkImplementation) -> Any:
+    """What answers ``choice`` and ``blocks`` for ``implementation``: its entry of ``table``, or for
+    AUTO its cost policy over the table (stateless, so made on demand)."""
+    return AutoSelector(table) if implementation == NtkImplementation.AUTO else table[implementation]
 
 
 def memory_plan(
@@ -104,12 +111,11 @@ def memory_plan(
         KernelMemoryError: the result alone, or the smallest plan, exceeds the budget (before
             anything is computed).
     """
-    selector = table[NtkImplementation.AUTO]
     if implementation == NtkImplementation.AUTO:
         refusal = result_refusal(call, budget) if math.isfinite(budget) else None
         if refusal is not None:  # before choosing, which probes the model
             raise refusal
-        return selector.plan(call, scope, budget)
+        return AutoSelector(table).plan(call, scope, budget)
     structured = None
     if implementation == NtkImplementation.STRUCTURED_DERIVATIVES and math.isfinite(budget):
         structured = table[implementation].plan(call, scope)

@@ -555,8 +555,9 @@ _CHOICE = "auto choice"
 
 @dataclass(frozen=True)
 class AutoSelector:
-    """Implementation 0: chooses per key (the choice kept in the key's record, reached by the
-    ``scope`` each method is given: NOTE: [One record per key]) and runs the chosen implementation.
+    """AUTO (implementation 0): the cost policy that picks one of the table's implementations per
+    key (the choice kept in the key's record, reached by the ``scope`` each method is given:
+    NOTE: [One record per key]). Not an entry of the table: the picked implementation computes.
 
     ``table`` is the kernel function's implementation table (NOTE: [The implementation table]); its
     structured derivatives are priced from, and then compute with, the same kept plan.
@@ -614,9 +615,6 @@ class AutoSelector:
         if choice.implementation != _STRUCTURED:
             return None
         return self.table[_STRUCTURED].plan(call, scope)
-
-    def kernels(self, call: KernelCall, scope: Optional[Scope]) -> Any:
-        return self.table[self.choice(call, scope).implementation].kernels(call, scope)
 
     def blocks(
         self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None

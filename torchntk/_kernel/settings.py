@@ -27,7 +27,7 @@ from .._call.kernel_call import CallSpec, KernelCall, bind_call, prepare_call
 from .._call.outputs import output_fn_argument
 from .._call.per_example import VmapLimitation, first_line
 from .._call.vmap_axes import FOUND, ParsedVmapAxes, candidate_vmap_axes, parse_vmap_axes
-from .._implementations import implementation_table, memory_plan
+from .._implementations import implementation_table, memory_plan, policy
 from .._implementations.memory import (
     OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, kept_sizes, kernel_refusal, modelled_peak, warn_chosen_chunk, with_chunk,
 )
@@ -523,7 +523,7 @@ class NtkSettings:
         def choose() -> AutoChoice:
             with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]: AUTO probes forward mode
                 if self.implementation == NtkImplementation.AUTO:
-                    return self.table[self.implementation].choice(call, scope, budget)
+                    return policy(self.table, self.implementation).choice(call, scope, budget)
                 return self.choice(call, scope)
 
         try:
@@ -602,7 +602,7 @@ class NtkSettings:
             n1 = call.side1.batch_size()
             n2 = n1 if call.reuses_x1 else call.side2.batch_size()
             block = (min(n1, request.block_size or n1), min(n2, request.block_size or n2))
-            plan = self.table[self.implementation].blocks(call, spans, request.thorough, block)
+            plan = policy(self.table, self.implementation).blocks(call, spans, request.thorough, block)
         span_memory = None
         if plan is not None and plan.implementation is not None:
             implementation, structured = plan.implementation, plan.structured
@@ -631,8 +631,8 @@ class NtkSettings:
 
     def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice:
         if self.implementation == NtkImplementation.AUTO:
-            return self.table[self.implementation].choice(call, scope, self.budget(call, None))
-        return self.table[self.implementation].choice(call, scope)
+            return policy(self.table, self.implementation).choice(call, scope, self.budget(call, None))
+        return policy(self.table, self.implementation).choice(call, scope)
 
     def budget(self, call: KernelCall, caller: Optional[CallerPlan] = None) -> float:
         """The call's memory budget in bytes (NOTE: [Memory budgets]), at most ``caller``'s."""
