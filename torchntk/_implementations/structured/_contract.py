@@ -404,7 +404,8 @@ def _expression(equation: str, shapes: tuple[tuple[int, ...], ...]):
 # kernel's ``G``-Gram sums the output letter, which a whole-batch ``G`` holds outside the examples
 # and the width inside, so flattening them copied both sides' ``G`` on every call. Batched over
 # the output letter, the product reads both as they lie (the benchmark MLP at N = 64 in one
-# thread: 15.2 against 16.7 ms a call; 1000 logits at N = 32: 0.84 against 1.03 s).
+# thread: 14.7 against 16.4 ms a call; 1000 logits at N = 32: 0.84 against 1.03 s; the fastest of
+# alternating rounds, docs/benchmarks.md).
 # Equations this does not cover (a letter repeated within a term, a size-1 axis broadcast against a
 # larger one, a step of more than two operands) go through opt_einsum's expression.
 
