@@ -83,3 +83,31 @@ def test_a_traced_gram_sums_its_output_letter_after_the_product_without_copies()
     steps = _pairwise_steps(equation, (tuple(one.shape), tuple(two.shape)), (one.stride(), two.stride()))
     assert [step.batch_sums for step in steps.steps] == [()]
     torch.testing.assert_close(contract_tensors(equation, [one, two]), torch.einsum(equation, one, two))
+
+
+def test_pairs_through_their_jacobians_are_contracted_as_one_concatenation():
+    """``_formed_terms``: the pairs a side contracts through their ``J`` are summed by one product of
+    the concatenated ``J``; with one tensor on both sides of every pair the kernel stays exactly
+    symmetric; above the size limit, one product per pair."""
+    from unittest import mock
+
+    from torchntk._implementations.structured import _contract
+    from torchntk._layout.kernel_layout import KernelLayout
+
+    generator = torch.Generator().manual_seed(0)
+    layout = KernelLayout(2, (), ())  # (N, O) outputs, full kernel (N1, N2, O, O)
+    ones = [torch.randn(5, 3, size, dtype=torch.float32, generator=generator) for size in (4, 7, 1)]
+    twos = [torch.randn(6, 3, size, dtype=torch.float32, generator=generator) for size in (4, 7, 1)]
+    expected = sum(torch.einsum("iap,jbp->ijab", one.double(), two.double()) for one, two in zip(ones, twos))
+    with mock.patch.object(KernelLayout, "contract", autospec=True, side_effect=KernelLayout.contract) as contract:
+        (term,) = _contract._formed_terms(layout, list(zip(ones, twos)))
+    assert contract.call_count == 1
+    torch.testing.assert_close(term.double(), expected, rtol=1e-5, atol=1e-5)
+
+    (symmetric,) = _contract._formed_terms(layout, [(one, one) for one in ones])
+    assert torch.equal(symmetric, symmetric.permute(layout.swap_permutation()))
+
+    with mock.patch.object(_contract, "_JOINED_JACOBIAN", 10):
+        terms = _contract._formed_terms(layout, list(zip(ones, twos)))
+    assert len(terms) == 3
+    torch.testing.assert_close(sum(term.double() for term in terms), expected, rtol=1e-5, atol=1e-5)

@@ -102,12 +102,15 @@ def _contract_leaf(
     """``jacobians`` caches the ``J`` of uses contracted through their Jacobians (by ``id``)."""
     symmetric = side1 is side2
     total: Optional[torch.Tensor] = None
+    formed: list[tuple[torch.Tensor, torch.Tensor]] = []  # pairs of J, contracted together below
     for first, second, mirror in use_pairs(side1.uses, side2.uses, symmetric):
-        term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes, jacobians)
+        term = _pair(layout, out_axis, first, second, leaf, dtype, param_sizes, jacobians, None if mirror else formed)
         if term is None:
             continue
         if mirror:
             term = term + term.permute(layout.swap_permutation())
+        total = term if total is None else total.add_(term)
+    for term in _formed_terms(layout, formed):
         total = term if total is None else total.add_(term)
     if side1.fallback is not None:
         for one, two in zip(side1.fallback[leaf], side2.fallback[leaf]):
@@ -179,10 +182,13 @@ def _pair(
     dtype: torch.dtype,
     param_sizes: Sequence[int],
     jacobians: dict,
+    formed: Optional[list] = None,
 ) -> Optional[torch.Tensor]:
     """One pair's term: through the einsum of NOTE: [Pair contraction] when opt_einsum's order
     starts across the sides (Gram order), else through each use's ``J`` (formed once per use and
-    reused by every pair it is in; ``J J^T`` of a use with itself is a symmetric product)."""
+    reused by every pair it is in; ``J J^T`` of a use with itself is a symmetric product). Given
+    ``formed``, a pair through ``J`` is appended to it instead, for :func:`_formed_terms` to
+    contract with the others (None is returned)."""
     kind = pair_kind(first.role, second.role)
     if kind == "disjoint":
         return None
@@ -201,7 +207,31 @@ def _pair(
         return dense_jacobian(use, leaf, out_symbols, out_axis, param_sizes, scatter).to(dtype)
 
     one, two = (_cached(jacobians, use, functools.partial(jacobian, use)) for use in (first, second))
+    if formed is not None:
+        formed.append((one, two))
+        return None
     return layout.contract(one, two)
+
+
+_JOINED_JACOBIAN = 2**22
+"""Elements up to which the ``J`` of a side's pairs are concatenated into one contraction."""
+
+
+def _formed_terms(layout: KernelLayout, formed: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """The terms of pairs contracted through their ``J``: one contraction of the ``J`` concatenated
+    along their entries (``sum_k J1_k J2_k^T = [J1_1 ...] [J2_1 ...]^T``) where they are small (a
+    model of many small parameters, such as a force field, made one product per parameter, each
+    a few microseconds of work behind tens of microseconds of calls), else one per pair. A side
+    whose pairs each hold one tensor twice (``x2=None``) stays an exactly symmetric product."""
+    if not formed:
+        return []
+    size = sum(one.numel() + (0 if one is two else two.numel()) for one, two in formed)
+    if len(formed) == 1 or size > 2 * _JOINED_JACOBIAN:
+        return [layout.contract(one, two) for one, two in formed]
+    first = torch.cat([one for one, _ in formed], -1)
+    same = all(one is two for one, two in formed)
+    second = first if same else torch.cat([two for _, two in formed], -1)
+    return [layout.contract(first, second)]
 
 
 def _cached(cache: dict, use: Use, make) -> torch.Tensor:
