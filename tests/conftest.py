@@ -162,3 +162,20 @@ def device(_run_device: torch.device) -> torch.device:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def eager_computations(monkeypatch):
+    """A list that grows by one (the call's plan key) for every eager kernel computation, capture
+    traces included: what shows that a ``compile=`` call was replayed or computed anew."""
+    from torchntk._kernel.settings import NtkSettings
+
+    calls = []
+    original = NtkSettings.ntk
+
+    def counted(self, call, caller=None):
+        calls.append(call.plan_key)
+        return original(self, call, caller)
+
+    monkeypatch.setattr(NtkSettings, "ntk", counted)
+    return calls

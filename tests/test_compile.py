@@ -21,19 +21,6 @@ from torchntk._kernel.settings import NtkSettings
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 
-@pytest.fixture
-def eager_computations(monkeypatch):
-    """A list that grows by one for every eager kernel computation (capture traces included)."""
-    calls = []
-    original = NtkSettings.ntk
-
-    def counted(self, call, caller=None):
-        calls.append(call.plan_key)
-        return original(self, call, caller)
-
-    monkeypatch.setattr(NtkSettings, "ntk", counted)
-    return calls
-
 
 @contextlib.contextmanager
 def no_warnings():

@@ -302,22 +302,12 @@ def test_a_plan_keeps_no_replaced_submodule_alive():
         assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
 
 
-def test_replays_of_a_tied_module_read_its_tensors_anew(monkeypatch):
+def test_replays_of_a_tied_module_read_its_tensors_anew(eager_computations):
     """NOTE: [Module surveys] with ``compile=``: a tied module's captured graph replays exact
     kernels after its weights are written in place, and a replaced parameter (a new key) is
     computed anew."""
     import warnings
 
-    from torchntk._kernel.settings import NtkSettings
-
-    eager = []
-    original = NtkSettings.ntk
-
-    def counted(self, call, caller=None):
-        eager.append(call.plan_key)
-        return original(self, call, caller)
-
-    monkeypatch.setattr(NtkSettings, "ntk", counted)
     shared = nn.Linear(4, 4)
     model = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(4, 3)).to(F64).eval()
     ntk_fn = torchntk.empirical_ntk_fn(model, implementation=3, compile="eager")
@@ -328,7 +318,7 @@ def test_replays_of_a_tied_module_read_its_tensors_anew(monkeypatch):
             with torch.no_grad():
                 shared.weight.mul_(1.1)
             assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
-    assert len(eager) == 2  # the first call's eager computation and its trace; the others replayed
+    assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
     model[4].weight = nn.Parameter(torch.randn(3, 4, dtype=F64))
     assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
     assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))

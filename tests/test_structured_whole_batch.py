@@ -418,22 +418,12 @@ def test_the_recorder_passes_unfuse_the_kernels_themselves(kind, passes, monkeyp
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
-def test_replays_of_the_unfusing_passes_stay_exact(kind, monkeypatch):
+def test_replays_of_the_unfusing_passes_stay_exact(kind, eager_computations):
     """NOTE: [The recorder unfuses] with ``compile=``: the graph captured from the first call's
     passes (with the recorder's decompositions) replays, and its kernels of other inputs and of
     weights written in place are exact."""
     import warnings
 
-    from torchntk._kernel.settings import NtkSettings
-
-    eager = []
-    original = NtkSettings.ntk
-
-    def counted(self, call, caller=None):
-        eager.append(call.plan_key)
-        return original(self, call, caller)
-
-    monkeypatch.setattr(NtkSettings, "ntk", counted)
     model = _build(FrozenRecurrenceBetween, kind)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), compile="eager")
     with warnings.catch_warnings():
@@ -443,4 +433,4 @@ def test_replays_of_the_unfusing_passes_stay_exact(kind, monkeypatch):
                 model.first.weight.mul_(1.1)
             x1, x2 = _normal(4, 6, 3, seed=seed), _normal(4, 6, 3, seed=seed + 10)
             assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
-    assert len(eager) == 2  # the first call's eager computation and its trace; the others replayed
+    assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed

@@ -522,9 +522,7 @@ class NtkSettings:
 
         def choose() -> AutoChoice:
             with serialised(self.thread_safe), explained(call.where):  # NOTE: [Threads]: AUTO probes forward mode
-                if self.implementation == NtkImplementation.AUTO:
-                    return policy(self.table, self.implementation).choice(call, scope, budget)
-                return self.choice(call, scope)
+                return self.choice(call, scope, budget)
 
         try:
             # as the kernel's own planning is: NOTE: [Out of memory at the kernel boundary]
@@ -629,10 +627,13 @@ class NtkSettings:
         local = self.implementation == NtkImplementation.STRUCTURED_DERIVATIVES and not self.options.closed_form_rules
         return not (forward_mode or local)
 
-    def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice:
+    def choice(self, call: KernelCall, scope: Optional[Scope], budget: Optional[float] = None) -> AutoChoice:
+        """What ``auto_choice`` reports for ``call``: AUTO's pick within ``budget`` (default: the
+        call's, NOTE: [Memory budgets]), or the fixed implementation."""
+        chooser = policy(self.table, self.implementation)
         if self.implementation == NtkImplementation.AUTO:
-            return policy(self.table, self.implementation).choice(call, scope, self.budget(call, None))
-        return policy(self.table, self.implementation).choice(call, scope)
+            return chooser.choice(call, scope, self.budget(call, None) if budget is None else budget)
+        return chooser.choice(call, scope)
 
     def budget(self, call: KernelCall, caller: Optional[CallerPlan] = None) -> float:
         """The call's memory budget in bytes (NOTE: [Memory budgets]), at most ``caller``'s."""

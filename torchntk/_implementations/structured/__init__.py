@@ -246,10 +246,11 @@ class StructuredDerivatives:
     def plan(self, call: KernelCall, scope: Optional[Scope] = None, thorough: bool = False) -> Plan:
         """The kept plan of the call's key (or a new one, kept; always new when ``thorough``)."""
         plan = None if thorough or scope is None else scope.get(_PLAN, call)
-        if plan is None:
-            probed = None if thorough or scope is None else scope.pop(_PROBE, call)
-            shapes = None if thorough or scope is None else scope.pop(_SHAPES, call)
-            plan = plan_for(call, self.options, thorough=thorough, probed=probed, shapes=shapes)
+        if plan is not None:
+            return plan
+        probed = None if thorough or scope is None else scope.pop(_PROBE, call)
+        shapes = None if thorough or scope is None else scope.pop(_SHAPES, call)
+        plan = plan_for(call, self.options, thorough=thorough, probed=probed, shapes=shapes)
         if scope is not None:
             scope.put(_PLAN, call, plan)
         return plan

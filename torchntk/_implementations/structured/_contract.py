@@ -582,32 +582,30 @@ def _summed_after(
 
 def _copies(term: _Term, batch: list[str], rows: list[str], columns: list[str]) -> bool:
     """Whether ``term`` becomes ``(batch, rows, columns)``, or the transpose of ``(batch, columns,
-    rows)``, only through a copy (as :func:`_as_matrix` decides, the letters summed away aside)."""
-    present = set(term.letters)
-    groups = [[letter for letter in group if letter in present] for group in (batch, rows, columns)]
-    for order in (groups, [groups[0], groups[2], groups[1]]):
-        letters = [letter for group in order for letter in group]
-        sizes = [term.size(letter) for letter in letters]
-        strides = [term.stride(letter) for letter in letters]
-        bounds = [0, len(order[0]), len(order[0]) + len(order[1]), len(letters)]
-        if all(_merges(sizes, strides, list(range(bounds[index], bounds[index + 1]))) for index in range(3)):
-            return False
-    return True
+    rows)``, only through a copy (as :func:`_as_matrix` decides)."""
+    return not any(_grouped(term, groups)[0] for groups in ((batch, rows, columns), (batch, columns, rows)))
+
+
+def _grouped(term: _Term, groups: tuple[list[str], list[str], list[str]]) -> tuple[bool, bool]:
+    """Whether flattening ``term``'s letters into the three ``groups`` (in order) is a view, and
+    whether the last group then runs contiguously (a BLAS matrix's rows or columns)."""
+    order = [letter for group in groups for letter in group]
+    sizes = [term.size(letter) for letter in order]
+    strides = [term.stride(letter) for letter in order]
+    bounds = [0, len(groups[0]), len(groups[0]) + len(groups[1]), len(order)]
+    spans = [list(range(bounds[index], bounds[index + 1])) for index in range(3)]
+    viewed = all(_merges(sizes, strides, span) for span in spans)
+    last = [axis for axis in spans[2] if sizes[axis] != 1]
+    return viewed, not last or strides[last[-1]] == 1
 
 
 def _as_matrix(term: _Term, sums: tuple[int, ...], batch: list[str], rows: list[str], columns: list[str]) -> _Operand:
     """How ``term`` (already summed over ``sums``) becomes ``(batch, rows, columns)``: directly, or
     as the transpose of ``(batch, columns, rows)`` where that reshape is a view and this one is not."""
     candidates = []
-    for transposed, order in ((False, batch + rows + columns), (True, batch + columns + rows)):
-        groups = (batch, columns, rows) if transposed else (batch, rows, columns)
-        sizes = [term.size(letter) for letter in order]
-        strides = [term.stride(letter) for letter in order]
-        bounds = [0, len(groups[0]), len(groups[0]) + len(groups[1]), len(order)]
-        spans = [list(range(bounds[index], bounds[index + 1])) for index in range(3)]
-        viewed = all(_merges(sizes, strides, span) for span in spans)
-        last = [axis for axis in spans[2] if sizes[axis] != 1]
-        unit = not last or strides[last[-1]] == 1  # a BLAS matrix: its rows (or columns) contiguous
+    for transposed, groups in ((False, (batch, rows, columns)), (True, (batch, columns, rows))):
+        viewed, unit = _grouped(term, groups)
+        order = [letter for group in groups for letter in group]
         candidates.append((not (viewed and unit), not viewed, transposed, order))
     _, _, transposed, order = min(candidates)
     permutation = tuple(term.letters.index(letter) for letter in order)
