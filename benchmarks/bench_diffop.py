@@ -1,25 +1,26 @@
 #!/usr/bin/env python
 """NTKs of models that differentiate inside their forward pass (a PINN residual, a force field),
-torchntk's implementations against the per-example ``jacrev`` loop users write by hand.
+torchntk's implementations against the vectorised Jacobian loop users write by hand, and the floor
+of that loop: the product ``J J^T`` alone.
 
 Rows:
 
-* ``poisson``: the Poisson residual ``u_xx + u_yy`` of a 2-64-64-64-1 tanh MLP (``--width``,
-  ``--depth``) at N collocation points in the unit square (``--n``, default 256, 1024, 4096), in
-  float32 and float64 (``--dtypes``), the residual written with ``torch.autograd.grad(...,
+* ``poisson``: the Poisson residual ``u_xx + u_yy`` of a 2-W-W-W-1 tanh MLP (``--widths``, default
+  64 and 256; ``--depth``) at N collocation points in the unit square (``--n``, default 1024, 2048,
+  4096), in float32 (``--dtypes``), the residual written with ``torch.autograd.grad(...,
   create_graph=True)`` inside ``forward`` (style ``autograd``) and with ``torch.func`` inside
   ``forward`` (``vmap(hessian(u))``, style ``func``; ``--styles``); the traced kernel (N, N);
 * ``forces``: the forces ``-dE/dx`` of a molecular energy model (an MLP of the inverse pair distances
-  of ``--atoms`` atoms, width 64, tanh) by ``torch.autograd.grad`` inside ``forward``, at
-  ``--force-n`` random molecules; the full kernel (N, N, A, A, 3, 3).
+  of ``--atoms`` atoms, width ``--force-width`` (64), tanh) by ``torch.autograd.grad`` inside
+  ``forward``, at ``--force-n`` random molecules; the full kernel (N, N, A, A, 3, 3).
 
 Methods, timed in the same run on the same inputs:
 
-* ``hand``: what users write by hand, per example: ``torch.func.jacrev`` of the residual (a pure
-  function of the parameters and one point, ``hessian`` of ``functional_call``) over the
-  parameters, the Jacobians stacked, then one matrix product ``J J^T``;
-* ``vmap``: the same, the examples batched with ``torch.func.vmap`` instead of the loop: the
-  vectorised form of the hand loop, for the arithmetic of the floor;
+* ``vmap``, the peer every ratio is against: what a competent user writes, the per-example
+  Jacobians of the residual (a pure function of the parameters and one point, ``hessian`` of
+  ``functional_call``) over the parameters by ``vmap(jacrev)`` in chunks of ``--chunk`` examples,
+  then one matrix product ``J J^T``;
+* ``hand`` (``--loop``): the same with a Python loop over the examples instead of ``vmap``;
 * torchntk's implementations ``1``, ``2``, ``3`` and ``0`` (AUTO, its pick shown), the default
   settings (``vmap_axes="auto"``, default checks), ``x2=None``. Implementation 2 pushes every x2
   example's vector through a forward-mode pass over all of x1 (``N^2`` example passes); it runs
@@ -28,15 +29,15 @@ Methods, timed in the same run on the same inputs:
 
 Each implementation's time is the median of ``--repeats`` warm calls after one warm-up call, the
 warm calls of 1, 3 and AUTO alternating round by round (the hand loop and ``vmap``: one call each
-after a warm-up on 8 examples); every kernel is compared with the hand
-loop's (``max|K - K_hand| / max|K_hand|``). ``memory``: for AUTO, the peak its plan estimated and
+after a warm-up on 8 examples); every kernel is compared with the peer's
+(``max|K - K_peer| / max|K_peer|``). ``memory``: for AUTO, the peak its plan estimated and
 the budget it planned within; for every method, the growth of the process's resident set during
 its warm-up call (Linux ``VmHWM``). The floor: ``2 N^2 P`` FLOPs of the contraction ``J J^T`` at
 the rate of one ``(N, P) @ (P, N)`` product measured in the same run (``matmul s``), the
 Jacobians' own arithmetic apart.
 
-    python benchmarks/bench_diffop.py                        # the whole grid: about 15 min on 2 cores
-    python benchmarks/bench_diffop.py --n 1024 --dtypes float32 --styles autograd --no-forces
+    python benchmarks/bench_diffop.py                        # the whole grid: about 25 min on 2 cores
+    python benchmarks/bench_diffop.py --widths 256 --n 2048 --styles autograd --no-forces
     python benchmarks/bench_diffop.py --quick                # tiny sizes: seconds
 """
 
@@ -136,14 +137,15 @@ def forces_function(net: nn.Module):
     return forces
 
 
-def hand_kernel(function, params: dict, x: torch.Tensor, loop: bool) -> torch.Tensor:
-    """``J J^T`` from per-example Jacobians of ``function`` over ``params``, by a loop or by vmap."""
+def hand_kernel(function, params: dict, x: torch.Tensor, loop: bool, chunk: int = 256) -> torch.Tensor:
+    """``J J^T`` from per-example Jacobians of ``function`` over ``params``, by a loop or by vmap
+    (``chunk`` examples at once)."""
     n = x.shape[0]
     if loop:
         per_example = [jacrev(function)(params, x[index]) for index in range(n)]
         jacobians = [torch.stack([one[name] for one in per_example]) for name in params]
     else:
-        batched = vmap(jacrev(function), (None, 0))(params, x)
+        batched = vmap(jacrev(function), (None, 0), chunk_size=chunk)(params, x)
         jacobians = [batched[name] for name in params]
     outputs = jacobians[0].shape[1 : jacobians[0].ndim - params[next(iter(params))].ndim]
     flat = torch.cat([j.reshape(n, math.prod(outputs), -1) for j in jacobians], dim=-1)  # (N, O, P)
@@ -174,20 +176,22 @@ def relative_difference(kernel: torch.Tensor, reference: torch.Tensor) -> float:
     return float((kernel.double() - reference.double()).abs().max() / reference.double().abs().max())
 
 
-def hand_rows(function, params: dict, x: torch.Tensor, label: str, vectorised: bool) -> tuple[list[tuple], torch.Tensor, float]:
-    """The rows of the hand-written loop (and its vmapped form), its kernel and its time."""
-    hand_kernel(function, params, x[:8], loop=True)  # warm-up
+def hand_rows(function, params: dict, x: torch.Tensor, label: str, args) -> tuple[list[tuple], torch.Tensor, float]:
+    """The rows of the vectorised hand-written kernel (the peer) and, with ``--loop``, of its Python
+    loop; the peer's kernel and time."""
+    hand_kernel(function, params, x[:8], loop=False, chunk=args.chunk)  # warm-up
     start = time.perf_counter()
-    reference = hand_kernel(function, params, x, loop=True)
-    hand_seconds = time.perf_counter() - start
-    rows = [(label, "hand", hand_seconds, 1.0, 0.0, "")]
-    if vectorised:
-        hand_kernel(function, params, x[:8], loop=False)
+    reference = hand_kernel(function, params, x, loop=False, chunk=args.chunk)
+    peer_seconds = time.perf_counter() - start
+    rows = [(label, "vmap", peer_seconds, 1.0, 0.0, f"chunks of {args.chunk} examples")]
+    if args.loop:
+        hand_kernel(function, params, x[:8], loop=True)
         start = time.perf_counter()
-        kernel = hand_kernel(function, params, x, loop=False)
+        kernel = hand_kernel(function, params, x, loop=True)
         seconds = time.perf_counter() - start
-        rows.append((label, "vmap", seconds, hand_seconds / seconds, relative_difference(kernel, reference), ""))
-    return rows, reference, hand_seconds
+        difference = relative_difference(kernel, reference)
+        rows.append((label, "hand", seconds, peer_seconds / seconds, difference, "a Python loop"))
+    return rows, reference, peer_seconds
 
 
 def torchntk_rows(model: nn.Module, x: torch.Tensor, label: str, args, trace_axes, reference: torch.Tensor,
@@ -262,7 +266,7 @@ def base_label(label: str) -> str:
 def summary(rows: list[tuple]) -> list[str]:
     """Per row label: the fastest implementation's speed-up over the hand loop, and AUTO's time
     over the fastest's."""
-    hands = {row[0]: row[2] for row in rows if row[1] == "hand"}
+    hands = {row[0]: row[2] for row in rows if row[1] == "vmap"}
     lines = []
     for label in dict.fromkeys(row[0] for row in rows if row[1] in IMPLEMENTATIONS):
         mine = {row[1]: row[2] for row in rows if row[0] == label and not math.isnan(row[2])}
@@ -270,25 +274,30 @@ def summary(rows: list[tuple]) -> list[str]:
         if not timed_implementations:
             continue
         best = min(timed_implementations, key=timed_implementations.get)
-        line = f"{label}: fastest {best}, {hands[base_label(label)] / timed_implementations[best]:.1f}x the hand loop"
+        speedup = hands[base_label(label)] / timed_implementations[best]
+        line = f"{label}: fastest {best}, {speedup:.1f}x the vectorised hand loop"
         if "0" in mine:
             line += f"; AUTO {mine['0'] / timed_implementations[best]:.2f}x the fastest"
+        if "floor" in mine:
+            line += f"; J J^T alone {mine['floor'] / timed_implementations[best]:.2f}x the fastest's time"
         lines.append(line)
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", default="256,1024,4096", help="collocation points (comma-separated)")
-    parser.add_argument("--dtypes", default="float32,float64")
+    parser.add_argument("--n", default="1024,2048,4096", help="collocation points (comma-separated)")
+    parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--styles", default="autograd,func", help="how the residual is written")
     parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--widths", default="64,256", help="widths of the Poisson MLP (comma-separated)")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers")
     parser.add_argument("--force-n", default="64,256", help="molecules of the force-field rows")
     parser.add_argument("--atoms", type=int, default=8)
+    parser.add_argument("--force-width", type=int, default=64, help="width of the force field's energy MLP")
     parser.add_argument("--no-forces", action="store_true")
-    parser.add_argument("--no-vmap", action="store_true", help="leave out the vmapped hand-written form")
+    parser.add_argument("--loop", action="store_true", help="time the Python loop over examples too (minutes)")
+    parser.add_argument("--chunk", type=int, default=256, help="examples per vmap chunk of the peer")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-seconds", type=float, default=60.0,
                         help="implementation 2 is not run where AUTO's estimates project it above this per call")
@@ -296,7 +305,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat")
     args = parser.parse_args()
     if args.quick:
-        args.n, args.force_n, args.width, args.depth, args.repeats, args.atoms = "16", "8", 8, 2, 1, 4
+        args.n, args.force_n, args.widths, args.depth, args.repeats, args.atoms = "16", "8", "8", 2, 1, 4
+        args.force_width = 8
     if args.threads:
         torch.set_num_threads(args.threads)
     args.implementations = [item for item in args.implementations.split(",") if item]
@@ -305,7 +315,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.2f}")
     print()
-    print("| model | method | median s | hand / method | rel. diff from hand | notes |")
+    print("| model | method | median s | vmap / method | rel. diff from vmap | notes |")
     print("|---|---|---|---|---|---|")
 
     def show(rows):
@@ -320,26 +330,29 @@ def main() -> None:
     torch.manual_seed(0)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        net = mlp(2, args.width, args.depth).to(dtype)
-        params = {name: param.detach() for name, param in net.named_parameters()}
-        for n in (int(item) for item in args.n.split(",") if item):
-            x = torch.rand(n, 2, dtype=dtype)
-            label = f"poisson {dtype_name} N={n}"
-            rows, reference, hand_seconds = hand_rows(residual_function(net), params, x, label, not args.no_vmap)
-            show(rows)
-            for style in args.styles.split(","):
-                model = (PoissonAutograd if style == "autograd" else PoissonFunc)(net)
-                show(torchntk_rows(model, x, f"poisson {style} {dtype_name} N={n}", args, (-1,), reference, hand_seconds))
+        for width in (int(item) for item in args.widths.split(",") if item):
+            net = mlp(2, width, args.depth).to(dtype)
+            params = {name: param.detach() for name, param in net.named_parameters()}
+            for n in (int(item) for item in args.n.split(",") if item):
+                x = torch.rand(n, 2, dtype=dtype)
+                label = f"poisson W={width} {dtype_name} N={n}"
+                rows, reference, hand_seconds = hand_rows(residual_function(net), params, x, label, args)
+                show(rows)
+                del rows
+                for style in args.styles.split(","):
+                    model = (PoissonAutograd if style == "autograd" else PoissonFunc)(net)
+                    label = f"poisson {style} W={width} {dtype_name} N={n}"
+                    show(torchntk_rows(model, x, label, args, (-1,), reference, hand_seconds))
+                del reference
         if args.no_forces:
             continue
         pairs = args.atoms * (args.atoms - 1) // 2
-        energy = mlp(pairs, args.width, 2).to(dtype)
+        energy = mlp(pairs, args.force_width, 2).to(dtype)
         energy_params = {name: param.detach() for name, param in energy.named_parameters()}
         for n in (int(item) for item in args.force_n.split(",") if item):
             positions = torch.randn(n, args.atoms, 3, dtype=dtype) * 2
             label = f"forces {args.atoms} atoms {dtype_name} N={n}"
-            rows, reference, hand_seconds = hand_rows(forces_function(energy), energy_params, positions, label,
-                                                      not args.no_vmap)
+            rows, reference, hand_seconds = hand_rows(forces_function(energy), energy_params, positions, label, args)
             show(rows)
             show(torchntk_rows(ForceField(energy), positions, label, args, (), reference, hand_seconds))
     print()

@@ -24,6 +24,7 @@ from torch.func import grad, hessian, jacrev, vmap
 
 import torchntk
 from tests.cases import DEVICE
+from torchntk._implementations.structured import _unrolled as unrolled
 from torchntk._model.inner_derivatives import InnerBackwardError, takes_derivatives
 
 pytestmark = pytest.mark.filterwarnings("ignore::torchntk.ExampleLoopWarning")
@@ -183,7 +184,8 @@ def _points(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.rand(n, 2, generator=generator, dtype=dtype).to(DEVICE)
 
 
-def _check_poisson(style: str, implementation: int, vmap_axes, dtype: torch.dtype) -> None:
+def _check_poisson(style: str, implementation: int, vmap_axes, dtype: torch.dtype, calls: int = 1) -> tuple:
+    """Checks ``calls`` calls of one kernel function; returns it and its inputs."""
     torch.manual_seed(0)
     model = _poisson(style, dtype)
     x1, x2 = _points(5, dtype, 1), _points(4, dtype, 2)
@@ -191,9 +193,12 @@ def _check_poisson(style: str, implementation: int, vmap_axes, dtype: torch.dtyp
         x1.requires_grad_()
         x2.requires_grad_()
     params = _raw(model)
-    u, residual = _ntk_fn(model, implementation, vmap_axes)(x1, x2)
-    _assert_close(u, reference(_u, params, x1, x2), dtype)
-    _assert_close(residual, reference(_residual, params, x1, x2), dtype)
+    ntk_fn = _ntk_fn(model, implementation, vmap_axes)
+    for _ in range(calls):
+        u, residual = ntk_fn(x1, x2)
+        _assert_close(u, reference(_u, params, x1, x2), dtype)
+        _assert_close(residual, reference(_residual, params, x1, x2), dtype)
+    return ntk_fn, x1, x2
 
 
 # -- PINN residuals --------------------------------------------------------------------------------
@@ -506,3 +511,267 @@ def test_implementation_3_knows_the_parameters_a_model_differentiates_and_leaves
     choice = torchntk.empirical_ntk_fn(model, implementation=3).auto_choice(_points(4, torch.float64, 17))
     assert set(choice.fallback_parameters) == {name for name, _ in model.named_parameters()}
     assert all("takes derivatives inside its forward pass" in reason for reason in choice.fallback_parameters.values())
+
+
+# -- implementation 3 through the derivatives: the traced forward pass (NOTE: [Unrolled derivatives])
+
+
+@pytest.fixture
+def unrolled_always(monkeypatch):
+    """Implementation 3 unrolls wherever the trace stands for the model, whatever the cost: small
+    models then take the path that wide ones take by their price."""
+    monkeypatch.setattr(unrolled, "_ALWAYS", True)
+
+
+def _fallback(ntk_fn, *args, **kwargs) -> dict:
+    return ntk_fn.auto_choice(*args, **kwargs).fallback_parameters
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("vmap_axes", VMAP_AXES)
+@pytest.mark.parametrize("style", ["clone", "in place", "detach", "given", "torch.func"])
+def test_implementation_3_through_the_derivatives_is_exact_and_leaves_nothing_to_its_fallback(
+    unrolled_always, style, vmap_axes, dtype
+):
+    # the first call, a warm one and a later one
+    ntk_fn, x1, x2 = _check_poisson(style, 3, VMAP_AXES[vmap_axes], getattr(torch, dtype), calls=3)
+    assert _fallback(ntk_fn, x1, x2) == {}
+
+
+@pytest.mark.parametrize("implementation", [3, 0])
+def test_the_cross_kernel_through_the_derivatives_traces_each_side(unrolled_always, implementation):
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    boundary, collocation = _points(5, torch.float64, 3), _points(6, torch.float64, 4)
+    ntk_fn = _ntk_fn(model, implementation, "default")
+    params = _raw(model)
+    for _ in range(2):
+        _assert_close(
+            ntk_fn(boundary, collocation, which=("u", "r")),
+            reference(_u, params, boundary, collocation, _residual), torch.float64,
+        )
+    if implementation == 3:
+        assert _fallback(ntk_fn, boundary, collocation, which=("u", "r")) == {}
+
+
+@pytest.mark.parametrize("vmap_axes", ["0", "default"])
+@pytest.mark.parametrize("model_class", [ForcesAutograd, ForcesFunc], ids=["autograd", "torch.func"])
+def test_the_force_field_through_its_derivatives_is_exact(unrolled_always, model_class, vmap_axes):
+    torch.manual_seed(0)
+    model = model_class(torch.float64).eval()
+    x1, x2 = _molecules(3, torch.float64, 1), _molecules(2, torch.float64, 2)
+    ntk_fn = _ntk_fn(model, 3, VMAP_AXES[vmap_axes], trace_axes=())
+    for _ in range(2):
+        _assert_close(ntk_fn(x1, x2), force_reference(_raw(model), x1, x2), torch.float64)
+    assert _fallback(ntk_fn, x1, x2) == {}
+
+
+class _Scaled(PoissonAutograd):
+    """A residual scaled by a plain Python number the module holds, which a trace freezes."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__(dtype)
+        self.scale = 1.0
+
+    def forward(self, x, which="r"):
+        return super().forward(x, which) * self.scale
+
+
+def test_a_changed_model_is_traced_again_and_its_kernel_stays_exact(unrolled_always):
+    torch.manual_seed(0)
+    model = _Scaled(torch.float64)
+    x = _points(5, torch.float64, 18)
+    ntk_fn = _ntk_fn(model, 3, "default")
+    _assert_close(ntk_fn(x), reference(_residual, _raw(model), x, x), torch.float64)
+    with torch.no_grad():  # new values of the parameters: the graph's inputs
+        model.net[2].weight.mul_(1.5)
+    _assert_close(ntk_fn(x), reference(_residual, _raw(model), x, x), torch.float64)
+    model.scale = 3.0  # a number the trace froze: the outputs differ, so the model is traced again
+    _assert_close(ntk_fn(x), 9.0 * reference(_residual, _raw(model), x, x), torch.float64)
+    assert _fallback(ntk_fn, x) == {}
+
+
+class _DetachedScale(PoissonAutograd):
+    """A residual divided by its own size with the size detached: a stop-gradient of the model's own
+    that the trace's ``detach`` (an alias to autograd's saved tensors) would differentiate through."""
+
+    def forward(self, x, which="r"):
+        residual = super().forward(x, which)
+        return residual / residual.detach().abs().mean().clamp_min(1e-3)
+
+
+def _normalised_residual(params, point):
+    residual = _residual(params, point)
+    return residual / residual.detach().abs().clamp_min(1e-3)
+
+
+def test_a_detach_of_the_models_own_keeps_the_exact_fallback_and_says_why(unrolled_always):
+    torch.manual_seed(0)
+    model = _DetachedScale(torch.float64)
+    x = _points(1, torch.float64, 19)  # one point: the batch mean is the point's own size
+    ntk_fn = _ntk_fn(model, 3, "default")
+    _assert_close(ntk_fn(x), reference(_normalised_residual, _raw(model), x, x), torch.float64)
+    reasons = _fallback(ntk_fn, x)
+    assert set(reasons) == {name for name, _ in model.named_parameters()}
+    assert all("takes derivatives inside its forward pass" in reason for reason in reasons.values())
+    decision = [value for key, value in _records(ntk_fn) if key[0] == unrolled._KIND]
+    assert [type(value).__name__ for value in decision] == ["NotUnrolled"]
+    assert "other derivatives than the model" in decision[0].reason
+
+
+class _Branching(PoissonAutograd):
+    """A Python branch on a value of the input batch: a trace would freeze one side of it."""
+
+    def forward(self, x, which="r"):
+        residual = super().forward(x, which)
+        return residual * 2.0 if bool(x.sum() > 1.0) else residual
+
+
+def test_a_branch_on_a_value_fails_the_trace_and_keeps_the_exact_fallback(unrolled_always):
+    torch.manual_seed(0)
+    model = _Branching(torch.float64)
+    ntk_fn = _ntk_fn(model, 3, "default")
+    params = _raw(model)
+    for seed in (20, 22):  # the branch taken, and not
+        x = _points(5, torch.float64, seed) * (0.1 if seed == 22 else 1.0)
+        factor = 2.0 if bool(x.sum() > 1.0) else 1.0
+        _assert_close(ntk_fn(x), factor**2 * reference(_residual, params, x, x), torch.float64)
+    decision = [value for key, value in _records(ntk_fn) if key[0] == unrolled._KIND]
+    assert [type(value).__name__ for value in decision] == ["NotUnrolled"]
+    assert "tracing its forward pass failed" in decision[0].reason
+
+
+def test_small_models_keep_the_fallback_where_it_costs_less_than_tracing():
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    x = _points(8, torch.float64, 21)
+    ntk_fn = _ntk_fn(model, 3, "default")
+    _assert_close(ntk_fn(x)[1], reference(_residual, _raw(model), x, x), torch.float64)
+    decision = [value for key, value in _records(ntk_fn) if key[0] == unrolled._KIND]
+    assert [type(value).__name__ for value in decision] == ["NotUnrolled"]
+    assert "costs less than tracing" in decision[0].reason
+
+
+@pytest.mark.parametrize("width,unrolls", [(128, True), (16, False)])
+def test_implementation_3_goes_through_the_derivatives_where_its_contractions_are_priced_cheaper(
+    monkeypatch, width, unrolls
+):
+    # The price of tracing aside (every kernel here is small), the rules' contractions through the
+    # derivatives are priced against the fallback's: about T^2 (in + out) against in * out per layer
+    monkeypatch.setattr(unrolled, "_MIN_FALLBACK_FLOPS", {False: 0.0, True: 0.0})
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    model.net = nn.Sequential(
+        nn.Linear(2, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)
+    ).to(DEVICE, torch.float64)
+    x = _points(16, torch.float64, 25)
+    ntk_fn = _ntk_fn(model, 3, "default")
+    for _ in range(2):
+        _assert_close(ntk_fn(x, which="r"), reference(_residual, _raw(model), x, x), torch.float64)
+    decision = [value for key, value in _records(ntk_fn) if key[0] == unrolled._KIND]
+    assert [type(value).__name__ for value in decision] == ["Unrolled" if unrolls else "NotUnrolled"]
+    if not unrolls:
+        assert "cost more than the fallback's" in decision[0].reason
+    assert (_fallback(ntk_fn, x, which="r") == {}) == unrolls
+
+
+def _records(ntk_fn) -> list:
+    """``(key, value)`` of every entry the kernel function's implementations keep in its plan
+    records (NOTE: [One record per key])."""
+    return [
+        (key, value)
+        for record in ntk_fn._settings.planner._records._entries.values()
+        for key, value in record.derived._entries.items()
+    ]
+
+
+def test_compile_leaves_calls_through_the_derivatives_eager_with_a_warning(unrolled_always):
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    x = _points(5, torch.float64, 23)
+    ntk_fn = _ntk_fn(model, 3, "default", compile="eager")
+    expected = reference(_residual, _raw(model), x, x)
+    with pytest.warns(RuntimeWarning, match="through a graph traced from the derivatives"):
+        _assert_close(ntk_fn(x, which="r"), expected, torch.float64)
+    for _ in range(2):  # the calls stay eager, exact, and say nothing more
+        _assert_close(ntk_fn(x, which="r"), expected, torch.float64)
+    assert _fallback(ntk_fn, x, which="r") == {}
+
+
+def test_spans_of_batch_without_vmap_axes_trace_each_size(unrolled_always):
+    torch.manual_seed(0)
+    model = PoissonAutograd(torch.float64)
+    x = _points(7, torch.float64, 24)
+    params = _raw(model)
+    ntk_fn = _ntk_fn(model, 3, None)
+    kernel = torchntk.batch(ntk_fn, batch_size=3)(x, which="r")
+    _assert_close(kernel, reference(_residual, params, x, x), torch.float64)
+
+
+class _ConvForces(nn.Module):
+    """``-dE/dx`` of a convolutional energy of a field: the convolution's weight is consumed again
+    in the input gradient of ``convolution_backward`` (NOTE: [Convolutions through derivatives])."""
+
+    def __init__(self, dtype: torch.dtype, conv: nn.Module, shape: tuple[int, ...]):
+        super().__init__()
+        self.conv = conv.to(DEVICE, dtype)
+        self.shape = shape
+        size = self.conv(torch.zeros(1, *shape, dtype=dtype, device=DEVICE)).numel()
+        self.head = nn.Linear(size, 1).to(DEVICE, dtype)
+
+    def forward(self, field: torch.Tensor) -> torch.Tensor:  # (N, *shape) -> (N, *shape)
+        field = field.clone().requires_grad_()
+        energy = self.head(torch.tanh(self.conv(field)).flatten(1)).sum()
+        return -torch.autograd.grad(energy, field, create_graph=True)[0]
+
+
+CONVOLUTIONS = {
+    "conv1d": (lambda: nn.Conv1d(1, 3, 3, padding=1), (1, 6)),
+    "conv2d-strided-grouped": (lambda: nn.Conv2d(2, 4, 3, stride=2, padding=1, dilation=1, groups=2), (2, 5, 6)),
+    "conv2d-dilated": (lambda: nn.Conv2d(2, 3, 2, dilation=2), (2, 5, 5)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVOLUTIONS))
+def test_a_convolution_inside_a_derivative_follows_the_rules(unrolled_always, name):
+    make, shape = CONVOLUTIONS[name]
+    torch.manual_seed(0)
+    model = _ConvForces(torch.float64, make(), shape)
+    generator = torch.Generator().manual_seed(26)
+    x1, x2 = (torch.randn(n, *shape, generator=generator, dtype=torch.float64).to(DEVICE) for n in (4, 3))
+    expected = _ntk_fn(model, 1, "default", trace_axes=())(x1, x2)
+    ntk_fn = _ntk_fn(model, 3, "default", trace_axes=())
+    for _ in range(2):
+        _assert_close(ntk_fn(x1, x2), expected, torch.float64)
+    assert _fallback(ntk_fn, x1, x2) == {}
+
+
+def test_a_transposed_convolution_inside_a_derivative_keeps_the_fallback_and_says_why(unrolled_always):
+    torch.manual_seed(0)
+    model = _ConvForces(torch.float64, nn.ConvTranspose1d(1, 2, 3, stride=2), (1, 5))
+    generator = torch.Generator().manual_seed(27)
+    x1, x2 = (torch.randn(n, 1, 5, generator=generator, dtype=torch.float64).to(DEVICE) for n in (4, 3))
+    expected = _ntk_fn(model, 1, "default", trace_axes=())(x1, x2)
+    ntk_fn = _ntk_fn(model, 3, "default", trace_axes=())
+    _assert_close(ntk_fn(x1, x2), expected, torch.float64)
+    reasons = _fallback(ntk_fn, x1, x2)
+    # a transposed convolution has no rule, in the forward pass or in its derivative
+    assert set(reasons) == {"conv.weight", "conv.bias"} and "convolution" in reasons["conv.weight"]
+
+
+class _WithNone(PoissonAutograd):
+    """An output with a None leaf beside the tensors: the graph gives the tensors back in place."""
+
+    def forward(self, x):
+        return None, super().forward(x, "r"), {"nothing": None}
+
+
+def test_outputs_with_none_leaves_come_back_in_place(unrolled_always):
+    torch.manual_seed(0)
+    model = _WithNone(torch.float64)
+    x = _points(5, torch.float64, 28)
+    ntk_fn = _ntk_fn(model, 3, "default")
+    for _ in range(2):
+        _, residual, nothing = ntk_fn(x)
+        _assert_close(residual, reference(_residual, _raw(model), x, x), torch.float64)
+    assert _fallback(ntk_fn, x) == {}

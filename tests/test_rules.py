@@ -44,8 +44,12 @@ from torch.overrides import handle_torch_function, has_torch_function_variadic
 from tests.cases import to_device
 from torchntk._implementations.structured import rules as rules_package
 from torchntk._implementations.structured._recorder import Recorder
-from torchntk._implementations.structured._roles import Role, RuleCall
+from torchntk._implementations.structured._roles import ParamRef, Role, RuleCall
 from torchntk._implementations.structured.rules import RULES, rule, rule_for, unregister
+from torchntk._implementations.structured._views import axis_permutation
+from torchntk._implementations.structured.rules.conv import convolution_input_gradient
+
+aten = torch.ops.aten
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),
@@ -154,8 +158,10 @@ def check_rule(case: Case) -> None:
         assert torch.equal(param.detach().flatten()[index].to(seen.dtype), seen)
         if case.index is not None:
             expected = case.index[ref.param](torch.arange(param.numel(), device=param.device).view(param.shape))
-            if expected is None:
-                assert ref.index is None
+            if expected is None or axis_permutation(expected, tuple(param.shape)) is not None:
+                # the whole parameter, or its transpose: a role states it in the parameter's own axis
+                # order (NOTE: [Unrolled derivatives]), and the checks below hold on the parameter
+                assert ref.index is None and tuple(role.param_shape) == tuple(param.shape)
             else:
                 assert ref.index is not None and torch.equal(ref.index, expected)
 
@@ -170,9 +176,14 @@ def check_rule(case: Case) -> None:
         param_vjp = oracle(fn, params, ref.param, g)
         torch.testing.assert_close(scattered.view(param.shape), param_vjp, **tol)
 
-        # the joint layout is over the seen tensors: the parameters themselves unless viewed
+        # the joint layout is over the seen tensors: the parameters themselves unless viewed (a
+        # transpose seen is stated on the parameter by the separate role, not by the joint one)
         seen_vjp[role.name] = param_vjp if ref.index is None else local_vjp
         separate_refs[role.name] = ref
+        if case.index is not None and expected is not None and ref.index is None:
+            view_order = axis_permutation(expected, tuple(param.shape))
+            seen_vjp[role.name] = param_vjp.permute(view_order)
+            separate_refs[role.name] = ParamRef(ref.param, expected)
 
     if case.joint is None:
         assert joint is None
@@ -364,6 +375,57 @@ def conv_case(dim, kernel=3, stride=1, padding=0, dilation=1, groups=1, out=4, b
 @pytest.mark.parametrize("dim", [1, 2, 3], ids=["conv1d", "conv2d", "conv3d"])
 def test_conv(dim, config):
     check_rule(conv_case(dim, **config))
+
+
+# A graph holds explicit padding: 'same' and 'valid' reach it as numbers.
+EXPLICIT_CONV_CONFIGS = {name: config for name, config in CONV_CONFIGS.items() if not isinstance(config.get("padding"), str)}
+
+
+@pytest.mark.parametrize("config", list(EXPLICIT_CONV_CONFIGS.values()), ids=list(EXPLICIT_CONV_CONFIGS))
+@pytest.mark.parametrize("dim", [1, 2, 3], ids=["conv1d", "conv2d", "conv3d"])
+def test_the_input_gradient_of_a_convolution(dim, config):
+    # NOTE: [Convolutions through derivatives]: dL/dx = conv_transpose(g, W), a use of W in the
+    # derivative a model takes; every stride, padding, dilation and group count, and spatial sizes
+    # a strided convolution does not cover exactly (the input's last positions get no gradient)
+    config = {key: value for key, value in config.items() if key not in ("keywords", "bias", "batched")}
+    forward = conv_case(dim, bias="none", **config)
+    (weight,) = forward.params
+    x = rand(2, 4, *(size + 1 for size in SPATIAL[dim]))
+    spatial = dim
+    stride, padding, dilation = (
+        [config.get(name, default)] * spatial if not isinstance(config.get(name, default), tuple)
+        else list(config[name][:spatial])
+        for name, default in (("stride", 1), ("padding", 0), ("dilation", 1))
+    )
+    groups = config.get("groups", 1)
+    y = torch.ops.aten.convolution.default(x, weight, None, stride, padding, dilation, False, [0] * spatial, groups)
+    g = rand(*y.shape)
+
+    def input_gradient(W):
+        return convolution_input_gradient(g, W, list(x.shape), stride, padding, dilation, groups)
+
+    expected = torch.autograd.grad(
+        torch.ops.aten.convolution.default(x.requires_grad_(), weight, None, stride, padding, dilation, False,
+                                           [0] * spatial, groups), x, g,
+    )[0]
+    torch.testing.assert_close(input_gradient(weight), expected)
+    check_rule(Case(input_gradient, (weight,)))
+
+
+@pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 0, 1), (2, 2, 1, 2)], ids=["plain", "mixed"])
+def test_the_aten_convolution_of_a_traced_graph(groups, stride, padding, dilation):
+    # NOTE: [Unrolled derivatives]: a graph calls aten.convolution with explicit lists; not transposed
+    x, W, b = rand(2, 4, 7, 6), rand(4, 4 // groups, 3, 2), rand(4)
+
+    def op(weight, bias):
+        return aten.convolution.default(x, weight, bias, [stride] * 2, [padding] * 2, [dilation] * 2, False, [0, 0], groups)
+
+    check_rule(Case(op, (W, b)))
+    def transposed(weight):
+        return aten.convolution.default(x, weight, None, [1, 1], [0, 0], [1, 1], True, [0, 0], 1)
+
+    recorder, _ = record(transposed, (rand(4, 2, 3, 3),))
+    assert recorder.unruled == {0} and recorder.calls == []  # a transposed convolution has no rule
 
 
 # --------------------------------------------------------------------------------------------
@@ -667,6 +729,26 @@ def _views():
         "x*W.expand": Case(
             lambda W: x * W[None].expand(5, features), (rand(features),),
             index={0: lambda i: i[None].expand(5, features)},
+        ),
+        # the ATen overloads a traced graph calls (NOTE: [Unrolled derivatives])
+        "aten.mm(x,aten.t(W))": Case(
+            lambda W: aten.mm.default(x, aten.t.default(W)), (rand(channels, features),), index={0: lambda i: i.T}
+        ),
+        "aten.mm(g,aten.t(aten.t(W)))": Case(
+            lambda W: aten.mm.default(a[:, :channels], aten.t.default(aten.t.default(W))),
+            (rand(channels, features),), index={0: lambda i: None},
+        ),
+        "aten.addmm(b,x,aten.t(W))": Case(
+            lambda W, b: aten.addmm.default(b, x, aten.t.default(W)), (rand(channels, features), rand(channels)),
+            index={0: lambda i: i.T, 1: lambda i: None},
+        ),
+        "aten.mul(x,aten.view(W))": Case(
+            lambda W: aten.mul.Tensor(a, aten.view.default(W, [channels * features])), (rand(channels, features),),
+            index={0: lambda i: i.reshape(-1)},
+        ),
+        "aten.add(x,aten.unsqueeze(b))": Case(
+            lambda b: aten.add.Tensor(x, aten.unsqueeze.default(b, 0)), (rand(features),),
+            index={0: lambda i: i[None]},
         ),
     }
 

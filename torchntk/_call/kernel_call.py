@@ -163,8 +163,14 @@ class KernelCall:
         NOTE: [Loop or whole batches]). None stays None (nothing is kept)."""
         if key is None:
             return None
-        mapping = (self.side1.mapped, self.side1.loop)
-        return (key, self.model.names, tuple(tuple(param.shape) for param in self.model.params), mapping)
+        # Asked for by every lookup in the key's record, a few per call: the parts that do not depend
+        # on ``key`` are made once per call (a changed call is a new object, ``dataclasses.replace``)
+        parts = self.__dict__.get("_cache_parts")
+        if parts is None:
+            parts = (self.model.names, tuple(tuple(param.shape) for param in self.model.params),
+                     (self.side1.mapped, self.side1.loop))
+            object.__setattr__(self, "_cache_parts", parts)
+        return (key, *parts)
 
     def template(self, outputs: "OutputShapes") -> "KernelCall":
         """This call without its tensors (model, sides, pending check), its outputs replaced by

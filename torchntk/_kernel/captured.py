@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._memory import NEEDS_BLOCKS
 from .._model.fingerprint import structure_fingerprint
 from .._utils.bounded_cache import BoundedCache
-from .._utils.capturing import capturing
+from .._utils.capturing import CaptureRefused, capturing
 from .._utils.checks import show, user_stacklevel
 from .._utils.precision import requested_mode
 from .._utils.values import leaf_key
@@ -126,10 +126,6 @@ def _inductor_modes() -> dict:
     except (AttributeError, TypeError):  # not this PyTorch's API: the modes torch.compile documents
         return {"default": {}, "reduce-overhead": {_CUDA_GRAPH_OPTION: True}, "max-autotune-no-cudagraphs": {},
                 "max-autotune": {_CUDA_GRAPH_OPTION: True}}
-
-
-class CaptureRefused(Exception):
-    """The computation cannot be replayed from a graph; the message says which operation and why."""
 
 
 def compile_argument(value: Any, where: str) -> Optional[CompileOptions]:

@@ -1,8 +1,9 @@
 """Whether this thread is capturing a kernel call into a graph, and the reads that stay outside it.
 
 The flag is set by ``compile=``'s capture (``_kernel/captured.py``, NOTE: [Captured kernels]) and
-read by structured derivatives' parameter positions (``_implementations/structured/_roles.py``);
-it lives down here so that neither layer imports the other.
+read by structured derivatives' parameter positions (``_implementations/structured/_roles.py``)
+and traced derivatives (``_unrolled.py``, which refuse a capture); it lives down here so that
+neither layer imports the other.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import threading
 from typing import Iterator
 
 from torch.utils._python_dispatch import _disable_current_modes
+
+class CaptureRefused(Exception):
+    """The computation cannot be replayed from a graph; the message says which operation and why."""
+
 
 _CAPTURING = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
 

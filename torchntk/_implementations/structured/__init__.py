@@ -14,7 +14,9 @@ The pieces, in the order they run:
   ``_whole_batch.py``: whether the passes may run over the whole batch instead of per example);
 * ``_merge.py``: the uses of one parameter stated alike, merged into one;
 * ``_contract.py``: the pair contractions;
-* ``_verify.py``: the check of a plan against autograd (when it is made, or on every call).
+* ``_verify.py``: the check of a plan against autograd (when it is made, or on every call);
+* ``_unrolled.py``: models that differentiate inside their forward pass, evaluated through a
+  traced graph of it so that the rules see the derivatives' products.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ._joint import gradients_per_example, joined
 from ._plan import Plan, make_plan
 from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, per_example_factors, probe, side_factors
+from ._unrolled import WHOLE_BATCH_REASON, is_unrolled, through_derivatives
 from ._verify import disagreements, verify, whole_batch_products
 from ._whole_batch import LayoutShapes, check_sample, layout_shapes, with_whole_batch
 
@@ -166,6 +169,8 @@ def plan_for(
     plan = _with_probe(plan, probed.calls, thorough)
     if thorough:  # probed on every example: no one-example probe to read the whole batch by
         return dataclasses.replace(plan, whole_batch_reason="the plan comes from probes of every example")
+    if is_unrolled(call.model):
+        return dataclasses.replace(plan, whole_batch_reason=WHOLE_BATCH_REASON)
     grouped = _within_groups(plan, call.groups) if call.groups is not None else None
     try:
         return with_whole_batch(call, plan, grouped, single=single if grouped is None else None, shapes=shapes)
@@ -223,11 +228,28 @@ class StructuredDerivatives:
 
     options: StructuredOptions = StructuredOptions()
 
+    def unrolled(self, call: KernelCall, scope: Optional[Scope]) -> KernelCall:
+        """``call``, its model evaluated through a traced graph where it takes derivatives that
+        consume its parameters (NOTE: [Unrolled derivatives]); every method starts from it."""
+        if not self.options.structure_rules:
+            return call
+
+        def probed(one: KernelCall) -> ProbedPlan:
+            return cached(scope, _PROBE, one, lambda: probe_plan(one, self.options))
+
+        def forget(one: KernelCall) -> None:
+            if scope is not None:
+                for kind in (_PLAN, _PROBE, _SHAPES):
+                    scope.pop(kind, one)
+
+        return through_derivatives(call, scope, probed, forget)
+
     def __call__(self, call: KernelCall, scope: Optional[Scope] = None) -> list[torch.Tensor]:
+        planned = self.unrolled(call, scope)
         try:
-            return assemble(call, self.block_plan(call, scope))
+            return assemble(planned, self._blocks_of(call, planned, scope))
         except Replan:
-            return assemble(call, self.block_plan(call, scope, thorough=True))
+            return assemble(planned, self._blocks_of(call, planned, scope, thorough=True))
 
     # -- NOTE: [The implementation table] ------------------------------------------------------
 
@@ -245,6 +267,10 @@ class StructuredDerivatives:
 
     def plan(self, call: KernelCall, scope: Optional[Scope] = None, thorough: bool = False) -> Plan:
         """The kept plan of the call's key (or a new one, kept; always new when ``thorough``)."""
+        return self._plan(self.unrolled(call, scope), scope, thorough)
+
+    def _plan(self, call: KernelCall, scope: Optional[Scope], thorough: bool = False) -> Plan:
+        """:meth:`plan` of a call :meth:`unrolled` already (the private methods all take one)."""
         plan = None if thorough or scope is None else scope.get(_PLAN, call)
         if plan is not None:
             return plan
@@ -258,28 +284,35 @@ class StructuredDerivatives:
     def unchecked_plan(self, call: KernelCall, scope: Optional[Scope] = None) -> Plan:
         """The quick plan before its check against autograd (what AUTO prices 3 from); the checked
         plan when there is one. Its probe is kept for :meth:`plan` to check."""
+        return self._unchecked_plan(self.unrolled(call, scope), scope)
+
+    def _unchecked_plan(self, call: KernelCall, scope: Optional[Scope]) -> Plan:
         plan = None if scope is None else scope.get(_PLAN, call)
         if plan is not None:
             return plan
         if not self.options.structure_rules:
-            return self.plan(call, scope)  # nothing to probe or check
+            return self._plan(call, scope)  # nothing to probe or check
         return cached(scope, _PROBE, call, lambda: probe_plan(call, self.options)).unchecked()
 
     def layout_reason(self, call: KernelCall, scope: Optional[Scope] = None) -> Optional[str]:
         """Why the quick plan's passes cannot run over the whole batch, as far as the shapes of one
         recording pass tell (``layout_shapes``; None: they may), without checking the plan: AUTO
         prices 3 from it before paying for the check. Kept for :meth:`plan`'s check to reuse."""
+        call = self.unrolled(call, scope)
         plan = None if scope is None else scope.get(_PLAN, call)
         if plan is not None:
             return plan.whole_batch_reason
-        shapes = layout_shapes(call, self.unchecked_plan(call, scope))
+        if is_unrolled(call.model):
+            return WHOLE_BATCH_REASON
+        shapes = layout_shapes(call, self._unchecked_plan(call, scope))
         if scope is not None:
             scope.put(_SHAPES, call, shapes)
         return shapes.reason
 
     def fallback_parameters(self, call: KernelCall, scope: Optional[Scope] = None) -> dict[str, str]:
         """``{name: reason}`` of the parameters whose share comes from the Jacobian fallback."""
-        plan = self.plan(call, scope)
+        call = self.unrolled(call, scope)
+        plan = self._plan(call, scope)
         return {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
 
     def block_plan(self, call: KernelCall, scope: Optional[Scope] = None, thorough: bool = False) -> BlockPlan:
@@ -289,13 +322,25 @@ class StructuredDerivatives:
         plan did not foresee (the plan is then dropped from the record); under a thorough plan
         that is a RuntimeError: the model runs different operations on the same inputs.
         """
-        plan = self.plan(call, scope, thorough)
+        return self._blocks_of(call, self.unrolled(call, scope), scope, thorough)
+
+    def _blocks_of(
+        self, given: KernelCall, call: KernelCall, scope: Optional[Scope], thorough: bool = False
+    ) -> BlockPlan:
+        """:meth:`block_plan` of ``given``, ``call`` being it :meth:`unrolled`."""
+        plan = self._plan(call, scope, thorough)
         blocks = _block_plan(call, self.options, plan)
+
+        def as_planned(side: Side) -> Side:
+            """A side of the call as its caller holds it, with the model the plan evaluates."""
+            if side is given.side1 or side is given.side2:
+                return call.side1 if side is given.side1 else call.side2
+            return dataclasses.replace(side, model=call.model)  # a span or run of the call's examples
 
         def guarded(prepare: Callable[[Side], SideFactors]) -> Callable[[Side], SideFactors]:
             def run(side: Side) -> SideFactors:
                 try:
-                    return prepare(side)
+                    return prepare(side if call is given else as_planned(side))
                 except PlanMismatch:
                     if thorough:
                         raise _nondeterministic(call.where) from None

@@ -4,8 +4,9 @@ The probe passes give every use's per-example shapes; the pair contractions are 
 opt_einsum's optimal order on those shapes scaled to the batch (:func:`~._contract.pair_cost`), and the
 fallback parameters by the Jacobian-contraction formula. Uses hold shapes, not tensors
 (:class:`_Shape`): pricing computes nothing. A pair of uses seeing a parameter in different
-coordinates (``W`` and ``W.T``, a slice and the whole) is contracted through both uses' ``J``
-(``_contract.py``) and priced that way. The backward sweeps are priced by the caller.
+coordinates (a slice and the whole; ``W`` and ``W.T`` are stated alike, see
+:meth:`~._roles.Role.in_parameter_order`) is contracted through both uses' ``J`` (``_contract.py``)
+and priced that way. The backward sweeps are priced by the caller.
 """
 
 from __future__ import annotations

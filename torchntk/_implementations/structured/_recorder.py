@@ -225,6 +225,17 @@ class Recorder(TorchFunctionMode):
             self._track(tensor, view_ref)
         return result
 
+    def _in_parameter_order(self, build: Callable, found: list) -> Callable:
+        """``build`` with its roles stated in their parameters' own axis order where they see a
+        parameter whole through a transpose (:meth:`Role.in_parameter_order`)."""
+        shapes = {ref.param: tuple(self._params[ref.param].shape) for _, ref in found}
+
+        def in_parameter_order() -> tuple:
+            separate, joint = build()
+            return [role.in_parameter_order(shapes[role.refs[0].param]) for role in separate], joint
+
+        return in_parameter_order
+
     def _track(self, tensor: torch.Tensor, ref: ParamRef) -> None:
         self._views[id(tensor)] = (tensor, ref)
 
@@ -237,6 +248,10 @@ class Recorder(TorchFunctionMode):
         self._inputs.append((_name(func), {ref.param for _, ref in found}, inputs))
         position = self._count
         self._count += 1
+        for _, ref in found:  # a loop, not any(): this runs for every rule call of every pass
+            if ref.index is not None:  # a view: maybe a transpose of the whole parameter
+                call.build = self._in_parameter_order(call.build, found)
+                break
         self.calls.append(call)
         self.output_specs.append((tuple(call.output.shape), call.output.dtype))
         delta = None if self._deltas is None else self._deltas.get(position)
@@ -314,6 +329,8 @@ def _no_rule(func: Callable, args: tuple) -> str:
 
 def _writes_in_place(func: Callable, kwargs: dict) -> bool:
     """``Tensor.__setitem__``, ``x += y``, ``Tensor.add_``, ``torch.relu_``, or an ``out=`` argument."""
+    if isinstance(func, torch._ops.OpOverload):  # an ATen call of a traced graph: its schema says
+        return func._schema.is_mutable
     name = getattr(func, "__name__", "")
     if name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")):
         return True

@@ -148,6 +148,30 @@ class Role:
         on every call; ``refs`` is never reassigned, a changed role is a new one)."""
         return tuple(ref.param for ref in self.refs)
 
+    def in_parameter_order(self, shape: tuple[int, ...]) -> "Role":
+        """The role stated on its parameter itself (of ``shape``) where it sees the whole parameter
+        through a transpose or permute (a traced backward pass's ``g @ W`` beside ``x @ W.T``), so
+        that its pairs with the other uses contract by einsum (NOTE: [Unrolled derivatives]);
+        otherwise the role itself."""
+        from ._views import axis_permutation  # _views imports this module
+
+        if self.joint or self.refs[0].index is None or tuple(self.param_shape) != tuple(self.refs[0].index.shape):
+            return self
+        with structural():
+            perm = axis_permutation(self.refs[0].index, shape)
+        if perm is None:
+            return self
+        labels = [""] * len(perm)
+        for axis, target in enumerate(perm):
+            labels[target] = self.param_labels[axis]
+        inverse = tuple(perm.index(axis) for axis in range(len(perm)))
+        local = self.local
+        return dataclasses.replace(
+            self, refs=(ParamRef(self.refs[0].param),), param_labels="".join(labels), param_shape=tuple(shape),
+            local=None if local is None else (lambda param: local(param.permute(perm))),
+            seen=None if self.seen is None else self.seen.permute(inverse),
+        )
+
     def on_meta(self) -> "Role":
         """A copy whose operands are meta tensors of the same shapes and dtypes, without ``local``
         and ``seen``: all of it may leave the ``torch.func`` transforms of the pass that built it."""

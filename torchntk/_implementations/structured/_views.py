@@ -9,7 +9,9 @@ positions computes it exactly, whatever the op's arguments.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+import math
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,11 +32,34 @@ _VIEW_FUNCTIONS = (
 _CAST_METHODS = ("to", "type", "type_as", "float", "double", "half", "bfloat16", "clone")
 _VIEW_PROPERTIES = ("T", "mT")
 
+# The ATen overloads of the same views and casts: what a traced graph calls (NOTE: [Unrolled
+# derivatives] in ``_unrolled.py``).
+_ATEN_VIEWS = (
+    "t.default", "transpose.int", "permute.default", "view.default", "_unsafe_view.default", "reshape.default",
+    "unsqueeze.default", "squeeze.dim", "squeeze.dims", "squeeze.default", "expand.default", "select.int",
+    "slice.Tensor", "alias.default", "unbind.int", "split.Tensor", "narrow.default",
+)
+_ATEN_CASTS = ("clone.default", "_to_copy.default")
+
+
+def _aten(names: tuple[str, ...]) -> list:
+    overloads = []
+    for name in names:
+        packet, overload = name.split(".")
+        packet = getattr(torch.ops.aten, packet, None)
+        if packet is not None and hasattr(packet, overload):  # every one exists on the supported releases
+            overloads.append(getattr(packet, overload))
+    return overloads
+
+
 VIEW_OPS: frozenset = frozenset(
     [getattr(Tensor, name) for name in _VIEW_METHODS]
     + [getattr(torch, name) for name in _VIEW_FUNCTIONS]
+    + _aten(_ATEN_VIEWS)
 )
-CAST_OPS: frozenset = frozenset([getattr(Tensor, name) for name in _CAST_METHODS] + [torch.clone])
+CAST_OPS: frozenset = frozenset(
+    [getattr(Tensor, name) for name in _CAST_METHODS] + [torch.clone] + _aten(_ATEN_CASTS)
+)
 
 
 def is_view_property(func: Callable) -> bool:
@@ -69,3 +94,26 @@ def view_refs(result: Any, index_result: Any, param: int) -> list[tuple[Tensor, 
         ]
     return []
 
+
+_MAX_PERMUTED_AXES = 3
+"""Parameters of up to this many axes are told apart from their transposes (6 orders to try)."""
+
+
+def axis_permutation(index: Tensor, shape: tuple[int, ...]) -> Optional[tuple[int, ...]]:
+    """The order ``perm`` with ``index == positions.permute(perm)`` for the positions of a
+    parameter of ``shape`` (the whole parameter seen through a transpose or permute), or None.
+
+    ``x @ W.T`` and a traced backward pass's ``g @ W`` see the same weight in two axis orders;
+    stated in the parameter's own order their uses pair by einsum (NOTE: [Unrolled derivatives]).
+    """
+    if index.ndim != len(shape) or not 0 < index.ndim <= _MAX_PERMUTED_AXES or index.numel() != math.prod(shape):
+        return None
+    own = None
+    for perm in itertools.permutations(range(index.ndim)):
+        if tuple(shape[axis] for axis in perm) != tuple(index.shape):
+            continue
+        if own is None:
+            own = torch.arange(index.numel(), device=index.device).view(shape)
+        if torch.equal(own.permute(perm), index):
+            return perm
+    return None

@@ -22,15 +22,16 @@ from .._roles import Role, RuleCall, letters
 from ._registry import RefOf, rule
 
 Tensor = torch.Tensor
+_ATEN = torch.ops.aten  # the overloads a traced graph calls (NOTE: [Unrolled derivatives])
 
 
-@rule(torch.mul, Tensor.mul, Tensor.__mul__)
+@rule(torch.mul, Tensor.mul, Tensor.__mul__, _ATEN.mul.Tensor, _ATEN.mul.Scalar)
 def mul_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
     """``x * p`` or ``p * x``."""
     return _product(func, args, kwargs, ref_of, divide=False)
 
 
-@rule(torch.div, Tensor.div, Tensor.__truediv__)
+@rule(torch.div, Tensor.div, Tensor.__truediv__, _ATEN.div.Tensor)
 def div_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
     """``p / x`` (true division only)."""
     if kwargs.get("rounding_mode") is not None or len(args) > 2:
@@ -38,13 +39,13 @@ def div_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Option
     return _product(func, args, kwargs, ref_of, divide=True)
 
 
-@rule(torch.add, Tensor.add, Tensor.__add__)
+@rule(torch.add, Tensor.add, Tensor.__add__, _ATEN.add.Tensor)
 def add_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
     """``x + p`` or ``p + x``, with ``alpha``."""
     return _sum(func, args, kwargs, ref_of, sign=1.0)
 
 
-@rule(torch.sub, Tensor.sub, Tensor.__sub__)
+@rule(torch.sub, Tensor.sub, Tensor.__sub__, _ATEN.sub.Tensor)
 def sub_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
     """``x - p`` or ``p - x``, with ``alpha``."""
     return _sum(func, args, kwargs, ref_of, sign=-1.0)

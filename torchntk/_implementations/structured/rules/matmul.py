@@ -26,7 +26,7 @@ from ._registry import RefOf, rule
 Tensor = torch.Tensor
 
 
-@rule(torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.mm, Tensor.mm)
+@rule(torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.mm, Tensor.mm, torch.ops.aten.mm.default)
 def matmul_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
     """A product with the parameter on exactly one side."""
     left, right = bind(args, kwargs, ("input", "other"), {})
@@ -102,7 +102,7 @@ def _parameter_on_the_left(
     return RuleCall(output, build)
 
 
-@rule(torch.addmm, Tensor.addmm)
+@rule(torch.addmm, Tensor.addmm, torch.ops.aten.addmm.default)
 def addmm_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optional[RuleCall]:
     """``beta * b + alpha * (x @ W)`` with the weight and/or a per-column bias as parameters."""
     bias, x, weight, beta, alpha = bind(args, kwargs, ("input", "mat1", "mat2", "beta", "alpha"),
