@@ -54,10 +54,9 @@ def conv_rule(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf) -> Optio
 
 
 def _convolution(func: Callable, args: tuple, kwargs: dict, ref_of: RefOf, by_axis: bool) -> Optional[RuleCall]:
-    """:func:`conv_rule`; ``by_axis``: the weight stated in its own axes ``(g, o, i, *kernel)``
-    rather than ``(g, o, i * kernel taps)``, as the input gradient states it (NOTE: [Convolutions
-    through derivatives]; one letter fewer per pair otherwise, which the contractions' steps
-    flatten without a copy)."""
+    """:func:`conv_rule`; ``by_axis``: the weight stated in its own axes ``(g, o, i, *kernel)``, as
+    the input gradient states it (NOTE: [Convolutions through derivatives]), rather than
+    ``(g, o, q)`` with ``q`` the input channels and taps together, as ``torch.conv2d`` keeps it."""
     x, weight, bias, stride, padding, dilation, groups = bind(args, kwargs, _NAMES, _DEFAULTS)
     weight_ref, bias_ref = ref_of(weight), ref_of(bias)
     if ref_of(x) is not None:
