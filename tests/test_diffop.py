@@ -775,3 +775,16 @@ def test_outputs_with_none_leaves_come_back_in_place(unrolled_always):
         _, residual, nothing = ntk_fn(x)
         _assert_close(residual, reference(_residual, _raw(model), x, x), torch.float64)
     assert _fallback(ntk_fn, x) == {}
+
+
+@pytest.mark.parametrize("vmap_axes", ["None", "default"])
+def test_a_gradient_step_inside_the_model_follows_the_rules_through_its_trace(unrolled_always, vmap_axes):
+    # MAML's inner step differentiates with respect to the parameters: traced, the step's products
+    # with the weights are rule calls like the forward pass's
+    torch.manual_seed(0)
+    model = InnerStep(torch.float64)
+    x = _points(5, torch.float64, 29)
+    ntk_fn = _ntk_fn(model, 3, VMAP_AXES[vmap_axes])
+    for _ in range(2):
+        _assert_close(ntk_fn(x), _batch_reference(_raw(model), x), torch.float64)
+    assert _fallback(ntk_fn, x) == {}
