@@ -122,6 +122,18 @@ def _agrees(want: torch.Tensor, have: torch.Tensor) -> bool:
     return want.shape == have.shape and not _output_difference(want, have).fails
 
 
+def computations_agree(wants: tuple, haves: tuple, derivatives: bool = False) -> bool:
+    """Whether two evaluations of one computation agree leaf by leaf, to the rounding this check
+    allows between a per-example and a whole-batch evaluation (``derivatives``: the looser one of
+    derivatives), in shape, dtype and values (NaN disagrees)."""
+    return len(wants) == len(haves) and all(
+        want.shape == have.shape and want.dtype == have.dtype and not _Difference.of(
+            want, have, (_derivative_rtol if derivatives else _output_rtol)(want.dtype)
+        ).fails
+        for want, have in zip(wants, haves)
+    )
+
+
 def _output_rtol(dtype: torch.dtype) -> float:
     return _in_precision(dtype, _PER_EXAMPLE_RTOL.get(dtype, _LOW_PRECISION_RTOL))
 

@@ -238,9 +238,8 @@ class StructuredDerivatives:
             return cached(scope, _PROBE, one, lambda: probe_plan(one, self.options))
 
         def forget(one: KernelCall) -> None:
-            if scope is not None:
-                for kind in (_PLAN, _PROBE, _SHAPES):
-                    scope.pop(kind, one)
+            for kind in (_PLAN, _PROBE, _SHAPES):
+                scope.pop(kind, one)  # called only with a scope (through_derivatives)
 
         return through_derivatives(call, scope, probed, forget)
 

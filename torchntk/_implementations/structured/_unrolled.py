@@ -70,6 +70,7 @@ from torch.utils import _pytree as pytree
 
 from ..._call.kernel_call import KernelCall
 from ..._call.per_example import Side, first_line
+from ..._call.vmap_check import computations_agree
 from ..._model.functional import FunctionalModel
 from ..._model.inner_derivatives import INNER_DERIVATIVES
 from ..._plan.scope import Scope
@@ -203,32 +204,29 @@ def _example(side: Side) -> tuple[tuple, dict]:
     return (one.x.rebuild(one.x.leaves),), {key: flat.rebuild(flat.leaves) for key, flat in one.kwargs.items()}
 
 
-def _close(first: tuple, second: tuple) -> bool:
-    """Whether two tuples of tensors agree entry by entry, to rounding."""
-    if len(first) != len(second):
-        return False
-    for one, two in zip(first, second):
-        if one.shape != two.shape or one.dtype != two.dtype:
-            return False
-        if not one.is_floating_point():
-            if not torch.equal(one, two):
-                return False
-            continue
-        # the same ATen calls in the same order: differences are rounding of other kernels at most
-        tolerance = 1e3 * torch.finfo(one.dtype).eps
-        scale = max(one.abs().max().item(), two.abs().max().item(), 1e-30) if one.numel() else 1.0
-        if not bool(((one - two).abs() <= tolerance * scale).all()):
-            return False
-    return True
-
-
 def _tensors(output: Any) -> tuple:
     return tuple(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
 def _outputs_agree(model: FunctionalModel, graph: _Graph, args: tuple, kwargs: dict) -> bool:
     with torch.no_grad():
-        return _close(_tensors(model.call(model.params, args, kwargs)), _tensors(graph(model.params, args, kwargs)))
+        return computations_agree(
+            _tensors(model.call(model.params, args, kwargs)), _tensors(graph(model.params, args, kwargs))
+        )
+
+
+def _checked_trace(model: FunctionalModel, side: Side) -> Union[tuple[Hashable, _Graph], str]:
+    """The signature and the graph of ``side``'s first example, checked against the model, or why
+    there is none."""
+    args, kwargs = _example(side)
+    key = _signature(args, kwargs)
+    if key is None:
+        return "an argument is an object whose state a trace cannot be keyed by"
+    graph = _trace(model, args, kwargs)
+    if isinstance(graph, str):
+        return graph
+    reason = _disagreement(model, graph, args, kwargs)
+    return (key, graph) if reason is None else reason
 
 
 def _disagreement(model: FunctionalModel, graph: _Graph, args: tuple, kwargs: dict) -> Optional[str]:
@@ -241,16 +239,15 @@ def _disagreement(model: FunctionalModel, graph: _Graph, args: tuple, kwargs: di
         traced, graph_pullback = vjp(through(graph), model.params)
     except Exception as error:  # noqa: BLE001 - the graph is then not used
         return f"its traced forward pass failed ({first_line(error)})"
-    if not _close(expected, traced):
-        return "its traced forward pass computes other outputs"
-    floating = [output for output in expected if output.is_floating_point()]
-    if len(floating) != len(expected):
+    if not all(output.is_floating_point() for output in expected):
         return "its outputs are not all floating-point"
+    if not computations_agree(expected, traced):
+        return "its traced forward pass computes other outputs"
     generator = torch.Generator(device=expected[0].device).manual_seed(0)  # the user's RNG is left alone
     cotangents = tuple(
         torch.randn(output.shape, dtype=output.dtype, device=output.device, generator=generator) for output in expected
     )
-    if not _close(model_pullback(cotangents)[0], graph_pullback(cotangents)[0]):
+    if not computations_agree(model_pullback(cotangents)[0], graph_pullback(cotangents)[0], derivatives=True):
         return ("its traced forward pass has other derivatives than the model (a `detach()` or `no_grad` "
                 "of the model's own on a value that depends on the parameters)")
     return None
@@ -278,14 +275,13 @@ class Unrolled:
                 return checked[1]
             for side in _sides(call):
                 args, kwargs = _example(side)
-                key = _signature(args, kwargs)
-                graph = self.graphs.get(key)
-                if key is not None and graph is not None and _outputs_agree(model, graph, args, kwargs):
+                graph = self.graphs.get(_signature(args, kwargs))
+                if graph is not None and _outputs_agree(model, graph, args, kwargs):
                     continue
-                graph = None if key is None else _trace(model, args, kwargs)
-                if graph is None or isinstance(graph, str) or _disagreement(model, graph, args, kwargs) is not None:
+                traced = _checked_trace(model, side)
+                if isinstance(traced, str):
                     return None
-                self.graphs[key] = graph
+                self.graphs[traced[0]] = traced[1]
             return self.remember(model, _through_graphs(model, self.graphs))
 
     def remember(self, model: FunctionalModel, twin: FunctionalModel) -> FunctionalModel:
@@ -385,19 +381,12 @@ def _decide(call: KernelCall, probed: Callable, forget: Callable) -> Union[Unrol
         return NotUnrolled(f"its fallback contraction (about {flops:.2g} multiply-adds) costs less than tracing")
     graphs: dict[Hashable, _Graph] = {}
     for side in _sides(call):
-        args, kwargs = _example(side)
-        key = _signature(args, kwargs)
-        if key is None:
-            return NotUnrolled("an argument is an object whose state a trace cannot be keyed by")
-        if key in graphs:
+        if _signature(*_example(side)) in graphs:
             continue
-        graph = _trace(call.model, args, kwargs)
-        if isinstance(graph, str):
-            return NotUnrolled(graph)
-        reason = _disagreement(call.model, graph, args, kwargs)
-        if reason is not None:
-            return NotUnrolled(reason)
-        graphs[key] = graph
+        traced = _checked_trace(call.model, side)
+        if isinstance(traced, str):
+            return NotUnrolled(traced)
+        graphs[traced[0]] = traced[1]
     twin = _through_graphs(call.model, graphs)
     forget(call)  # the probe kept is the unrolled call's from here on
     unrolled = _with_model(call, twin)
