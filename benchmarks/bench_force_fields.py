@@ -12,7 +12,9 @@ water's oxygen and two hydrogens, random coordinates around a fixed geometry; fi
 * ``mace``: MACE (``4x0e + 4x1o``, one interaction, correlation 2, cutoff 3), fully connected
   molecules, as in ``tests/test_fingerprint.py``.
 
-Methods, each the median of ``--repeats`` warm calls after one warm-up call:
+Methods, each the median of ``--repeats`` warm calls after one warm-up call, the methods' calls
+interleaved round by round (one call of each per round), so that a drift of the machine's speed
+during the run reaches every method alike:
 
 * ``default``: ``torchntk.empirical_ntk_fn(model)(x1, x2)``; what it chose (``vmap_axes`` or
   whole batches, and the implementation) is printed beside it;
@@ -27,6 +29,7 @@ A package that does not import is skipped with its error. schnetpack 2.1 imports
 
     TORCHNTK_TEST_STUB_TORCHVISION_OPS=1 python benchmarks/bench_force_fields.py
     python benchmarks/bench_force_fields.py --n 8 --repeats 1 --models torchani   # seconds
+    python benchmarks/bench_force_fields.py --repeats 15   # the docs' table, about a minute
 """
 
 from __future__ import annotations
@@ -174,14 +177,26 @@ def hand_loop(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, vectorised: 
     return jacobians(x1) @ jacobians(x2).T
 
 
-def timed(call, repeats: int) -> tuple[float, torch.Tensor]:
-    result = call()  # warm-up
-    times = []
+def timed(calls: dict, repeats: int) -> dict:
+    """``{name: (median seconds, result)}`` of ``calls`` (``{name: call}``), each warmed up once, then
+    called ``repeats`` times in interleaved rounds; a call that raises gives ``(None, the error)``."""
+    results = {}
+    for name, call in calls.items():
+        try:
+            results[name] = call()
+        except Exception as error:  # noqa: BLE001 - vmap cannot run every model
+            results[name] = error
+    running = {name: call for name, call in calls.items() if not isinstance(results[name], Exception)}
+    times: dict = {name: [] for name in running}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, call in running.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {
+        name: (None, results[name]) if name not in running else (statistics.median(times[name]), results[name])
+        for name in calls
+    }
 
 
 def main() -> int:
@@ -208,22 +223,28 @@ def main() -> int:
         generator = torch.Generator().manual_seed(1)
         x1, x2 = (GEOMETRY + 0.1 * torch.randn(args.n, ATOMS, 3, generator=generator) for _ in range(2))
         ntk_fn = torchntk.empirical_ntk_fn(model)
-        default, kernel = timed(lambda: ntk_fn(x1, x2), args.repeats)
+        given_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+        measured = timed({
+            "default": lambda: ntk_fn(x1, x2), "given": lambda: given_fn(x1, x2),
+            "hand": lambda: hand_loop(model, x1, x2), "vmap": lambda: hand_loop(model, x1, x2, vectorised=True),
+        }, args.repeats)
+        for method in ("default", "given", "hand"):  # only the tutorial's vmap may fail
+            if measured[method][0] is None:
+                raise measured[method][1]
+        (default, kernel), (given, _), (hand, expected), (vmapped, failure) = (
+            measured[method] for method in ("default", "given", "hand", "vmap")
+        )
         choice = ntk_fn.auto_choice(x1, x2)
         reason = choice.vmap_axes_reason or ""
         mapping = "whole batches" if choice.vmap_axes is None else "loop" if "loop over" in reason else "vmap"
         chosen = f"{mapping}, implementation {int(choice.implementation)}"
-        given_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
-        given, _ = timed(lambda: given_fn(x1, x2), args.repeats)
-        hand, expected = timed(lambda: hand_loop(model, x1, x2), args.repeats)
         error = float((kernel - expected).abs().max() / expected.abs().max())
-        try:
-            vmapped, _ = timed(lambda: hand_loop(model, x1, x2, vectorised=True), args.repeats)
-            vmap_cells = [f"{vmapped:.3f}", f"{vmapped / default:.2f}"]
-        except Exception as failure:  # noqa: BLE001 - vmap cannot run every model
+        if vmapped is None:
             vmap_cells = [f"fails ({type(failure).__name__})", "-"]
+        else:
+            vmap_cells = [f"{vmapped:.4f}", f"{vmapped / default:.2f}"]
         parameters = sum(p.numel() for p in model.parameters())
-        print(f"| {name} | {parameters} | {default:.3f} | {chosen} | {given:.3f} | {hand:.3f} | {vmap_cells[0]} | "
+        print(f"| {name} | {parameters} | {default:.4f} | {chosen} | {given:.4f} | {hand:.4f} | {vmap_cells[0]} | "
               f"{hand / default:.2f} | {vmap_cells[1]} |  (max rel. diff. to hand {error:.1e})", flush=True)
     return 0
 

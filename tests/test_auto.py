@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import torchntk
 from tests import cases
 from tests.cases import to_device
+from tests.zoo import optional
 from torchntk import Estimate, NtkImplementation
 from torchntk._implementations import auto as auto_module
 from torchntk._implementations import counting as counting_module
@@ -528,6 +529,160 @@ def test_the_counting_pass_holds_the_forward_mode_lock():
     count = counting_module.count_example(call.side1)
     assert _LOCK_HELD == [True] and not FORWARD_MODE_LOCK._is_owned()
     assert count is not None and count.calls > 0 and count.written > 0
+
+
+class _Forces(nn.Module):
+    """Forces ``-dE/dx`` of an energy network, by ``torch.autograd.grad`` inside ``forward``; or the
+    energies alone (``forces=False``)."""
+
+    def __init__(self, forces: bool = True) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.forces = forces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        energy = self.net(x)
+        if not self.forces:
+            return energy
+        return -torch.autograd.grad(energy.sum(), x, create_graph=True)[0]
+
+
+class _Laplacian(nn.Module):
+    """A Poisson residual by ``torch.func.hessian`` inside ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hessians = torch.func.vmap(torch.func.hessian(lambda point: self.net(point).squeeze(-1)))(x)
+        return hessians.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
+
+
+class _NodeCounter(TorchDispatchMode):
+    """ATen calls, and those made while autograd's engine runs a node of a backward pass (read
+    through another of PyTorch's hooks than the counter's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = self.in_backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        self.in_backward += torch._C._current_autograd_node() is not None
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "build, shape", [(_Forces, (3, 6)), (_Laplacian, (3, 2)), (lambda: _Forces(forces=False), (3, 6)), (_wide, (3, 16))],
+    ids=["autograd-grad", "func-hessian", "energies", "plain"],
+)
+def test_the_counter_tells_the_derivatives_a_model_takes_apart(build, shape):
+    """NOTE: [Derivatives in the counted pass]: the calls made by the backward passes inside the
+    model's forward are counted apart, as a count through ``_current_autograd_node`` finds them;
+    a model without such derivatives has none."""
+    model = build().double().to(cases.DEVICE)
+    x = to_device(torch.randn(*shape, dtype=torch.float64))
+    params = dict(model.named_parameters())
+    counter, reference = counting_module._CountingMode(), _NodeCounter()
+    for mode in (counter, reference):
+        with torch.no_grad(), torch.enable_grad(), mode:
+            torch.func.functional_call(model, params, (x,))
+    count = counter.count()
+    assert count.calls == reference.calls
+    assert count.derivative_calls == reference.in_backward
+    assert (count.derivative_calls > 0) == (build in (_Forces, _Laplacian))
+
+
+def test_a_backward_pass_around_the_count_is_not_the_models():
+    """The counted pass run inside a backward pass (a kernel computed in a user's backward hook)
+    counts no derivative calls of a model that takes none."""
+    model = _wide().double().to(cases.DEVICE)
+    params = dict(model.named_parameters())
+    x = to_device(torch.randn(3, 16, dtype=torch.float64))
+    counts = []
+
+    def hook(gradient: torch.Tensor) -> torch.Tensor:
+        counter = counting_module._CountingMode()
+        with torch.no_grad(), counter:
+            torch.func.functional_call(model, params, (x,))
+        counts.append(counter.count())
+        return gradient
+
+    weight = to_device(torch.ones(2, dtype=torch.float64, requires_grad=True))
+    weight.register_hook(hook)
+    (weight * 3).sum().backward()
+    assert len(counts) == 1 and counts[0].calls > 0 and counts[0].derivative_calls == 0
+
+
+def test_forward_mode_prices_the_derivatives_a_model_takes_at_their_own_rate(monkeypatch, cpu_prices):
+    """NOTE: [Derivatives in the counted pass]: implementation 2's forward-mode pass is priced at
+    ``_FORWARD_MODE_DERIVATIVE_OPS`` calls per call of the model's own derivatives, and at
+    ``_FORWARD_MODE_OPS`` per call of the forward; 1's estimate does not change."""
+    model = _Forces().double().to(cases.DEVICE)
+    x1, x2 = (to_device(torch.randn(n, 6, dtype=torch.float64)) for n in (3, 2))
+
+    counts, original = [], counting_module.count_example
+
+    def counted(side):
+        counts.append(original(side))
+        return counts[-1]
+
+    def estimates() -> dict:
+        ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=None, implementation=0)
+        with mock.patch.object(counting_module, "count_example", counted):
+            return ntk_fn.auto_choice(x1, x2).estimates
+
+    priced, rate = estimates(), auto_module._FORWARD_MODE_DERIVATIVE_OPS - auto_module._FORWARD_MODE_OPS
+    monkeypatch.setattr(auto_module, "_FORWARD_MODE_DERIVATIVE_OPS", auto_module._FORWARD_MODE_OPS)
+    flat = estimates()
+    one, two = NtkImplementation.JACOBIAN_CONTRACTION, NtkImplementation.NTK_VECTOR_PRODUCTS
+    assert priced[one].flops == flat[one].flops
+    x1_count = counts[0]
+    passes = math.ceil(x2.numel() / auto_module.TANGENTS_PER_PASS)  # x2's forces, all tangents
+    extra = rate * x1_count.derivative_calls * passes * auto_module._op_call_flops(x1.device)
+    assert x1_count.derivative_calls > 0
+    assert priced[two].flops == pytest.approx(flat[two].flops + extra)
+
+
+def test_auto_prices_torchanis_float64_energies_with_forces_inside_forward_for_1(monkeypatch):
+    """The recipe of docs/scientific.md (torchani, float64, forces computed in ``forward``, the
+    energies picked by ``output_fn``): on whole batches AUTO priced 2 below 1 while 2 ran 1.5x
+    slower (NOTE: [Derivatives in the counted pass]); it prices 1 below 2 now, and the kernel is
+    exact."""
+    monkeypatch.setenv("TORCHANI_NO_WARN_EXTENSIONS", "1")  # its CUDA extensions are not needed
+    torchani_arch = optional("torchani").arch
+    ani = torchani_arch.simple_ani(
+        ("H", "C"), "wb97x-631gd", repulsion=False, self_energies="zero", radial_shifts=8, angular_shifts=4,
+        sections=2,
+    )
+
+    class Ani(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ani = ani
+            self.register_buffer("species", torch.tensor([6, 1, 1, 1, 1]))
+
+        def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = positions.clone().requires_grad_()
+            energies = self.ani((self.species.expand(len(positions), -1), positions)).energies
+            forces = -torch.autograd.grad(energies.sum(), positions, create_graph=self.training)[0]
+            return energies[:, None], forces
+
+    model = Ani().double().eval()
+    generator = torch.Generator().manual_seed(0)
+    methane = torch.tensor([[0.0, 0.0, 0.0], [0.63, 0.63, 0.63], [-0.63, -0.63, 0.63], [-0.63, 0.63, -0.63],
+                            [0.63, -0.63, -0.63]], dtype=torch.float64)
+    x1, x2 = (methane + 0.05 * torch.randn(n, 5, 3, dtype=torch.float64, generator=generator) for n in (3, 2))
+    energies = torchntk.empirical_ntk_fn(model, output_fn=lambda out: out[0])
+    choice = energies.auto_choice(x1, x2)
+    assert choice.vmap_axes is None  # torchani's neighbour search does not vmap
+    one, two = NtkImplementation.JACOBIAN_CONTRACTION, NtkImplementation.NTK_VECTOR_PRODUCTS
+    assert choice.estimates[one].flops < choice.estimates[two].flops
+    assert choice.implementation == one
+    reference = torchntk.empirical_ntk_fn(model, output_fn=lambda out: out[0], implementation=2)(x1, x2)
+    assert_kernels_close(energies(x1, x2), reference)
 
 
 class _Tied(nn.Module):

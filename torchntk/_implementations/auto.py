@@ -354,30 +354,35 @@ class _Prices:
         sides = [(call.side1, call.outputs1)] + ([(call.side2, call.outputs2)] if call.side2 is not None else [])
         self.element = max(call.model.params[0].element_size(), max(o.element_size() for o in call.outputs1))
         self.params = sum(p.numel() for p in call.model.params)
-        forward, ops, per_example_ops, basis, entries = [], [], [], [], []
+        forward, ops, per_example_ops, basis, entries, inner = [], [], [], [], [], []
         counts: dict = {}  # x2 with x1's per-example shapes is priced from x1's count
         for side, outputs in sides:
             examples = side.batch_size() if side.mapped else 1
             shapes = example_shapes(side)
             if shapes is None or shapes not in counts:
                 counts[shapes] = _forward_figures(side, count(side)), examples
-            (counted, op_calls, written), counted_examples = counts[shapes]
+            (counted, op_calls, written, derivative_calls), counted_examples = counts[shapes]
             if not forward:
                 self.example_work = max(written, 2.0 * self.params)  # one counted pass of x1
             counted *= examples / counted_examples
             forward.append(max(counted, 2.0 * self.params * examples))
             ops.append(max(op_calls, 1))  # one batched (or whole-batch) pass
+            inner.append(min(derivative_calls, ops[-1]))
             per_example_ops.append(ops[-1] * (examples if side.loop else 1))  # an example loop repeats them
             total = sum(o.numel() for o in outputs)
             basis.append(total / examples if side.mapped else total)
             entries.append(total)
         if call.side2 is None:
-            forward, ops, per_example_ops = forward * 2, ops * 2, per_example_ops * 2
+            forward, ops, per_example_ops, inner = forward * 2, ops * 2, per_example_ops * 2, inner * 2
             basis, entries = basis * 2, entries * 2
             self.sweep_sides = 1
         else:
             self.sweep_sides = 2
         self.forward, self.ops, self.per_example_ops = forward, ops, per_example_ops
+        self.forward_mode_ops = [
+            _FORWARD_MODE_OPS * (total - derivatives) + _FORWARD_MODE_DERIVATIVE_OPS * derivatives
+            for total, derivatives in zip(ops, inner)
+        ]  # NOTE: [Derivatives in the counted pass]
         self.basis, self.entries = basis, entries
         self.kernel = sum(
             math.prod(shape) * layout.trace_size(o.shape)
@@ -401,7 +406,7 @@ class _Prices:
         passes = math.ceil(self.entries[1] / TANGENTS_PER_PASS)
         memory = self.element * self.params * 8
         if method is None or method[1] is None:
-            calls = _SWEEP_OPS * per_example_ops[1] + passes * _FORWARD_MODE_OPS * ops[0]
+            calls = _SWEEP_OPS * per_example_ops[1] + passes * self.forward_mode_ops[0]
             columns = _TANGENT_FORWARDS * self.entries[1] * forward[0] + passes * forward[0]  # primal once a pass
             return Estimate(x2_vectors + columns + self.per_op * calls, memory)
         name, missing = method
@@ -456,10 +461,11 @@ class _Prices:
         return _PROBE_OPS * self.per_op * self.ops[0] + _PROBE_FORWARDS * self.example_work
 
 
-def _forward_figures(side: Side, count: Optional[ExampleCount]) -> tuple[float, int, float]:
-    """The forward FLOPs of ``side``'s batch (multiply-adds), the ATen calls of one pass and the
-    FLOPs of the counted pass without views' elements, from its counted pass (NOTE: [One counting
-    pass]), or zeros without one (the caller then uses lower bounds).
+def _forward_figures(side: Side, count: Optional[ExampleCount]) -> tuple[float, int, float, int]:
+    """The forward FLOPs of ``side``'s batch (multiply-adds), the ATen calls of one pass, the
+    FLOPs of the counted pass without views' elements and the part of those calls the model's own
+    derivatives made (NOTE: [Derivatives in the counted pass]), from its counted pass (NOTE: [One
+    counting pass]), or zeros without one (the caller then uses lower bounds).
 
     A mapped side is counted on its first example as a batch of one, without vmap, and its FLOPs
     scaled by the batch size: the counter costs Python time on every call. The estimates count a
@@ -469,11 +475,11 @@ def _forward_figures(side: Side, count: Optional[ExampleCount]) -> tuple[float, 
     (:meth:`_Prices.probe_cost`, fitted later) leaves views out.
     """
     if count is None:
-        return 0.0, 0, 0.0
+        return 0.0, 0, 0.0, 0
     scale = side.batch_size() if counted_example(side) is not side else 1
     counted = float(count.flops) / 2 + _ELEMENT_FLOPS * count.elements  # a multiply-add counts two
     written = counted - _ELEMENT_FLOPS * count.view_elements
-    return scale * counted, count.calls, written
+    return scale * counted, count.calls, written, count.derivative_calls
 
 
 # NOTE: [AUTO's op-call overhead]
@@ -485,6 +491,20 @@ def _forward_figures(side: Side, count: Optional[ExampleCount]) -> tuple[float, 
 # counted on one vmapped forward pass (``ops``) and scaled by the passes each implementation makes:
 _SWEEP_OPS = 3  # a forward and a backward pass (about twice the forward's calls)
 _FORWARD_MODE_OPS = 2  # a forward-mode pass: primal and tangent calls
+_FORWARD_MODE_DERIVATIVE_OPS = 7
+"""A forward-mode pass's ATen calls per call of a derivative the model takes inside ``forward``.
+
+NOTE: [Derivatives in the counted pass]
+A model that differentiates inside ``forward`` (forces ``-dE/dx``, a PDE residual) runs a backward
+pass within its forward one; the counted pass (``counting.py``) tells those calls apart, as the
+calls autograd's engine makes while it runs (``torch._C._current_graph_task_id``). Implementation
+2's forward-mode pass carries a tangent through each of them, and the forward-mode formulas of
+backward ops are composites of several calls: on whole batches, the warm calls' ATen counts of 1
+and 2 give 7.6 calls per derivative call on a Poisson residual by ``torch.autograd.grad`` and on
+torchani's energies, 6.3 on the residual by ``torch.func.hessian`` and 6.7 on a pair-distance
+force field (2 per call of the forward itself). Priced at 2 as every other call, 2 came out 18%
+below 1 on torchani's float64 energies and ran 1.5x slower. Models without such derivatives count
+none, so their prices are unchanged."""
 _DOUBLE_VJP_OPS = 4  # the backward of a recorded backward pass
 _CONTRACTION_OPS = 3  # an einsum (reshapes, the product, the sum into the kernel)
 _WHOLE_BATCH_OPS = 2

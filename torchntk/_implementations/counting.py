@@ -68,6 +68,9 @@ class ExampleCount:
         largest: the largest such result, in elements.
         reused: indices of the parameters consumed by more than one such call (autograd sums
             their gradients).
+        derivative_calls: the part of ``calls`` that autograd's engine made for derivatives the
+            model takes inside its forward pass (forces, PDE residuals; NOTE: [Derivatives in the
+            counted pass]).
     """
 
     calls: int
@@ -77,6 +80,7 @@ class ExampleCount:
     written: int
     largest: int
     reused: tuple[int, ...] = ()
+    derivative_calls: int = 0
 
 
 class _CountingMode(TorchDispatchMode):
@@ -107,10 +111,16 @@ class _CountingMode(TorchDispatchMode):
         self._storages = {storage_key(param): index for index, param in enumerate(params)}
         self._storages.pop(None, None)
         self.uses = [0] * len(params)
+        self.derivative_calls = 0
+        # a backward pass running before the count (a kernel computed inside a user's backward
+        # hook) is not the model's own (NOTE: [Derivatives in the counted pass] in auto.py)
+        self._outer_task = torch._C._current_graph_task_id()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.calls += 1
+        if torch._C._current_graph_task_id() != self._outer_task:
+            self.derivative_calls += 1
         result = func(*args, **kwargs)
         flops, is_view, is_copy = _op_counting(func)
         if flops is not None:
@@ -139,7 +149,8 @@ class _CountingMode(TorchDispatchMode):
     def count(self) -> ExampleCount:
         reused = tuple(index for index, uses in enumerate(self.uses) if uses > 1)
         return ExampleCount(
-            self.calls, self.flops, self.elements, self.view_elements, self.written, self.largest, reused
+            self.calls, self.flops, self.elements, self.view_elements, self.written, self.largest, reused,
+            self.derivative_calls,
         )
 
 

@@ -320,26 +320,38 @@ def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float
     return summed + float(flops), float(max(intermediates, default=1))
 
 
+@functools.lru_cache(maxsize=1024)
 def _shared_symbols(param_labels: str) -> dict[str, str]:
-    """One symbol per parameter letter, the same on both sides of a pair (and beyond the rules')."""
+    """One symbol per parameter letter, the same on both sides of a pair (and beyond the rules').
+    Cached: callers only read it."""
     return {letter: opt_einsum.get_symbol(_SHARED + k) for k, letter in enumerate(param_labels)}
 
 
 def _side_terms(use: Use, leaf, out_symbols, out_axis, shared, offset):
     """Einsum terms and tensors of one side: ``G`` then the operands."""
     role = use.role
+    terms = _terms(
+        tuple(out_symbols), out_axis, role.g_labels, tuple(labels for _, labels in role.operands),
+        tuple(shared.items()), offset,
+    )
+    return list(terms), [use.gradients[leaf], *(tensor for tensor, _ in role.operands)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _terms(
+    out_symbols: tuple[str, ...], out_axis: Optional[int], g_labels: str, operand_labels: tuple[str, ...],
+    shared: tuple[tuple[str, str], ...], offset: int,
+) -> tuple[str, ...]:
+    """:func:`_side_terms`' terms from the letters alone: a warm call states the same roles again,
+    and the symbols of a force field's few hundred small uses were a tenth of its contractions."""
+    symbols = dict(shared)
 
     def symbol(letter: str) -> str:
-        return shared.get(letter) or opt_einsum.get_symbol(offset + ord(letter))
+        return symbols.get(letter) or opt_einsum.get_symbol(offset + ord(letter))
 
-    gradient = use.gradients[leaf]
-    terms = ["".join(out_symbols) + "".join(symbol(letter) for letter in role.g_labels)]
-    tensors = [gradient]
     batch = "" if out_axis is None else out_symbols[out_axis]
-    for tensor, labels in role.operands:
-        terms.append(batch + "".join(symbol(letter) for letter in labels))
-        tensors.append(tensor)
-    return terms, tensors
+    first = "".join(out_symbols) + "".join(symbol(letter) for letter in g_labels)
+    return (first, *(batch + "".join(symbol(letter) for letter in labels) for labels in operand_labels))
 
 
 def dense_jacobian(
@@ -361,7 +373,7 @@ def dense_jacobian(
     if len(tensors) == 2:
         # torch.einsum keeps G as the left operand of its batched product, so J comes out contiguous
         # (opt_einsum would swap the operands and J would need a copy: fresh memory costs page faults)
-        seen = torch.einsum(convert_to_valid_einsum_chars(equation), *tensors)
+        seen = torch.einsum(_valid_characters(equation), *tensors)
     else:
         seen = contract_tensors(equation, tensors)
     if role.scale != 1.0:
@@ -369,6 +381,11 @@ def dense_jacobian(
     seen = seen.reshape(*seen.shape[: len(out_symbols)], math.prod(role.param_shape))
     ref = role.refs[0]
     return ref.scatter(seen, param_sizes[ref.param]) if scatter else seen
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_characters(equation: str) -> str:
+    return convert_to_valid_einsum_chars(equation)
 
 
 def jacobian_equation(

@@ -526,7 +526,12 @@ def whole_batch_pass(
         kept, operand_folds = checked
         outputs = tuple(outputs)
         if cotangents is None:
-            (gradients,) = vmap(pullback)(_whole_batch_basis(outputs, side.out_axes))
+            basis = _whole_batch_basis(outputs, side.out_axes)
+            if basis[0].shape[0] == 1:  # one output entry per example (an energy): no vmap over one vector
+                (gradients,) = pullback(tuple(vector[0] for vector in basis))
+                gradients = tuple(gradient.unsqueeze(0) for gradient in gradients)
+            else:
+                (gradients,) = vmap(pullback)(basis)
         else:
             (gradients,) = pullback(tuple(cotangents))
             gradients = tuple(gradient.unsqueeze(0) for gradient in gradients)  # a basis of one vector
