@@ -13,8 +13,9 @@ water's oxygen and two hydrogens, random coordinates around a fixed geometry; fi
   molecules, as in ``tests/test_fingerprint.py``.
 
 Methods, each the median of ``--repeats`` warm calls after one warm-up call, the methods' calls
-interleaved round by round (one call of each per round), so that a drift of the machine's speed
-during the run reaches every method alike:
+interleaved round by round (one call of each per round, each round starting with the next
+method), so that a drift of the machine's speed, and the place in a round, reach every method
+alike:
 
 * ``default``: ``torchntk.empirical_ntk_fn(model)(x1, x2)``; what it chose (``vmap_axes`` or
   whole batches, and the implementation) is printed beside it;
@@ -186,15 +187,17 @@ def timed(calls: dict, repeats: int) -> dict:
             results[name] = call()
         except Exception as error:  # noqa: BLE001 - vmap cannot run every model
             results[name] = error
-    running = {name: call for name, call in calls.items() if not isinstance(results[name], Exception)}
-    times: dict = {name: [] for name in running}
-    for _ in range(repeats):
-        for name, call in running.items():
+    running = [(name, call) for name, call in calls.items() if not isinstance(results[name], Exception)]
+    times: dict = {name: [] for name, _ in running}
+    for round_ in range(repeats):
+        # each round starts with another method: the first call of a round, after the slowest
+        # one, ran 5% slower than the same call later in the round
+        for name, call in running[round_ % len(running):] + running[: round_ % len(running)]:
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
     return {
-        name: (None, results[name]) if name not in running else (statistics.median(times[name]), results[name])
+        name: (None, results[name]) if name not in times else (statistics.median(times[name]), results[name])
         for name in calls
     }
 

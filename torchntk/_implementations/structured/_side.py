@@ -48,7 +48,6 @@ check's own per-example forward pass (``KernelCall.check_outputs``) on top of th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -93,9 +92,8 @@ class SideFactors:
         """The factors of examples ``start .. start + length - 1`` (mapped sides: operands' axis 0)."""
         uses = [
             Use(
-                dataclasses.replace(
-                    use.role,
-                    operands=[(tensor.narrow(0, start, length), labels) for tensor, labels in use.role.operands],
+                use.role.with_operands(
+                    [(tensor.narrow(0, start, length), labels) for tensor, labels in use.role.operands]
                 ),
                 tuple(g.narrow(axis, start, length) for g, axis in zip(use.gradients, out_axes)),
             )
@@ -315,7 +313,7 @@ def _uses(
     example_axes = 1 if side.mapped else 0
     uses = []
     for gradient_index, role in kept:
-        role = dataclasses.replace(role, operands=[(next(operands), labels) for _, labels in role.operands])
+        role = role.with_operands([(next(operands), labels) for _, labels in role.operands])
         gradient = gradients[gradient_index]  # ([N,] B, *y)
         if contracted:
             per_leaf = (gradient.reshape(*gradient.shape[:example_axes], *role.y_shape),)
