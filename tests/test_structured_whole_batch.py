@@ -212,6 +212,31 @@ def test_runs_of_examples_are_whole_batch_passes_of_their_own(same, passes):
     assert 1 in passes.whole_batch_sizes and 3 in passes.whole_batch_sizes
 
 
+@pytest.mark.parametrize("same", [False, True], ids=["x2", "x2=None"])
+def test_one_output_entry_per_example_is_pulled_back_without_vmap(same, passes, monkeypatch):
+    """An energy-like output, one entry per example: the whole-batch pass pulls back its one basis
+    vector directly, and the kernel is exact; with more entries it still goes through ``vmap``."""
+    mapped = []
+    vmap = _side.vmap
+
+    def counted_vmap(function, *args, **kwargs):
+        mapped.append(function)
+        return vmap(function, *args, **kwargs)
+
+    monkeypatch.setattr(_side, "vmap", counted_vmap)
+    for outputs in (1, 3):
+        model = _build(lambda: nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, outputs)))
+        x1, x2 = _normal(5, 4, seed=1), _normal(3, 4, seed=2)
+        x2 = None if same else x2
+        ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())
+        expected = reference_ntk(model, x1, x2, trace_axes=())
+        assert_kernels_close(ntk_fn(x1, x2), expected)
+        mapped.clear()  # a warm call: the kernel's own pass alone
+        assert_kernels_close(ntk_fn(x1, x2), expected)
+        assert passes.whole_batch >= 2
+        assert len(mapped) == (0 if outputs == 1 else 1), mapped
+
+
 def test_one_example_on_x1_is_checked_on_the_examples_of_x2(passes):
     model = _build(_mlp)
     x1, x2 = _normal(1, 4, seed=1), _normal(5, 4, seed=2)

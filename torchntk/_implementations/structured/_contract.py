@@ -343,7 +343,7 @@ def _terms(
     shared: tuple[tuple[str, str], ...], offset: int,
 ) -> tuple[str, ...]:
     """:func:`_side_terms`' terms from the letters alone: a warm call states the same roles again,
-    and the symbols of a force field's few hundred small uses were a tenth of its contractions."""
+    and stating the symbols of a force field's two dozen small uses took a tenth of its contractions."""
     symbols = dict(shared)
 
     def symbol(letter: str) -> str:
