@@ -237,6 +237,23 @@ def test_one_output_entry_per_example_is_pulled_back_without_vmap(same, passes, 
         assert len(mapped) == (0 if outputs == 1 else 1), mapped
 
 
+def test_one_output_entry_per_example_replays_exactly(eager_computations):
+    """The same pass with ``compile=``: the graph captured from the first call replays, exact on
+    other inputs and on weights written in place."""
+    import warnings
+
+    model = _build(lambda: nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 1)))
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), compile="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a capture refused or a replay failed
+        for seed in range(3):
+            with torch.no_grad():
+                model[0].weight.mul_(1.1)
+            x1, x2 = _normal(5, 4, seed=seed), _normal(3, 4, seed=seed + 10)
+            assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
+    assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
+
+
 def test_one_example_on_x1_is_checked_on_the_examples_of_x2(passes):
     model = _build(_mlp)
     x1, x2 = _normal(1, 4, seed=1), _normal(5, 4, seed=2)

@@ -367,7 +367,7 @@ class _Prices:
             counted *= examples / counted_examples
             forward.append(max(counted, 2.0 * self.params * examples))
             ops.append(max(op_calls, 1))  # one batched (or whole-batch) pass
-            inner.append(min(derivative_calls, ops[-1]))
+            inner.append(derivative_calls)
             per_example_ops.append(ops[-1] * (examples if side.loop else 1))  # an example loop repeats them
             total = sum(o.numel() for o in outputs)
             basis.append(total / examples if side.mapped else total)
