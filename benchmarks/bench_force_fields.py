@@ -25,12 +25,18 @@ alike:
   one molecule, ``functional_call``), the Jacobians flattened and stacked, then ``J1 @ J2.T``;
 * ``vmap``: the same with ``torch.func.vmap`` over the molecules instead of the loop, where it runs.
 
+With ``--picks``, instead: AUTO's pick on the torchani recipe of docs/scientific.md (float64,
+forces computed inside ``forward`` by ``torch.autograd.grad``, the energies or the forces picked by
+``output_fn``, whole batches as the default maps them), against implementations 1, 2 and 3 timed
+in interleaved rounds with the threads torch was given (``--threads``).
+
 A package that does not import is skipped with its error. schnetpack 2.1 imports ``T_co`` from
 ``torch.utils.data.dataloader``, which later torch releases dropped: it is defined first.
 
     TORCHNTK_TEST_STUB_TORCHVISION_OPS=1 python benchmarks/bench_force_fields.py
     python benchmarks/bench_force_fields.py --n 8 --repeats 1 --models torchani   # seconds
     python benchmarks/bench_force_fields.py --repeats 15   # the docs' table, about a minute
+    python benchmarks/bench_force_fields.py --picks --repeats 15 --threads 2   # AUTO's picks, seconds
 """
 
 from __future__ import annotations
@@ -202,16 +208,70 @@ def timed(calls: dict, repeats: int) -> dict:
     }
 
 
+class AniWithForces(nn.Module):
+    """docs/scientific.md's torchani recipe: energies ``(N, 1)`` and forces ``(N, A, 3)`` of methane."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        os.environ.setdefault("TORCHANI_NO_WARN_EXTENSIONS", "1")
+        from torchani.arch import simple_ani
+
+        self.ani = simple_ani(
+            ("H", "C"), "wb97x-631gd", repulsion=False, self_energies="zero", radial_shifts=8, angular_shifts=4,
+            sections=2,
+        )
+        self.register_buffer("species", torch.tensor([6, 1, 1, 1, 1]))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = positions.clone().requires_grad_()
+        energies = self.ani((self.species.expand(len(positions), -1), positions)).energies
+        forces = -torch.autograd.grad(energies.sum(), positions, create_graph=self.training)[0]
+        return energies[:, None], forces
+
+
+def _output(index: int):
+    """``output_fn`` picking one output (a function of the output alone: a second parameter would
+    receive the inputs)."""
+    return lambda out: out[index]
+
+
+def auto_picks(repeats: int) -> None:
+    """AUTO's pick on :class:`AniWithForces` against the implementations' times (``--picks``)."""
+    torch.manual_seed(0)
+    model = AniWithForces().double().eval()
+    generator = torch.Generator().manual_seed(0)
+    methane = GEOMETRY[:5].double()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float64, median of {repeats} warm calls")
+    print("| output | N1, N2 | AUTO's pick | 1 (s) | 2 (s) | 3 (s) | pick / fastest |")
+    print("|---|---|---|---|---|---|---|")
+    for output, index in (("energies", 0), ("forces", 1)):
+        for n1, n2 in ((3, 2), (8, 8)):
+            x1, x2 = (methane + 0.05 * torch.randn(n, 5, 3, dtype=torch.float64, generator=generator)
+                      for n in (n1, n2))
+            select = _output(index)
+            pick = int(torchntk.empirical_ntk_fn(model, output_fn=select).auto_choice(x1, x2).implementation)
+            fns = {i: torchntk.empirical_ntk_fn(model, output_fn=select, implementation=i) for i in (1, 2, 3)}
+            measured = timed({i: (lambda f=f: f(x1, x2)) for i, f in fns.items()}, repeats)
+            times = {i: seconds for i, (seconds, _) in measured.items()}
+            print(f"| {output} | {n1}, {n2} | {pick} | {times[1]:.4f} | {times[2]:.4f} | {times[3]:.4f} | "
+                  f"{times[pick] / min(times.values()):.2f} |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--picks", action="store_true", help="AUTO's picks on the torchani recipe instead")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     skip_torchvision_op_registrations()
     warnings.filterwarnings("ignore", category=torchntk.ExampleLoopWarning)
-    print(f"torch {torch.__version__}, N1 = N2 = {args.n}, {ATOMS} atoms, float32, one thread, "
+    if args.picks:
+        auto_picks(args.repeats)
+        return 0
+    print(f"torch {torch.__version__}, N1 = N2 = {args.n}, {ATOMS} atoms, float32, {args.threads} thread(s), "
           f"median of {args.repeats} warm calls")
     print("| model | parameters | default s | chosen | vmap_axes=0 s | hand loop s | vmap(jacrev) s | hand / default "
           "| vmap / default |")
