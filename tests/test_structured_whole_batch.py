@@ -476,3 +476,43 @@ def test_replays_of_the_unfusing_passes_stay_exact(kind, eager_computations):
             x1, x2 = _normal(4, 6, 3, seed=seed), _normal(4, 6, 3, seed=seed + 10)
             assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
     assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
+
+
+@pytest.mark.parametrize("case_id", [case for case in WHOLE_BATCH_CASES if case != "mixed_ruled_unruled"])
+def test_the_whole_batch_checks_pass_gives_autograds_products(case_id, monkeypatch):
+    """NOTE: [Autograd's products from the whole-batch check]: on a first call the check against
+    autograd takes autograd's ``J^T v`` from the whole-batch check's pass (differentiated with
+    respect to the parameters too) and makes no pass of its own; those products are autograd's of
+    the model on the same examples and cotangents. The kernel is exact on the first, a second and
+    a later call. (A plan with fallback parameters settles nothing this way: ``mixed_ruled_unruled``.)"""
+    from torch.func import vjp
+
+    made, own = [], []
+    whole_batch_pass = _whole_batch.whole_batch_pass
+    products = structured.whole_batch_products
+
+    def recorded_pass(side, plan, output_axes, cotangents=None, parameters=False):
+        done = whole_batch_pass(side, plan, output_axes, cotangents, parameters)
+        if parameters:
+            made.append((side, cotangents, done))
+        return done
+
+    def own_products(side, cotangents):
+        own.append(side)
+        return products(side, cotangents)
+
+    monkeypatch.setattr(_whole_batch, "whole_batch_pass", recorded_pass)
+    monkeypatch.setattr(structured, "whole_batch_products", own_products)
+    case = STRUCTURED_CASES[case_id]()
+    x1, x2 = make_x1_x2(case)
+    ntk_fn = torchntk.empirical_ntk_fn(case.module, vmap_axes=0, implementation=3, trace_axes=())
+    expected = reference_ntk(case.module, x1, x2, trace_axes=())
+    for _ in range(3):
+        assert_kernels_close(ntk_fn(x1, x2), expected)
+    assert own == [] and len(made) == 1, (own, made)
+    side, cotangents, done = made[0]
+    _, pullback = vjp(side.whole_batch(), side.model.params)
+    (autograd,) = pullback(tuple(cotangents))
+    assert done is not None and len(done.parameter_products) == len(autograd)
+    for mine, theirs in zip(done.parameter_products, autograd):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)

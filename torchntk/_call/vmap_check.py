@@ -494,9 +494,10 @@ class PendingDerivatives:
     ResNet-18 on the CPU: 90 ms for two examples under vmap, 35 ms for the same two as one batch).
     Where 3's check can run (``check_sample``) and the plan leaves no parameter to the Jacobian
     fallback, it compares the structured ``J^T v`` with autograd's ``J^T v`` of the sampled
-    examples as one batch instead: agreement shows at once that the rules hold and that the
-    per-example derivatives 3 computes with are the whole batch's (no coupling, no vmap bug), and
-    settles this check. Where they disagree, nothing is concluded from it: 3's check compares
+    examples as one batch instead (from the pass of the whole-batch check where that runs: NOTE:
+    [Autograd's products from the whole-batch check] in ``structured/_whole_batch.py``):
+    agreement shows at once that the rules hold and that the per-example derivatives 3 computes
+    with are the whole batch's (no coupling, no vmap bug), and settles this check. Where they disagree, nothing is concluded from it: 3's check compares
     with per-example autograd as before, and the derivative check runs as it always did
     (:meth:`settle`), so every failure is still found and explained by the same messages.
 

@@ -37,10 +37,10 @@ from ._contract import contract_sides
 from ._joint import gradients_per_example, joined
 from ._plan import Plan, make_plan
 from ._roles import OutputSpec, RuleCall
-from ._side import PlanMismatch, SideFactors, per_example_factors, probe, side_factors
+from ._side import PlanMismatch, SideFactors, WholeBatchPass, per_example_factors, probe, side_factors
 from ._unrolled import WHOLE_BATCH_REASON, is_unrolled, through_derivatives
 from ._verify import disagreements, verify, whole_batch_products
-from ._whole_batch import LayoutShapes, check_sample, layout_shapes, with_whole_batch
+from ._whole_batch import LayoutShapes, check_sample, layout_shapes, sample_pass, with_whole_batch
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,10 @@ def plan_for(
     (``_whole_batch.py``). Both compare the per-example pass's factors contracted with a random
     cotangent, so where the whole-batch check can run (``check_sample``: a few examples of one
     per-example shape, mapped by vmap) the check against autograd runs on the same examples and
-    cotangents and both read one per-example pass; a plan that demotes parameters passes the
-    whole-batch check a pass of its own. Against autograd, the examples are then those the
-    whole-batch check takes (up to three) rather than the first one.
+    cotangents and both read one per-example pass, and autograd's products come from the
+    whole-batch check's own pass (NOTE: [Autograd's products from the whole-batch check]); a plan
+    that demotes parameters passes the whole-batch check a pass of its own. Against autograd, the
+    examples are then those the whole-batch check takes (up to three) rather than the first one.
 
     Args:
         probed: the quick probes of ``call`` made already (:func:`probe_plan`), to check.
@@ -148,8 +149,8 @@ def plan_for(
         return make_plan([], set(), n_params, structure_rules=False, local_jacobian=local)
     if probed is None or probed.thorough != thorough:
         probed = probe_plan(call, options, thorough)
-    plan = probed.build({})
-    single = None  # NOTE: [One pass for both checks of a plan]
+    plan = _with_probe(probed.build({}), probed.calls, thorough)
+    single = done = None  # NOTE: [One pass for both checks of a plan]
     if not (options.verify or len(plan.fallback) == n_params):  # verify=True checks every call; nothing to check
         demoted: dict[int, str] = {}
         sample = None if thorough or plan.local_jacobian is not None else check_sample(call)
@@ -157,7 +158,8 @@ def plan_for(
             if sample is not None:
                 examples, cotangents = sample
                 single = per_example_factors(examples, plan, cotangents=cotangents)
-                if not _settles_derivatives(call, examples, plan, cotangents, single):
+                settled, shapes, done = _settles_derivatives(call, plan, sample, single, shapes)
+                if not settled:
                     demoted.update(disagreements(examples, plan, cotangents=cotangents, factors=single))
             else:
                 for side in _probed_sides(call, thorough):
@@ -165,35 +167,45 @@ def plan_for(
         except PlanMismatch:
             raise _nondeterministic(call.where) from None
         if demoted:
-            plan, single = probed.build(demoted), None
-    plan = _with_probe(plan, probed.calls, thorough)
+            plan, single, done = _with_probe(probed.build(demoted), probed.calls, thorough), None, None
     if thorough:  # probed on every example: no one-example probe to read the whole batch by
         return dataclasses.replace(plan, whole_batch_reason="the plan comes from probes of every example")
     if is_unrolled(call.model):
         return dataclasses.replace(plan, whole_batch_reason=WHOLE_BATCH_REASON)
     grouped = _within_groups(plan, call.groups) if call.groups is not None else None
     try:
-        return with_whole_batch(call, plan, grouped, single=single if grouped is None else None, shapes=shapes)
+        ungrouped = grouped is None
+        return with_whole_batch(
+            call, plan, grouped, single=single if ungrouped else None, shapes=shapes, done=done if ungrouped else None
+        )
     except PlanMismatch:
         raise _nondeterministic(call.where) from None
 
 
 def _settles_derivatives(
-    call: KernelCall, examples: Side, plan: Plan, cotangents: tuple, factors: SideFactors
-) -> bool:
-    """Whether the structured ``J^T v`` of ``examples`` (``factors``) agrees with autograd's on the
-    examples as one batch, which settles the call's pending derivative check (NOTE: [The
-    derivative check within a plan's check]) and 3's own check. False, concluding nothing, where
-    no check is pending, a parameter is left to the Jacobian fallback (whose per-example
-    derivatives this would not see), or they disagree."""
+    call: KernelCall, plan: Plan, sample: tuple[Side, tuple], factors: SideFactors, shapes: Optional[LayoutShapes]
+) -> tuple[bool, Optional[LayoutShapes], Optional[WholeBatchPass]]:
+    """Whether the structured ``J^T v`` of the ``sample``'s examples and cotangents (``factors``)
+    agrees with autograd's on the examples as one batch, which settles the call's pending
+    derivative check (NOTE: [The derivative check within a plan's check]) and 3's own check.
+    False, concluding nothing, where no check is pending, a parameter is left to the Jacobian
+    fallback (whose per-example derivatives this would not see), or they disagree.
+
+    Autograd's products come from the whole-batch check's pass of the same examples where that
+    pass can run (NOTE: [Autograd's products from the whole-batch check]), returned with the
+    layout shapes it was made with for that check to reuse."""
     pending = call.derivative_check
     if pending is None or not pending.open or plan.fallback:
-        return False
-    whole = whole_batch_products(examples, cotangents)
+        return False, shapes, None
+    examples, cotangents = sample
+    done = None
+    if call.groups is None and not is_unrolled(call.model):  # where the whole-batch check runs on this plan
+        shapes, done = sample_pass(call, plan, sample, shapes)
+    whole = done.parameter_products if done is not None else whole_batch_products(examples, cotangents)
     if whole is None or disagreements(examples, plan, cotangents=cotangents, factors=factors, expected=whole):
-        return False
+        return False, shapes, done
     pending.vouched_by_3 = True
-    return True
+    return True, shapes, done
 
 
 def _with_probe(plan: Plan, calls: list[RuleCall], thorough: bool) -> Plan:

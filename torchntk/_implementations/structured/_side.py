@@ -461,6 +461,8 @@ class WholeBatchPass:
         gradients: per perturbed rule call (the plan's positions, sorted), ``(B, *whole y)``.
         operands: the kept roles' operands in order, whole-batch.
         operand_folds: where each operand holds the examples, as far as shapes tell.
+        parameter_products: autograd's ``J^T v`` of every parameter for the cotangents, where the
+            pass was asked for them (NOTE: [Autograd's products from the whole-batch check]).
     """
 
     examples: int
@@ -469,10 +471,12 @@ class WholeBatchPass:
     gradients: tuple[torch.Tensor, ...]
     operands: tuple[torch.Tensor, ...]
     operand_folds: tuple[Fold, ...]
+    parameter_products: Optional[tuple[torch.Tensor, ...]] = None
 
 
 def whole_batch_pass(
-    side: Side, plan: Plan, output_axes: dict[int, int], cotangents: Optional[tuple[torch.Tensor, ...]] = None
+    side: Side, plan: Plan, output_axes: dict[int, int], cotangents: Optional[tuple[torch.Tensor, ...]] = None,
+    parameters: bool = False,
 ) -> Optional[WholeBatchPass]:
     """One whole-batch pass of NOTE: [Whole-batch pullback]: the perturbed model's VJP over the
     whole batch, pulled back over the basis of one example's outputs set for every example at once
@@ -487,6 +491,9 @@ def whole_batch_pass(
         plan: a plan with a perturbed probe (``perturbed_shapes``, ``first_example_calls``).
         output_axes: for every perturbed rule call, the axis of its output holding the examples.
         cotangents: as for :func:`side_factors`.
+        parameters: with ``cotangents``, also differentiate the parameters: autograd's ``J^T v``
+            (:attr:`WholeBatchPass.parameter_products`; NOTE: [Autograd's products from the
+            whole-batch check]).
     """
     params = side.model.params
     examples = side.batch_size()
@@ -501,10 +508,11 @@ def whole_batch_pass(
     evaluate = side.whole_batch()
     recorded: list[tuple[int, Role]] = []
 
-    def perturbed_model(deltas: tuple[torch.Tensor, ...]) -> tuple:
-        recorder = Recorder(params, dict(zip(positions, deltas)), unfuse=recorder_unfuses(side))
+    def perturbed_model(deltas: tuple[torch.Tensor, ...], differentiated: tuple[torch.Tensor, ...] = params) -> tuple:
+        # the recorder knows the parameters by identity: those the model is evaluated with
+        recorder = Recorder(differentiated, dict(zip(positions, deltas)), unfuse=recorder_unfuses(side))
         with recorder:
-            outputs = evaluate(params)
+            outputs = evaluate(differentiated)
         if not plan.foresees(recorder.calls, recorder.unruled):
             raise PlanMismatch
         kept = [(position, role) for position, call in enumerate(recorder.calls) for role in plan.roles(call)]
@@ -513,9 +521,10 @@ def whole_batch_pass(
         recorded[:] = kept
         return outputs, _detached(tensor for _, role in kept for tensor, _ in role.operands)
 
+    primals = (zeros, tuple(params)) if parameters and cotangents is not None else (zeros,)
     with whole_batch_context(side):
         try:
-            outputs, pullback, operands = vjp(perturbed_model, zeros, has_aux=True)
+            outputs, pullback, operands = vjp(perturbed_model, *primals, has_aux=True)
         except (ShapeMismatch, PlanMismatch):
             return None
         checked = _probe_roles(recorded, plan, positions, examples, operands)
@@ -523,6 +532,7 @@ def whole_batch_pass(
             return None
         kept, operand_folds = checked
         outputs = tuple(outputs)
+        products: list = []
         if cotangents is None:
             basis = _whole_batch_basis(outputs, side.out_axes)
             if basis[0].shape[0] == 1:  # one output entry per example (an energy): no vmap over one vector
@@ -531,9 +541,12 @@ def whole_batch_pass(
             else:
                 (gradients,) = vmap(pullback)(basis)
         else:
-            (gradients,) = pullback(tuple(cotangents))
+            gradients, *products = pullback(tuple(cotangents))
             gradients = tuple(gradient.unsqueeze(0) for gradient in gradients)  # a basis of one vector
-    return WholeBatchPass(examples, outputs, kept, tuple(gradients), tuple(operands), operand_folds)
+    return WholeBatchPass(
+        examples, outputs, kept, tuple(gradients), tuple(operands), operand_folds,
+        tuple(products[0]) if products else None,
+    )
 
 
 def whole_batch_factors(

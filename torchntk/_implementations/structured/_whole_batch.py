@@ -113,7 +113,7 @@ def layout_shapes(call: KernelCall, plan: Plan) -> LayoutShapes:
 
 def with_whole_batch(
     call: KernelCall, plan: Plan, checked: Optional[Plan] = None, single: Optional[SideFactors] = None,
-    shapes: Optional[LayoutShapes] = None,
+    shapes: Optional[LayoutShapes] = None, done: Optional[WholeBatchPass] = None,
 ) -> Plan:
     """``plan`` with its :attr:`~._plan.Plan.whole_batch` layout when the whole-batch pass is checked
     to agree with the per-example pass on ``call``'s examples, else with the reason it is not.
@@ -126,8 +126,10 @@ def with_whole_batch(
         single: the per-example factors of :func:`check_sample`'s examples and cotangents under the
             plan checked, where the check against autograd made them already.
         shapes: :func:`layout_shapes` found already (used where they hold for this plan).
+        done: the whole-batch pass of :func:`check_sample`'s examples and cotangents under the plan
+            checked, where the check against autograd made it already (:func:`sample_pass`).
     """
-    layout, reason = _layout(call, checked or plan, single, shapes)
+    layout, reason = _layout(call, checked or plan, single, shapes, done)
     return dataclasses.replace(plan, whole_batch=layout, whole_batch_reason=reason)
 
 
@@ -144,8 +146,49 @@ def check_sample(call: KernelCall) -> Optional[tuple[Side, tuple[torch.Tensor, .
     return examples, _random_cotangents(call.expected_outputs(examples))
 
 
+# NOTE: [Autograd's products from the whole-batch check]
+# On a key's first call a quick plan of 3 is checked against autograd's J^T v of a few examples
+# evaluated as one batch (NOTE: [The derivative check within a plan's check]), and its whole-batch
+# pass against its per-example pass on the same examples and cotangents (the module docstring).
+# Both were whole-batch VJPs of those examples with those cotangents: autograd's of the model,
+# 3's of the perturbed model. One VJP of the perturbed model with respect to its deltas *and* the
+# parameters gives both (``whole_batch_pass(parameters=True)``): the perturbed model is the model,
+# every rule call's output computed by the op itself (``func(*args, **kwargs)`` in every rule) plus
+# a delta of zeros, so its parameter derivatives are the model's. They stay independent of what
+# the check tests: autograd differentiates every op the parameters reach, seen by the recorder or
+# not (a TorchScript use missing from the structured side still shows), and the structured side
+# comes from the rules' factors of the per-example pass (under vmap), not from this pass. The
+# fused kernels the recorder decomposes are their decompositions here, as in every pass of 3; the
+# output check compares the decomposed per-example outputs with the fused whole-batch ones. On a
+# ResNet-18's first call this saves one forward and backward pass of the examples (autograd's own,
+# about 45 ms); a plan whose whole-batch pass cannot run, or that the check demotes, takes
+# autograd's own pass, or a whole-batch check of its own, as before.
+
+
+def sample_pass(
+    call: KernelCall, plan: Plan, sample: tuple[Side, tuple[torch.Tensor, ...]], shapes: Optional[LayoutShapes] = None
+) -> tuple[LayoutShapes, Optional[WholeBatchPass]]:
+    """The whole-batch pass of :func:`check_sample`'s examples and cotangents (``sample``) under
+    ``plan``, with autograd's ``J^T v`` of every parameter (NOTE: [Autograd's products from the
+    whole-batch check]), and the :class:`LayoutShapes` it was made with; None where the shapes
+    rule the pass out, it does not fit the plan or it fails (:func:`with_whole_batch` then says
+    why)."""
+    if shapes is None or not shapes.holds_for(plan):
+        shapes = layout_shapes(call, plan)
+    if shapes.output_axes is None:
+        return shapes, None
+    examples, cotangents = sample
+    try:
+        return shapes, whole_batch_pass(examples, plan, shapes.output_axes, cotangents, parameters=True)
+    except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
+        if is_out_of_memory(error):
+            raise
+        return shapes, None
+
+
 def _layout(
-    call: KernelCall, plan: Plan, single: Optional[SideFactors] = None, shapes: Optional[LayoutShapes] = None
+    call: KernelCall, plan: Plan, single: Optional[SideFactors] = None, shapes: Optional[LayoutShapes] = None,
+    done: Optional[WholeBatchPass] = None,
 ) -> tuple[Optional[WholeBatchLayout], Optional[str]]:
     if shapes is None or not shapes.holds_for(plan):
         shapes = layout_shapes(call, plan)
@@ -154,13 +197,14 @@ def _layout(
     output_axes = shapes.output_axes
     signature = example_signature(call.side1)
     examples, cotangents = check_sample(call)
-    try:
-        done = whole_batch_pass(examples, plan, output_axes, cotangents)
-    except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
-        if is_out_of_memory(error):
-            raise
-        text = str(error).strip()
-        return None, f"the whole-batch pass failed ({type(error).__name__}: {text.splitlines()[0] if text else ''})"
+    if done is None:
+        try:
+            done = whole_batch_pass(examples, plan, output_axes, cotangents)
+        except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
+            if is_out_of_memory(error):
+                raise
+            text = str(error).strip()
+            return None, f"the whole-batch pass failed ({type(error).__name__}: {text.splitlines()[0] if text else ''})"
     if done is None:
         return None, "the whole-batch pass states its rule calls otherwise than one example's pass"
     if not CHECK:  # the readings shapes suggest, unchecked (only tests do this)
