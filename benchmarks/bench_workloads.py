@@ -11,8 +11,12 @@ tokens with right padding, the mask (or last token) at varying positions; x2 = N
 block's MLP), ``all``. Methods: ``hand`` (per example, ``jacrev`` of ``functional_call`` over the
 set, stacked, one einsum; skipped, with the memory it would need, where its Jacobians do not
 fit), torchntk's implementations ``1``, ``2``, ``3`` and ``0`` (AUTO, its pick reported), each
-with the default ``check_vmap_axes=True`` or, suffixed ``f``, ``check_vmap_axes="first"``. Each
-is checked against the first method and timed as the median of ``--repeats`` warm calls; peak
+with the default ``check_vmap_axes=True`` or, suffixed ``f``, ``check_vmap_axes="first"``, and
+``floor``: the batch's forward pass and one backward sweep per logit to the set, summed over the
+examples (:func:`floor`), the arithmetic every method makes at least, against which each method's
+time is given as a ratio. Each kernel is checked against the first method's and timed as the
+median of ``--repeats`` warm calls, with the CPU time it took over its wall time (the cores it
+keeps busy); peak
 memory is the process' resident-set growth during the method's first call (Linux), reported when
 one method runs per process (``--methods``). The methods' warm calls alternate, round by round.
 ``--extrapolate N`` times the kernel of N examples written by ``batch`` into a memmap with a
@@ -119,23 +123,43 @@ def hand_written(model, ids, mask, where):
     return torch.einsum("nap,mbp->nmab", flat, flat)
 
 
-def measure(calls: dict, repeats: int) -> tuple[dict, dict, dict]:
+def floor(model, ids, mask, where):
+    """The arithmetic every method makes at least, without keeping the examples apart: one forward
+    pass of the batch and one backward pass per label logit (summed over the examples) down to the
+    trainable parameters, with their gradients. Any kernel needs these sweeps (the per-example
+    Jacobians are made from them); its contraction over the parameters comes on top. Returns the
+    gradients (no kernel)."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    logits = label_logits(model(input_ids=ids, attention_mask=mask), ids, mask, where)
+    return [
+        torch.autograd.grad(logits[:, label].sum(), trainable, retain_graph=label < len(LABELS) - 1)
+        for label in range(len(LABELS))
+    ]
+
+
+def measure(calls: dict, repeats: int) -> tuple[dict, dict, dict, dict]:
     """Each call warmed up once (plans, checks, caches), then ``repeats`` rounds timing every call
     in turn, so that a change of the machine's load falls on all of them alike. Returns the median
-    seconds, the resident-set growth in MB of each call's warm-up (meaningful for the first call
-    of a process only: the peak is the process'), and the kernels."""
+    seconds, the process CPU time over the wall time of the timed calls (the cores a method keeps
+    busy; at most the threads torch is given, plus a little for other threads), the resident-set
+    growth in MB of each call's warm-up (meaningful for the first call of a process only: the peak
+    is the process'), and the results."""
     grown, kernels = {}, {}
     for method, call in calls.items():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         kernels[method] = call()
         grown[method] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     times: dict = {method: [] for method in calls}
+    cpu: dict = {method: [] for method in calls}
     for _ in range(repeats):
         for method, call in calls.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             call()
             times[method].append(time.perf_counter() - start)
-    return {method: statistics.median(values) for method, values in times.items()}, grown, kernels
+            cpu[method].append(time.process_time() - start_cpu)
+    medians = {method: statistics.median(values) for method, values in times.items()}
+    busy = {method: sum(cpu[method]) / sum(times[method]) for method in calls}
+    return medians, busy, grown, kernels
 
 
 def main() -> None:
@@ -143,8 +167,9 @@ def main() -> None:
     parser.add_argument("--models", default="roberta,gpt2", help="comma list of roberta, gpt2")
     parser.add_argument("--sets", default="lora,bitfit,head,all", help="comma list of lora, bitfit, head, all")
     parser.add_argument("--n", default="16,64", help="comma list of numbers of examples")
-    parser.add_argument("--methods", default="hand,1,3,0,1f,3f,0f",
-                        help="comma list of hand, 1, 2, 3, 0 (AUTO); a suffix f: check_vmap_axes='first'")
+    parser.add_argument("--methods", default="hand,1,3,0,1f,3f,0f,floor",
+                        help="comma list of hand, 1, 2, 3, 0 (AUTO), floor (the batch's forward pass and "
+                             "backward sweeps alone); a suffix f: check_vmap_axes='first'")
     parser.add_argument("--dtypes", default="float32,float64", help="comma list of float32, float64")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
@@ -163,8 +188,9 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)  # PyTorch's vmap performance notes
     print(f"torch {torch.__version__}, {args.threads} threads, {TOKENS} tokens, "
           f"{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, median of {args.repeats}")
-    print("| model | set | dtype | parameters | N | method | seconds | hand / method | RSS growth MB | rel. diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | set | dtype | parameters | N | method | seconds | hand / method | method / floor | CPU / wall "
+          "| RSS growth MB | rel. diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, choice, dtype_name in itertools.product(*(args.models.split(","), args.sets.split(","),
                                                          args.dtypes.split(","))):
         dtype = getattr(torch, dtype_name)
@@ -183,24 +209,30 @@ def main() -> None:
                     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
                     if needed > 0.8 * available:
                         print(f"| {name} | {choice} | {dtype_name} | {count:,} | {n} | hand | needs "
-                              f"{needed / 2**30:.1f} GiB of Jacobians, {available / 2**30:.1f} GiB available | | | |",
-                              flush=True)
+                              f"{needed / 2**30:.1f} GiB of Jacobians, {available / 2**30:.1f} GiB available | | | | "
+                              f"| |", flush=True)
                         continue
                     calls[method] = lambda: hand_written(model, ids, mask, where)  # noqa: E731
+                elif method == "floor":
+                    calls[method] = lambda: floor(model, ids, mask, where)  # noqa: E731
                 else:
                     ntk_fn = ntk_function(model, int(method[0]), "first" if method.endswith("f") else True)
                     calls[method] = lambda ntk_fn=ntk_fn: ntk_fn(ids, None, attention_mask=mask, rows=where)  # noqa: E731
                     if method.startswith("0"):
                         chosen = ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation
                         labels[method] = f"{method} (picks {int(chosen)})"
-            times, grown, kernels = measure(calls, args.repeats)
-            reference = next(iter(kernels.values()), None)
+            times, busy, grown, kernels = measure(calls, args.repeats)
+            reference = next((kernel for method, kernel in kernels.items() if method != "floor"), None)
             for method, seconds in times.items():
-                difference = float((kernels[method] - reference).abs().max() / reference.abs().max())
+                difference = "-"
+                if method != "floor" and reference is not None:
+                    difference = f"{float((kernels[method] - reference).abs().max() / reference.abs().max()):.1e}"
                 ratio = times["hand"] / seconds if "hand" in times else float("nan")
+                above_floor = seconds / times["floor"] if "floor" in times else float("nan")
                 memory = f"{grown[method]:.0f}" if len(calls) == 1 else "-"
                 print(f"| {name} | {choice} | {dtype_name} | {count:,} | {n} | {labels.get(method, method)} | "
-                      f"{seconds:.3f} | {ratio:.2f} | {memory} | {difference:.1e} |", flush=True)
+                      f"{seconds:.3f} | {ratio:.2f} | {above_floor:.2f} | {busy[method]:.2f} | {memory} | "
+                      f"{difference} |", flush=True)
         if args.extrapolate:
             extrapolated(model, name, args.vocab, args.extrapolate, args.block, args.extrapolate_method, dtype,
                          args.extrapolate_full)

@@ -62,15 +62,18 @@ def test_the_workload_benchmark_runs_and_every_method_agrees_with_the_hand_writt
     zoo.import_peft()  # the script's models: skipped, saying why, where they do not import
     done = run_python(
         str(ROOT / "benchmarks" / "bench_workloads.py"), "--layers", "1", "--hidden", "32", "--vocab", "100",
-        "--n", "3", "--dtypes", "float32", "--repeats", "1", "--methods", "hand,1,2,3,0,1f,3f", "--extrapolate", "6",
+        "--n", "3", "--dtypes", "float32", "--repeats", "1", "--methods", "hand,1,2,3,0,1f,3f,floor", "--extrapolate", "6",
         "--block", "2", "--extrapolate-full",
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     rows = [line.split("|") for line in lines if line.startswith(("| roberta", "| gpt2")) and "batch(" not in line]
-    assert len(rows) == 2 * 4 * 7  # models x parameter sets x methods
-    assert all(float(row[-2]) < 1e-3 for row in rows), done.stdout  # relative difference from the hand-written kernel
+    assert len(rows) == 2 * 4 * 8  # models x parameter sets x methods
+    kernels = [row for row in rows if row[6].strip() != "floor"]
+    assert all(float(row[-2]) < 1e-3 for row in kernels), done.stdout  # relative difference from the hand-written kernel
+    assert all(row[-2].strip() == "-" and float(row[9]) == 1.0 for row in rows if row[6].strip() == "floor"), done.stdout
+    assert all(float(row[9]) > 0 and float(row[10]) > 0 for row in rows), done.stdout  # method / floor, CPU / wall
     extrapolations = [line for line in lines if "batch(batch_size=2, out=<memmap>" in line]
     assert len(extrapolations) == 2 * 4 and all("N = 6:" in line for line in extrapolations), done.stdout
     assert all(re.search(r"min\), measured \d+ s .*batch_size=.auto.: \d+ s", line) for line in extrapolations), done.stdout

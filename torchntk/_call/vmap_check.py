@@ -497,8 +497,8 @@ class PendingDerivatives:
     examples as one batch instead (from the pass of the whole-batch check where that runs: NOTE:
     [Autograd's products from the whole-batch check] in ``structured/_whole_batch.py``):
     agreement shows at once that the rules hold and that the per-example derivatives 3 computes
-    with are the whole batch's (no coupling, no vmap bug), and settles this check. Where they disagree, nothing is concluded from it: 3's check compares
-    with per-example autograd as before, and the derivative check runs as it always did
+    with are the whole batch's (no coupling, no vmap bug), and settles this check. Where they
+    disagree, nothing is concluded from it: 3's check compares with per-example autograd as before, and the derivative check runs as it always did
     (:meth:`settle`), so every failure is still found and explained by the same messages.
 
     A kernel function defers the check this way only on calls that compute the NTK right after

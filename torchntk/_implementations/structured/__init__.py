@@ -201,7 +201,11 @@ def _settles_derivatives(
     done = None
     if call.groups is None and not is_unrolled(call.model):  # where the whole-batch check runs on this plan
         shapes, done = sample_pass(call, plan, sample, shapes)
-    whole = done.parameter_products if done is not None else whole_batch_products(examples, cotangents)
+    if done is not None:
+        # parameter-sized: not kept beyond this comparison while the pass's factors are checked
+        whole, done.parameter_products = done.parameter_products, None
+    else:
+        whole = whole_batch_products(examples, cotangents)
     if whole is None or disagreements(examples, plan, cotangents=cotangents, factors=factors, expected=whole):
         return False, shapes, done
     pending.vouched_by_3 = True
