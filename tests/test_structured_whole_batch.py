@@ -516,3 +516,45 @@ def test_the_whole_batch_checks_pass_gives_autograds_products(case_id, monkeypat
     assert products is not None and len(products) == len(autograd)
     for mine, theirs in zip(products, autograd):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+class _HiddenScale(nn.Module):
+    """``scale`` is also applied under DisableTorchFunction, where the recorder cannot see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 5)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear(x) * self.scale
+        with torch._C.DisableTorchFunction():
+            h = h + self.scale
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("implementation", [3, 0], ids=["SD", "AUTO"])
+def test_a_use_hidden_from_the_recorder_shows_in_the_whole_batch_checks_products(implementation, monkeypatch):
+    """NOTE: [Autograd's products from the whole-batch check]: the products come from the perturbed
+    model, which the recorder runs, yet a use it cannot see still shows in them (autograd
+    differentiates every op): the plan check sends ``scale`` to the Jacobian fallback and keeps
+    the rest, and the kernel is exact on the first, a second and a later call."""
+    monkeypatch.setattr("torchntk._implementations.auto._PROBE_EVERYTHING", True)  # 3 priced on a small model
+    made = []
+    whole_batch_pass = _whole_batch.whole_batch_pass
+
+    def recorded_pass(side, plan, output_axes, cotangents=None, parameters=False):
+        made.append(parameters)
+        return whole_batch_pass(side, plan, output_axes, cotangents, parameters)
+
+    monkeypatch.setattr(_whole_batch, "whole_batch_pass", recorded_pass)
+    model = _build(_HiddenScale)
+    x1, x2 = _normal(5, 4, seed=1), _normal(3, 4, seed=2)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, trace_axes=())
+    expected = reference_ntk(model, x1, x2, trace_axes=())
+    for _ in range(3):
+        assert_kernels_close(ntk_fn(x1, x2), expected)
+    assert True in made, made  # the check's products came from the merged pass
+    choice = ntk_fn.auto_choice(x1, x2)  # AUTO may then price 3 out: its pick is not the point
+    assert "scale" in choice.fallback_parameters and "linear.weight" not in choice.fallback_parameters, choice
