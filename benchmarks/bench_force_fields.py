@@ -55,7 +55,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torchntk  # noqa: E402
-from tests.zoo import skip_torchvision_op_registrations  # noqa: E402
+from tests.zoo import AniWithForces, skip_torchvision_op_registrations  # noqa: E402
 
 ATOMS = 7
 GEOMETRY = torch.tensor(
@@ -206,27 +206,6 @@ def timed(calls: dict, repeats: int) -> dict:
         name: (None, results[name]) if name not in times else (statistics.median(times[name]), results[name])
         for name in calls
     }
-
-
-class AniWithForces(nn.Module):
-    """docs/scientific.md's torchani recipe: energies ``(N, 1)`` and forces ``(N, A, 3)`` of methane."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        os.environ.setdefault("TORCHANI_NO_WARN_EXTENSIONS", "1")
-        from torchani.arch import simple_ani
-
-        self.ani = simple_ani(
-            ("H", "C"), "wb97x-631gd", repulsion=False, self_energies="zero", radial_shifts=8, angular_shifts=4,
-            sections=2,
-        )
-        self.register_buffer("species", torch.tensor([6, 1, 1, 1, 1]))
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = positions.clone().requires_grad_()
-        energies = self.ani((self.species.expand(len(positions), -1), positions)).energies
-        forces = -torch.autograd.grad(energies.sum(), positions, create_graph=self.training)[0]
-        return energies[:, None], forces
 
 
 def _output(index: int):

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import torchntk
 from tests import cases
 from tests.cases import to_device
-from tests.zoo import optional
+from tests.zoo import AniWithForces
 from torchntk import Estimate, NtkImplementation
 from torchntk._implementations import auto as auto_module
 from torchntk._implementations import counting as counting_module
@@ -652,25 +652,7 @@ def test_auto_prices_torchanis_float64_energies_with_forces_inside_forward_for_1
     slower (NOTE: [Derivatives in the counted pass]); it prices 1 below 2 now, and the kernel is
     exact."""
     monkeypatch.setenv("TORCHANI_NO_WARN_EXTENSIONS", "1")  # its CUDA extensions are not needed
-    torchani_arch = optional("torchani").arch
-    ani = torchani_arch.simple_ani(
-        ("H", "C"), "wb97x-631gd", repulsion=False, self_energies="zero", radial_shifts=8, angular_shifts=4,
-        sections=2,
-    )
-
-    class Ani(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ani = ani
-            self.register_buffer("species", torch.tensor([6, 1, 1, 1, 1]))
-
-        def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            positions = positions.clone().requires_grad_()
-            energies = self.ani((self.species.expand(len(positions), -1), positions)).energies
-            forces = -torch.autograd.grad(energies.sum(), positions, create_graph=self.training)[0]
-            return energies[:, None], forces
-
-    model = Ani().double().eval()
+    model = AniWithForces().double().eval()
     generator = torch.Generator().manual_seed(0)
     methane = torch.tensor([[0.0, 0.0, 0.0], [0.63, 0.63, 0.63], [-0.63, -0.63, 0.63], [-0.63, 0.63, -0.63],
                             [0.63, -0.63, -0.63]], dtype=torch.float64)

@@ -153,6 +153,27 @@ class TiedAutoencoder(nn.Module):
         return torch.tanh(x @ self.weight.T) @ self.weight
 
 
+class AniWithForces(nn.Module):
+    """docs/scientific.md's torchani recipe: energies ``(N, 1)`` and forces ``(N, 5, 3)`` of
+    methane, the forces taken by ``torch.autograd.grad`` inside ``forward`` (skipped, saying why,
+    where torchani does not import)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        os.environ.setdefault("TORCHANI_NO_WARN_EXTENSIONS", "1")  # its CUDA extensions are not needed
+        self.ani = optional("torchani").arch.simple_ani(
+            ("H", "C"), "wb97x-631gd", repulsion=False, self_energies="zero", radial_shifts=8, angular_shifts=4,
+            sections=2,
+        )
+        self.register_buffer("species", torch.tensor([6, 1, 1, 1, 1]))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = positions.clone().requires_grad_()
+        energies = self.ani((self.species.expand(len(positions), -1), positions)).energies
+        forces = -torch.autograd.grad(energies.sum(), positions, create_graph=self.training)[0]
+        return energies[:, None], forces
+
+
 def hooked_mlp() -> nn.Module:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     model[0].register_forward_hook(lambda module, args, output: output * 2)
