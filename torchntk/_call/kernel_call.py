@@ -83,6 +83,13 @@ class KernelCall:
         group_names: the groups' names, in the order of ``groups``.
         working_runs: without ``chunk_size``, the examples per run that keep a per-example pass's
             activations within NOTE: [Working-set runs]'s bound (``_kernel/working_set.py``), or None.
+        structured_runs: for AUTO, whose calls are prepared before its pick (with ``working_runs``
+            for implementation 1), implementation 3's run length where it differs: its pass also
+            forms a cotangent per basis vector for every output of an operation that consumes a
+            parameter (NOTE: [Working-set runs]). None elsewhere.
+        tangents_per_pass: the tangents one forward-mode pass of implementation 2 carries at most,
+            where its activations would otherwise exceed that bound (``forward_mode_tangents``), or
+            None (``TANGENTS_PER_PASS``).
         plan_key: the key of the call's plan (NOTE: [Plan keys] in ``_plan/key.py``), under which
             what the call learns (a switch to the example loop) is kept; None outside a kernel function.
         derivative_check: the derivative check of a key's first call, left to the plan and settled
@@ -103,6 +110,8 @@ class KernelCall:
     groups: Optional[tuple[tuple[int, ...], ...]] = None
     group_names: tuple[str, ...] = ()
     working_runs: Optional[int] = None
+    structured_runs: Optional[int] = None
+    tangents_per_pass: Optional[int] = None
     plan_key: Any = None
     derivative_check: Optional[PendingDerivatives] = None
 

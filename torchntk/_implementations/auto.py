@@ -13,9 +13,10 @@ and the shapes, plus a FLOP equivalent per sequential ATen call (NOTE: [AUTO's o
 * Jacobian contraction (1): ``2 |K| |T| P`` for a kernel of ``|K|`` entries, ``|T|`` traced
   coordinates and ``P`` parameters; memory: both sides' Jacobians;
 * NTK-vector products (2): one forward-mode pass over x1 per ``TANGENTS_PER_PASS`` x2 output
-  entries, which computes the primal once (``F1``) and a tangent per entry (``2 F1``: a matrix
-  product's tangent is two products; on BERT, pricing the primal with every tangent made AUTO
-  pick 1 at 1.23x the time of 2).
+  entries (fewer where NOTE: [Working-set runs] bounds a pass's tangents), which computes the
+  primal once (``F1``) and a tangent per entry (``2 F1``: a matrix product's tangent is two
+  products; on BERT, pricing the primal with every tangent made AUTO pick 1 at 1.23x the time
+  of 2).
   Without forward-mode derivatives (NOTE: [NTK-vector products without forward mode]) it is one
   recorded reverse pass over x1 (``3 F1``) plus one backward of that backward pass per x2 output
   entry, priced ``4 F1``: measured as fast as forward mode on the benchmark MLP, whose ReLU's
@@ -403,7 +404,7 @@ class _Prices:
         returns), or in forward mode, unprobed, when None."""
         forward, ops, per_example_ops = self.forward, self.ops, self.per_example_ops
         x2_vectors = 2.0 * self.basis[1] * forward[1]
-        passes = math.ceil(self.entries[1] / TANGENTS_PER_PASS)
+        passes = math.ceil(self.entries[1] / (self.call.tangents_per_pass or TANGENTS_PER_PASS))
         memory = self.element * self.params * 8
         if method is None or method[1] is None:
             calls = _SWEEP_OPS * per_example_ops[1] + passes * self.forward_mode_ops[0]

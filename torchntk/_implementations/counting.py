@@ -68,6 +68,8 @@ class ExampleCount:
         largest: the largest such result, in elements.
         reused: indices of the parameters consumed by more than one such call (autograd sums
             their gradients).
+        parameter_outputs: the part of ``written`` that calls consuming a parameter wrote: the
+            outputs whose cotangents implementation 3's pass forms for every basis vector.
         derivative_calls: the part of ``calls`` that autograd's engine made for derivatives the
             model takes inside its forward pass (forces, PDE residuals; NOTE: [Derivatives in the
             counted pass]).
@@ -81,6 +83,7 @@ class ExampleCount:
     largest: int
     reused: tuple[int, ...] = ()
     derivative_calls: int = 0
+    parameter_outputs: int = 0
 
 
 class _CountingMode(TorchDispatchMode):
@@ -111,6 +114,7 @@ class _CountingMode(TorchDispatchMode):
         self._storages = {storage_key(param): index for index, param in enumerate(params)}
         self._storages.pop(None, None)
         self.uses = [0] * len(params)
+        self.parameter_outputs = 0
         self.derivative_calls = 0
         # a backward pass running before the count (a kernel computed inside a user's backward
         # hook) is not the model's own (NOTE: [Derivatives in the counted pass] in auto.py)
@@ -137,11 +141,15 @@ class _CountingMode(TorchDispatchMode):
         if is_copy:
             return result
         if self._storages:
+            consumed = False
             for leaf in pytree.tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor):
                     index = self._storages.get(storage_key(leaf))
                     if index is not None:
                         self.uses[index] += 1
+                        consumed = True
+            if consumed:
+                self.parameter_outputs += elements
         self.written += elements
         self.largest = max(self.largest, max(sizes, default=0))
         return result
@@ -150,7 +158,7 @@ class _CountingMode(TorchDispatchMode):
         reused = tuple(index for index, uses in enumerate(self.uses) if uses > 1)
         return ExampleCount(
             self.calls, self.flops, self.elements, self.view_elements, self.written, self.largest, reused,
-            self.derivative_calls,
+            self.derivative_calls, self.parameter_outputs,
         )
 
 

@@ -39,7 +39,8 @@ size):
   ``structured._cost.StructuredCost.held_elements`` of the call narrowed to the runs, the largest
   pair intermediate counted ``INTERMEDIATE_COPIES`` times, plus the sweep (over both sides'
   examples when one pass serves both);
-* NTK-vector products' forward-mode pass over all of x1 with ``t`` tangents (at most 24):
+* NTK-vector products' forward-mode pass over all of x1 with ``t`` tangents (at most 24, fewer
+  where NOTE: [Working-set runs] bounds them):
   ``FORWARD_LIVE (1 + t) N1 A_max e``, and its columns, ``2`` copies of ``N1 n O1 O2`` entries
   (the full block, then reduced to the layout);
 * a block's contraction: ``CONTRACTION_BYTES`` per entry of the block (the float64 sums of NOTE:
@@ -113,11 +114,13 @@ class Activations:
             model's copies of its inputs and parameters.
         largest: the largest such result, in elements.
         reused: indices of the parameters consumed by more than one operation.
+        parameter_outputs: the part of ``written`` that operations consuming a parameter wrote.
     """
 
     written: float
     largest: float
     reused: tuple[int, ...] = ()
+    parameter_outputs: float = 0.0
 
 
 def activations_of(count: Optional[ExampleCount]) -> Optional[Activations]:
@@ -125,7 +128,7 @@ def activations_of(count: Optional[ExampleCount]) -> Optional[Activations]:
     count (the model then uses the outputs' sizes alone)."""
     if count is None:
         return None
-    return Activations(float(count.written), float(count.largest), count.reused)
+    return Activations(float(count.written), float(count.largest), count.reused, float(count.parameter_outputs))
 
 
 # -- the sizes of a call ---------------------------------------------------------------------------
@@ -255,7 +258,7 @@ lengths (``StructuredCost.memory_elements`` of the narrowed call)."""
 def peak_bytes(
     sizes: CallSizes, implementation: NtkImplementation, chunk: Optional[int],
     structured: Optional[StructuredMemory] = None, default_run: Optional[int] = None, cut: bool = False,
-    working_runs: Optional[int] = None,
+    working_runs: Optional[int] = None, tangents: Optional[int] = None,
 ) -> Peak:
     """The modelled peak of a call of ``implementation`` with ``chunk_size=chunk`` (NOTE: [Memory plans]).
 
@@ -263,7 +266,9 @@ def peak_bytes(
     length implementation 2 uses when ``chunk`` is None; ``cut``: runs of ``chunk`` examples on
     both sides whatever the implementation (``batch``'s spans); ``working_runs``: the examples per
     per-example pass of implementations 1 and 3 when ``chunk`` is None (NOTE: [Working-set runs]),
-    which bounds the activations held while all examples' Jacobians or factors are kept.
+    which bounds the activations held while all examples' Jacobians or factors are kept;
+    ``tangents``: implementation 2's tangents per forward-mode pass when bounded
+    (``KernelCall.tangents_per_pass``; None: :data:`TANGENTS_AT_ONCE`).
     """
     e = sizes.element
     one, two = sizes.side1, sizes.side2
@@ -328,7 +333,7 @@ def peak_bytes(
         # giving full columns before the layout reduces them.
         vectors = e * n2 * two.outputs * sizes.params
         columns = n2 * vectors2 if sizes.mapped else vectors2
-        tangents = min(TANGENTS_AT_ONCE, columns)
+        tangents = min(tangents or TANGENTS_AT_ONCE, columns)
         forward = FORWARD_LIVE * e * (1 + tangents) * n1 * one.activations.largest
         products = 2 * sizes.kernel_bytes[0] * columns * n1 * one.outputs
         derivatives = vectors + max(sweep(two, n2, vectors2), forward + products)
@@ -555,7 +560,8 @@ def bounded_peak(
     default_run = default_run_length(call) if implementation == _PRODUCTS else None
     sizes = call_sizes(call, bound=activations)
     return peak_bytes(sizes, implementation, call.chunk_size, structured, default_run,
-                      working_runs=call.working_runs if call.chunk_size is None else None)
+                      working_runs=call.working_runs if call.chunk_size is None else None,
+                      tangents=call.tangents_per_pass)
 
 
 def modelled_peak(
@@ -571,10 +577,11 @@ def modelled_peak(
         structured = None if structured_plan is None else structured_memory(call, structured_plan)
         default_run = default_run_length(call) if implementation == _PRODUCTS else None
         return peak_bytes(
-            kept_sizes(call, scope), implementation, chunk, structured, default_run, cut, working_runs)
+            kept_sizes(call, scope), implementation, chunk, structured, default_run, cut, working_runs,
+            call.tangents_per_pass)
 
     # a plan is kept in the same record as long as the peaks priced from it: its identity names it
-    parts = (implementation, chunk, id(structured_plan), cut, working_runs)
+    parts = (implementation, chunk, id(structured_plan), cut, working_runs, call.tangents_per_pass)
     return cached(scope, _PEAK, call, made, *parts)
 
 

@@ -144,7 +144,7 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
             tangents = tuple(
                 jacobian.reshape(-1, *param.shape) for jacobian, param in zip(per_param2, params)
             )
-            chunk = vector_chunk or _even_chunks(tangents[0].shape[0])
+            chunk = vector_chunk or _even_chunks(tangents[0].shape[0], call.tangents_per_pass or TANGENTS_PER_PASS)
             products = columns(side1, leaf, tangents, chunk)
             # products: (*output2, *output1) -> unzipped kernel (*output1, *output2)
             products = products.reshape(*output2_shape, *products.shape[1:])
@@ -178,7 +178,11 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
 #   under the vmap_axes promise, and its outputs are the per-example outputs the output check
 #   compares (NOTE: [The output check of NTK-vector products]);
 # * pushing a run's vectors through forward mode in equal chunks of at most TANGENTS_PER_PASS
-#   avoided a small trailing chunk that cost a whole extra forward pass.
+#   avoided a small trailing chunk that cost a whole extra forward pass. Where the pass's
+#   activations are large, a pass carries fewer (``KernelCall.tangents_per_pass``, NOTE:
+#   [Working-set runs]), and x2's runs are cut to what one pass carries: every pass over x1
+#   evaluates the primal again, which costs most where the tangents reach few layers (a
+#   RoBERTa's head: runs of 6 examples, 12 tangents, would each take two passes of 6).
 _RUN_BYTES = 32 * 2**20
 _MIN_RUN = 2
 TANGENTS_PER_PASS = 24
@@ -200,13 +204,17 @@ def _run_jacobians(side: Side) -> tuple[Jacobians, tuple[torch.Tensor, ...]]:
     return jacrev(outputs, has_aux=True)(side.model.params)
 
 
-def _even_chunks(count: int) -> int:
-    """The chunk size that splits ``count`` vectors into equal chunks of at most TANGENTS_PER_PASS."""
-    chunks = max(1, math.ceil(count / TANGENTS_PER_PASS))
+def _even_chunks(count: int, at_most: int) -> int:
+    """The chunk size that splits ``count`` vectors into equal chunks of at most ``at_most``."""
+    chunks = max(1, math.ceil(count / at_most))
     return max(1, math.ceil(count / chunks))
 
 
 def default_run_length(call: KernelCall) -> Optional[int]:
+    """x2's examples per run without a ``chunk_size`` (NOTE: [Run lengths of NTK-vector products]):
+    as many as keep their vectors within ``_RUN_BYTES`` and, where a forward-mode pass carries
+    fewer tangents than ``TANGENTS_PER_PASS`` (``call.tangents_per_pass``), as many as one pass
+    carries; the runs then of equal lengths. None without ``vmap_axes``."""
     if not call.side1.mapped:
         return None
     side2 = call.side2 if call.side2 is not None else call.side1
@@ -214,7 +222,11 @@ def default_run_length(call: KernelCall) -> Optional[int]:
     outputs_per_example = sum(output.numel() for output in call.outputs2) / examples
     params = call.model.params
     vector_bytes = sum(p.numel() for p in params) * params[0].element_size()
-    return max(_MIN_RUN, int(_RUN_BYTES // max(1.0, outputs_per_example * vector_bytes)))
+    length = max(_MIN_RUN, int(_RUN_BYTES // max(1.0, outputs_per_example * vector_bytes)))
+    if call.tangents_per_pass is not None:
+        # a run whose vectors need two passes costs a second pass of the primal over x1
+        length = min(length, max(1, int(call.tangents_per_pass // max(1.0, outputs_per_example))))
+    return math.ceil(examples / math.ceil(examples / length))
 
 
 # -- the columns J1 t: forward mode, or two reverse passes --------------------------------------

@@ -29,9 +29,11 @@ from .._call.per_example import VmapLimitation, first_line
 from .._call.vmap_axes import FOUND, ParsedVmapAxes, candidate_vmap_axes, parse_vmap_axes
 from .._implementations import implementation_table, memory_plan, policy
 from .._implementations.memory import (
-    OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, kept_sizes, kernel_refusal, modelled_peak, warn_chosen_chunk, with_chunk,
+    OUT_OF_MEMORY_ADVICE, VALIDATION_RUN, CallSizes, kept_sizes, kernel_refusal, modelled_peak, warn_chosen_chunk,
+    with_chunk,
 )
 from .._implementations.auto import estimate_of
+from .._implementations.ntk_vector_products import TANGENTS_PER_PASS
 from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
 from .._layout.notices import OutputNotices
@@ -56,7 +58,7 @@ from .._utils.types import Model, NtkImplementation, PyTree
 from .block_source import BlockRequest, BlockSource
 from .captured import CapturedCalls, compile_argument
 from .kernel_function import KernelFnSpec, KernelFunction
-from .working_set import working_set_run_length
+from .working_set import forward_mode_tangents, working_set_run_length
 
 KernelFn = Callable[..., PyTree]
 
@@ -475,10 +477,8 @@ class NtkSettings:
                 plan=replace(plan, example_loop=example_loop, derivatives_deferred=deferred),
                 computes_ntk=computes_ntk, forward_run_length=forward_run_length,
             )
-            if not purpose.needs_outputs and self.chunk_size is None and not self.given.compile and call.side1.mapped:
-                sizes = kept_sizes(call, self.planner.scope(key))  # counted once per key
-                runs = working_set_run_length(call.side1.batch_size(), sizes.side1.activations.written, sizes.element)
-                call = replace(call, working_runs=runs)
+            if not purpose.needs_outputs and not self.given.compile:
+                call = self._within_working_set(call, self.planner.scope(key), self.implementation)
             if call.derivative_check is not None:  # priced as computed: with its working-set runs
                 self._settle_derivatives(call, self.planner.scope(key), caller)
             return call
@@ -510,6 +510,31 @@ class NtkSettings:
             )
             self.planner.template_for(key, purpose, template, runs)
         return call
+
+    def _within_working_set(
+        self, call: KernelCall, scope: Optional[Scope], implementation: NtkImplementation,
+    ) -> KernelCall:
+        """``call`` with the run lengths of NOTE: [Working-set runs] for ``implementation``:
+        examples per per-example pass (mapped, without ``chunk_size``; for AUTO, 1's and 3's), and
+        tangents per forward-mode pass where implementation 2 may compute it. The sizes are counted
+        once per key."""
+        mapped = call.side1.mapped
+        products = implementation in (NtkImplementation.NTK_VECTOR_PRODUCTS, NtkImplementation.AUTO)
+        if not (mapped and self.chunk_size is None) and not products:
+            return call
+        sizes = kept_sizes(call, scope)
+        changes: dict[str, Any] = {}
+        if mapped and self.chunk_size is None:
+            changes["working_runs"] = _working_runs(call, sizes, implementation)
+            if implementation == NtkImplementation.AUTO:  # for a pick of 3, made later
+                structured = _working_runs(call, sizes, _STRUCTURED)
+                changes["structured_runs"] = None if structured == changes["working_runs"] else structured
+        if products:
+            changes["tangents_per_pass"] = forward_mode_tangents(
+                sizes.side1.examples, sizes.side1.activations.largest, max(sizes.param_sizes, default=0),
+                sizes.element, TANGENTS_PER_PASS,
+            )
+        return replace(call, **changes)
 
     def _settle_derivatives(self, call: KernelCall, scope: Optional[Scope], caller: Optional[CallerPlan]) -> None:
         """The derivative check a first call left to the plan (NOTE: [The derivative check within a
@@ -675,6 +700,9 @@ class NtkSettings:
             if plan.chosen and self.state.chunk_warnings.first():
                 warn_chosen_chunk(plan, call)
             attempted.append(plan)
+            if call.structured_runs is not None and plan.implementation == _STRUCTURED:
+                # NOTE: [Working-set runs]: AUTO's pick of 3 runs with 3's runs
+                call = replace(call, working_runs=call.structured_runs)
             return self.table[plan.implementation].kernels(with_chunk(call, plan), scope)
 
         def compute() -> PyTree:
@@ -750,10 +778,27 @@ def _last(compute: Callable[..., Any], settings: "NtkSettings", *arguments: Any,
     return compute(settings, *arguments, caller)
 
 
+_STRUCTURED = NtkImplementation.STRUCTURED_DERIVATIVES
+
+
+def _working_runs(call: KernelCall, sizes: CallSizes, implementation: NtkImplementation) -> Optional[int]:
+    """NOTE: [Working-set runs]'s run length of the mapped ``call`` for ``implementation``: its
+    activations per example, and for implementation 3 the cotangents its pass forms (``O`` per
+    parameter's output)."""
+    activations = sizes.side1.activations
+    per_example = activations.written
+    if implementation == _STRUCTURED:
+        per_example += sizes.side1.outputs * activations.parameter_outputs
+    return working_set_run_length(call.side1.batch_size(), per_example, sizes.element)
+
+
 def _memory_choices(call: KernelCall) -> tuple:
     """What a call's memory plan depends on besides its plan key (NOTE: [Plan keys]): the parameters
     differentiated, the chunk and run lengths, the example loop, the groups."""
-    return (call.model.names, call.chunk_size, call.working_runs, call.side1.loop, call.groups)
+    return (
+        call.model.names, call.chunk_size, call.working_runs, call.structured_runs, call.tangents_per_pass,
+        call.side1.loop, call.groups,
+    )
 
 
 def structured_options(values: dict, chosen: NtkImplementation, where: str) -> StructuredOptions:

@@ -14,11 +14,36 @@ examples, as without runs, plus one run's activations. Runs of a few hundred tok
 matrix products about as efficient as one pass of all examples (runs of 8 RoBERTa examples took
 4% longer than one pass of 16 on this project's CPU). A ``chunk_size`` given by the user instead
 bounds the prepared data as well, preparing x1's runs again for every run of x2.
+
+Implementation 3's pass holds more than the activations: its backward pass forms, for every
+basis vector (``O`` per example), the cotangent of every output of an operation that consumes a
+parameter (``G``, NOTE: [df/dy by perturbed passes] in ``structured/_side.py``), all at once. Its
+runs count those too (the counted pass's ``parameter_outputs``, ``O`` times), and AUTO's pick
+runs with the runs of the implementation it picked. On a RoBERTa-base-size model with BitFit (16
+examples of 32 tokens, two label logits) the activations alone, 29 MB per example, fitted in
+one pass, whose peak was 1,423 MB; with the 26 MB per example of ``G`` counted, two runs of 8
+took 738 MB (``docs/benchmarks.md``).
+
+Implementation 2 keeps x1 whole and pushes x2's parameter-space vectors through forward-mode
+passes over all of it, several vectors (tangents) a pass under ``vmap``: every activation the pass
+holds is then held once per tangent as well. :func:`forward_mode_tangents` bounds the tangents of
+one pass so that they too stay within :data:`WORKING_SET_BYTES`, priced as the memory model prices
+a forward-mode pass (``FORWARD_LIVE`` activations of the largest size per example and tangent,
+NOTE: [Memory plans] in ``_implementations/memory.py``), plus the largest parameter's tangent,
+which batched convolutions and matrix products copy once per tangent. Measured on a
+RoBERTa-base-size LoRA model (16 examples of 32 tokens, whose LM head's logits, 1 MB per example,
+are its largest activation): up to 24 tangents a pass (two passes of 14) held about 87 MB each
+and took the process to 1,588 MB above its start; at most 10 (the bound: three passes) took it to
+1,103 MB, and the call was no slower (fewer pages to fault in). Models with small activations
+(the benchmark MLP and CNN, ResNet-18 at 32x32) keep 24 tangents a pass.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
+
+from .._implementations.memory import FORWARD_LIVE
 
 WORKING_SET_BYTES = 512 * 2**20
 """The activations one run of a per-example pass may hold."""
@@ -28,8 +53,29 @@ def working_set_run_length(examples: int, written_per_example: float, element: i
     """Examples per run for a mapped side of ``examples`` examples, each writing
     ``written_per_example`` elements of ``element`` bytes in its forward pass (the memory model's
     count, made once per key), or None when one pass of all of them stays within
-    :data:`WORKING_SET_BYTES`."""
+    :data:`WORKING_SET_BYTES`. The runs are as few as that bound allows and of equal lengths: 16
+    examples of which 13 fit make two runs of 8, not 13 and 3 (the same passes, a smaller peak).
+
+    Example:
+        >>> working_set_run_length(16, WORKING_SET_BYTES // 13, 1), working_set_run_length(16, 1.0, 4)
+        (8, None)
+    """
     per_example = written_per_example * element
     if examples <= 1 or not per_example or per_example * examples <= WORKING_SET_BYTES:
         return None
-    return max(1, int(WORKING_SET_BYTES // per_example))
+    longest = max(1, int(WORKING_SET_BYTES // per_example))
+    return math.ceil(examples / math.ceil(examples / longest))  # as many runs, of equal lengths
+
+
+def forward_mode_tangents(
+    examples: int, largest_per_example: float, largest_parameter: float, element: int, at_most: int,
+) -> Optional[int]:
+    """Tangents per forward-mode pass of implementation 2 over ``examples`` examples (the whole x1
+    batch; 1 without ``vmap_axes``, whose count is the whole batch's), each with a largest
+    activation of ``largest_per_example`` elements, the largest parameter ``largest_parameter``
+    elements: at most ``at_most``, and as many as keep the pass within :data:`WORKING_SET_BYTES`
+    (at least one). None when ``at_most`` already does."""
+    per_tangent = element * (FORWARD_LIVE * max(1, examples) * largest_per_example + largest_parameter)
+    if per_tangent * at_most <= WORKING_SET_BYTES:
+        return None
+    return max(1, math.floor(WORKING_SET_BYTES / per_tangent))

@@ -172,6 +172,20 @@ class Role:
             seen=None if self.seen is None else self.seen.permute(inverse),
         )
 
+    @functools.cached_property
+    def summed(self) -> Optional["Role"]:
+        """The role with the letters of ``G`` that no operand and no parameter coordinate carries
+        summed out, or None where there are none (NOTE: [Kept factors of operandless roles]).
+        Cached: it depends on the letters and shapes alone, which :meth:`with_operands` keeps, and
+        a role with operands has none to sum."""
+        labels = self.g_labels
+        if self.operands or len(set(labels)) != len(labels) or set(labels) <= set(self.param_labels):
+            return None
+        kept = [(label, size) for label, size in zip(labels, self.y_shape) if label in self.param_labels]
+        return dataclasses.replace(
+            self, y_shape=tuple(size for _, size in kept), g_labels="".join(label for label, _ in kept),
+        )
+
     def with_operands(self, operands: list[tuple[torch.Tensor, str]]) -> "Role":
         """The role with other operand tensors (a whole-batch pass's, or a span of the examples):
         ``dataclasses.replace`` without its ``__init__``, a few microseconds for each of a call's

@@ -74,6 +74,18 @@ class Use:
     gradients: tuple[torch.Tensor, ...]
 
 
+# NOTE: [Kept factors of operandless roles]
+# A role without operands states its parameter's Jacobian as ``G`` summed over the letters the
+# parameter lacks: a bias of a linear layer is ``J_b[c] = sum_s G[s, c]`` over the token
+# positions ``s``, a LayerNorm's or a convolution's bias the same over positions. The pair
+# contraction would sum them anyway; the factors a kernel call keeps for all its examples (NOTE:
+# [Working-set runs]) are summed as soon as a pass has made them (``side_factors(summed=True)``),
+# so that they hold ``J_b`` itself, not a cotangent per position. On a RoBERTa-base-size model with
+# BitFit (only biases, 32 tokens, two label logits) that is a 32nd of about 26 MB per example.
+# Pricing (``_cost.py``) sees the summed roles too. The checks that compare ``G`` itself (the plan
+# check, the whole-batch layout check) read the factors before they are summed.
+
+
 @dataclass
 class SideFactors:
     """Everything one side contributes to the contraction, and the side's outputs.
@@ -206,7 +218,7 @@ class _KeptRoles:
 
 def side_factors(
     side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None,
-    whole_batch: bool = True,
+    whole_batch: bool = True, summed: bool = False,
 ) -> SideFactors:
     """``G`` and operands of every contributing use, plus the fallback parameters' Jacobians.
 
@@ -216,16 +228,19 @@ def side_factors(
 
     The factors come from one whole-batch pass where the plan allows it, the side fits and
     ``whole_batch`` is True (NOTE: [Whole-batch pullback]), else from the per-example pass.
+    ``summed``: the operandless roles' ``G`` summed as the contraction reads them (NOTE: [Kept
+    factors of operandless roles]; never with ``cotangents``).
     """
     if whole_batch and plan.whole_batch is not None and takes_whole_batch(side, plan.whole_batch):
-        factors = whole_batch_factors(side, plan, plan.whole_batch, cotangents)
+        factors = whole_batch_factors(side, plan, plan.whole_batch, cotangents, summed)
         if factors is not None:
             return factors
-    return per_example_factors(side, plan, chunk_size, cotangents)
+    return per_example_factors(side, plan, chunk_size, cotangents, summed)
 
 
 def per_example_factors(
-    side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None
+    side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None,
+    summed: bool = False,
 ) -> SideFactors:
     """:func:`side_factors` from the per-example pass of NOTE: [df/dy by perturbed passes]."""
     params = side.model.params
@@ -284,7 +299,7 @@ def per_example_factors(
     output_shapes = [tuple(output.shape[1:] if side.mapped else output.shape) for output in outputs]
     if side.mapped:
         outputs = tuple(output.movedim(0, axis) for output, axis in zip(outputs, side.out_axes))
-    uses = _uses(side, kept_roles.roles, output_shapes, gradients, iter(operands), contracted=cotangents is not None)
+    uses = _uses(side, kept_roles.roles, output_shapes, gradients, iter(operands), cotangents is not None, summed)
     fallback = None
     if plan.fallback and cotangents is None:
         fallback = side.jacobians(chunk_size=chunk_size, only=plan.fallback)
@@ -298,6 +313,7 @@ def _uses(
     gradients: tuple[torch.Tensor, ...],
     operands: Iterator[torch.Tensor],
     contracted: bool,
+    summed: bool = False,
 ) -> list[Use]:
     """The kept roles with the pass's operands and their ``G`` laid out per output leaf.
 
@@ -308,6 +324,8 @@ def _uses(
         gradients: ``G`` of every delta, ``([N,] B, *y)`` with ``B`` the basis size.
         operands: the pass's operands, in the order of the kept roles' operands.
         contracted: ``G`` was contracted with cotangents instead of a basis (``B`` is 1).
+        summed: operandless roles' ``G`` summed as soon as it is laid out (NOTE: [Kept factors of
+            operandless roles]; ignored with ``contracted``).
     """
     sizes = [math.prod(shape) for shape in output_shapes]
     example_axes = 1 if side.mapped else 0
@@ -322,6 +340,11 @@ def _uses(
                 _place(part, shape, role.y_shape, side, leaf)
                 for leaf, (part, shape) in enumerate(zip(_split(gradient, sizes, example_axes), output_shapes))
             )
+            if summed and role.summed is not None:  # each leaf (*output, *y) summed over y's other letters
+                y = len(role.y_shape)
+                axes = [axis - y for axis, label in enumerate(role.g_labels) if label not in role.summed.g_labels]
+                per_leaf = tuple(placed.sum(dim=axes) for placed in per_leaf)
+                role = role.summed
         uses.append(Use(role, per_leaf))
     return uses
 
@@ -550,24 +573,26 @@ def whole_batch_pass(
 
 
 def whole_batch_factors(
-    side: Side, plan: Plan, layout: WholeBatchLayout, cotangents: Optional[tuple[torch.Tensor, ...]] = None
+    side: Side, plan: Plan, layout: WholeBatchLayout, cotangents: Optional[tuple[torch.Tensor, ...]] = None,
+    summed: bool = False,
 ) -> Optional[SideFactors]:
     """:func:`side_factors` from one whole-batch pass read by the plan's ``layout``: the factors of
     the per-example pass, laid out alike (example axis first), as views of the whole-batch tensors.
     None when the pass does not fit the plan (:func:`whole_batch_pass`) or its ``layout``."""
     output_axes = {position: fold.axis for position, fold in layout.output_folds.items()}
     done = whole_batch_pass(side, plan, output_axes, cotangents)
-    return None if done is None else read_per_example(side, plan, done, layout, cotangents is not None)
+    return None if done is None else read_per_example(side, plan, done, layout, cotangents is not None, summed)
 
 
 def read_per_example(
-    side: Side, plan: Plan, done: WholeBatchPass, layout: WholeBatchLayout, contracted: bool
+    side: Side, plan: Plan, done: WholeBatchPass, layout: WholeBatchLayout, contracted: bool, summed: bool = False,
 ) -> Optional[SideFactors]:
     """The :class:`SideFactors` of a whole-batch pass ``done`` over ``side``, each ``G`` and operand
     read per example by ``layout`` (None where the pass's operands do not lie as ``layout`` says).
 
     Args:
         contracted: the pass was pulled back over cotangents, not a basis (see :func:`side_factors`).
+        summed: see :func:`side_factors`.
     """
     examples = done.examples
     if len(done.operand_folds) != len(layout.operand_folds):
@@ -586,7 +611,7 @@ def read_per_example(
     output_shapes = [
         tuple(output.shape[:axis]) + tuple(output.shape[axis + 1 :]) for output, axis in zip(outputs, side.out_axes)
     ]
-    uses = _uses(side, done.kept, output_shapes, gradients, iter(operands), contracted=contracted)
+    uses = _uses(side, done.kept, output_shapes, gradients, iter(operands), contracted, summed)
     fallback = None
     if plan.fallback and not contracted:
         fallback = side.jacobians(only=plan.fallback)
