@@ -304,19 +304,3 @@ def test_weights_keep_their_cotangents_per_position(monkeypatch):
     _three_calls(ntk_fn, x, None, reference_ntk(model, x, None))
     with_operands = [use for use in seen[-1] if use.role.operands]
     assert with_operands and all(len(use.role.y_shape) == 2 for use in with_operands)
-
-
-def test_pricing_sees_the_summed_factors():
-    torch.manual_seed(0)
-    model = _Biases().to(F64)
-    x = _sequences(6, 1)
-    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3)
-    call, scope = _prepared(ntk_fn, x)
-    plan = ntk_fn._settings.table[3].plan(call, scope)
-    from torchntk._implementations.structured._cost import structured_cost
-
-    cost = structured_cost(call, plan)
-    outputs = 3
-    biases = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
-    # each side's factors: a Jacobian per example and output, not a cotangent per position
-    assert cost.held_elements <= 2 * 6 * outputs * biases + cost.largest_elements

@@ -134,9 +134,7 @@ def _jacobian_cost(use: Use, leaf: int, layout, out_axis) -> float:
 
 
 def _shaped_use(role, side, output_leaves) -> Use:
-    """The use of ``role`` on ``side`` with shapes for tensors (:class:`_Shape`), its ``G`` summed as
-    the kernel call keeps it (NOTE: [Kept factors of operandless roles])."""
-    role = role.summed or role
+    """The use of ``role`` on ``side`` with shapes for tensors (:class:`_Shape`)."""
     examples = (side.batch_size(),) if side.mapped else ()
     operands = [(_Shape(examples + tuple(t.shape), t.dtype), labels) for t, labels in role.operands]
     gradients = tuple(_Shape(tuple(o.shape) + tuple(role.y_shape), o.dtype) for o in output_leaves)

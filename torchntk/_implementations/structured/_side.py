@@ -80,10 +80,14 @@ class Use:
 # positions ``s``, a LayerNorm's or a convolution's bias the same over positions. The pair
 # contraction would sum them anyway; the factors a kernel call keeps for all its examples (NOTE:
 # [Working-set runs]) are summed as soon as a pass has made them (``side_factors(summed=True)``),
-# so that they hold ``J_b`` itself, not a cotangent per position. On a RoBERTa-base-size model with
+# so that they hold ``J_b`` itself, not a cotangent per position, unless another use of the same
+# ``G`` keeps it per position anyway (a weight beside its bias: the sums would only add to it;
+# measured on the grid's CNN under ``batch_size="auto"``, 68 to 81 MB). On a RoBERTa-base-size model with
 # BitFit (only biases, 32 tokens, two label logits) that is a 32nd of about 26 MB per example.
-# Pricing (``_cost.py``) sees the summed roles too. The checks that compare ``G`` itself (the plan
-# check, the whole-batch layout check) read the factors before they are summed.
+# The checks that compare ``G`` itself (the plan check, the whole-batch layout check) read the
+# factors before they are summed. Pricing (``_cost.py``) keeps ``G`` per position: a run's pass
+# forms all of it before the sums, and ``batch_size="auto"`` sized on the sums alone took a CNN's
+# blocks to 106 MB under a 64 MB budget (tests/test_memory.py).
 
 
 @dataclass
@@ -329,6 +333,9 @@ def _uses(
     """
     sizes = [math.prod(shape) for shape in output_shapes]
     example_axes = 1 if side.mapped else 0
+    # a G that another use keeps per position (a weight beside its bias) is held anyway: its sums
+    # would only add memory
+    held = {index for index, role in kept if role.summed is None} if summed else set()
     uses = []
     for gradient_index, role in kept:
         role = role.with_operands([(next(operands), labels) for _, labels in role.operands])
@@ -340,7 +347,7 @@ def _uses(
                 _place(part, shape, role.y_shape, side, leaf)
                 for leaf, (part, shape) in enumerate(zip(_split(gradient, sizes, example_axes), output_shapes))
             )
-            if summed and role.summed is not None:  # each leaf (*output, *y) summed over y's other letters
+            if summed and role.summed is not None and gradient_index not in held:  # (*output, *y) summed
                 y = len(role.y_shape)
                 axes = [axis - y for axis, label in enumerate(role.g_labels) if label not in role.summed.g_labels]
                 per_leaf = tuple(placed.sum(dim=axes) for placed in per_leaf)
