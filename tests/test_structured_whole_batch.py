@@ -57,8 +57,8 @@ def passes(monkeypatch) -> Passes:
         seen.plans.append(plan)
         return plan
 
-    def recorded_factors(side, plan, layout, *rest):
-        result = factors(side, plan, layout, *rest)
+    def recorded_factors(side, plan, layout, cotangents=None):
+        result = factors(side, plan, layout, cotangents)
         if result is not None:
             seen.whole_batch += 1
             seen.whole_batch_sizes.append(side.batch_size())

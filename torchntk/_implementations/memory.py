@@ -68,7 +68,7 @@ import torch
 
 from .._call.kernel_call import KernelCall
 from .._plan.scope import Scope, cached
-from .._layout.runs import runs
+from .._layout.runs import even_length, runs
 from .._layout.tiles import Placement
 from .._memory import KernelMemoryError, MemoryPlanWarning, available_bytes, format_bytes
 from .._utils.checks import user_stacklevel
@@ -393,8 +393,7 @@ def largest_chunk(total: int, fits: Callable[[int], bool]) -> Optional[int]:
             low = middle
         else:
             high = middle - 1
-    count = math.ceil(total / low)
-    return math.ceil(total / count)
+    return even_length(total, low)
 
 
 def run_count(sizes: CallSizes, implementation: NtkImplementation, chunk: Optional[int]) -> tuple[int, int]:

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
@@ -65,6 +64,7 @@ from torch.func import jacrev, jvp, vjp, vmap
 from .._call.blocks import BlockPlan, assemble
 from .._call.kernel_call import KernelCall
 from .._call.per_example import Side
+from .._layout.runs import even_length
 from .._model.torch_errors import missing_forward_mode
 from .._model.unfused import forward_mode_kernels, math_attention
 from .._utils.threads import FORWARD_MODE_LOCK
@@ -144,7 +144,7 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
             tangents = tuple(
                 jacobian.reshape(-1, *param.shape) for jacobian, param in zip(per_param2, params)
             )
-            chunk = vector_chunk or _even_chunks(tangents[0].shape[0], call.tangents_per_pass or TANGENTS_PER_PASS)
+            chunk = vector_chunk or even_length(tangents[0].shape[0], call.tangents_per_pass or TANGENTS_PER_PASS)
             products = columns(side1, leaf, tangents, chunk)
             # products: (*output2, *output1) -> unzipped kernel (*output1, *output2)
             products = products.reshape(*output2_shape, *products.shape[1:])
@@ -204,12 +204,6 @@ def _run_jacobians(side: Side) -> tuple[Jacobians, tuple[torch.Tensor, ...]]:
     return jacrev(outputs, has_aux=True)(side.model.params)
 
 
-def _even_chunks(count: int, at_most: int) -> int:
-    """The chunk size that splits ``count`` vectors into equal chunks of at most ``at_most``."""
-    chunks = max(1, math.ceil(count / at_most))
-    return max(1, math.ceil(count / chunks))
-
-
 def default_run_length(call: KernelCall) -> Optional[int]:
     """x2's examples per run without a ``chunk_size`` (NOTE: [Run lengths of NTK-vector products]):
     as many as keep their vectors within ``_RUN_BYTES`` and, where a forward-mode pass carries
@@ -226,7 +220,7 @@ def default_run_length(call: KernelCall) -> Optional[int]:
     if call.tangents_per_pass is not None:
         # a run whose vectors need two passes costs a second pass of the primal over x1
         length = min(length, max(1, int(call.tangents_per_pass // max(1.0, outputs_per_example))))
-    return math.ceil(examples / math.ceil(examples / length))
+    return even_length(examples, length)
 
 
 # -- the columns J1 t: forward mode, or two reverse passes --------------------------------------

@@ -33,9 +33,10 @@ NOTE: [Memory plans] in ``_implementations/memory.py``), plus the largest parame
 which batched convolutions and matrix products copy once per tangent. Measured on a
 RoBERTa-base-size LoRA model (16 examples of 32 tokens, whose LM head's logits, 1 MB per example,
 are its largest activation): up to 24 tangents a pass (two passes of 14) held about 87 MB each
-and took the process to 1,588 MB above its start; at most 10 (the bound: three passes) took it to
-1,103 MB, and the call was no slower (fewer pages to fault in). Models with small activations
-(the benchmark MLP and CNN, ResNet-18 at 32x32) keep 24 tangents a pass.
+and took the process to 1,449-1,588 MB above its start; at most 10 (the bound), with x2's runs
+cut to one pass each (``default_run_length``: four runs of 4 examples, 8 tangents), took it to
+798 MB, and the call was faster (fewer pages to fault in). Models with small activations (the
+benchmark MLP and CNN, ResNet-18 at 32x32) keep 24 tangents a pass.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import math
 from typing import Optional
 
 from .._implementations.memory import FORWARD_LIVE
+from .._layout.runs import even_length
 
 WORKING_SET_BYTES = 512 * 2**20
 """The activations one run of a per-example pass may hold."""
@@ -63,8 +65,7 @@ def working_set_run_length(examples: int, written_per_example: float, element: i
     per_example = written_per_example * element
     if examples <= 1 or not per_example or per_example * examples <= WORKING_SET_BYTES:
         return None
-    longest = max(1, int(WORKING_SET_BYTES // per_example))
-    return math.ceil(examples / math.ceil(examples / longest))  # as many runs, of equal lengths
+    return even_length(examples, int(WORKING_SET_BYTES // per_example))
 
 
 def forward_mode_tangents(

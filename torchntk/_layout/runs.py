@@ -24,6 +24,17 @@ Run = tuple[int, int]
 """``(start, length)``: consecutive examples of one side."""
 
 
+def even_length(total: int, longest: int) -> int:
+    """The length of runs of equal lengths covering ``total`` items, as few as runs of at most
+    ``longest`` make (at least 1): no short remainder after long runs.
+
+    Example:
+        >>> even_length(16, 13), even_length(28, 24), even_length(5, 10), even_length(0, 3)
+        (8, 14, 5, 1)
+    """
+    return max(1, math.ceil(total / max(1, math.ceil(total / max(1, longest)))))
+
+
 def runs(size: int, length: Optional[int]) -> list[Run]:
     """Runs of at most ``length`` covering ``range(size)`` (the last may be shorter); one run when
     ``length`` is None or covers everything.

@@ -395,7 +395,7 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
             call.check_outputs(side)
 
     def prepare(side: Side) -> SideFactors:
-        factors = side_factors(side, plan, inner_chunk, whole_batch=whole_batch, summed=True)
+        factors = side_factors(side, plan, inner_chunk, whole_batch=whole_batch)
         check_outputs(side, factors)
         return factors
 
@@ -407,7 +407,7 @@ def _block_plan(call: KernelCall, options: StructuredOptions, plan: Plan) -> Blo
         both = joined(call.side1, side, per_example) if side is call.side2 else None
         if both is None:
             return prepare(side)
-        factors = side_factors(both, plan, inner_chunk, whole_batch=whole_batch, summed=True)
+        factors = side_factors(both, plan, inner_chunk, whole_batch=whole_batch)
         size1 = call.side1.batch_size()
         first = factors.narrow(0, size1, out_axes)
         second = factors.narrow(size1, side.batch_size(), out_axes)

@@ -79,15 +79,15 @@ class Use:
 # parameter lacks: a bias of a linear layer is ``J_b[c] = sum_s G[s, c]`` over the token
 # positions ``s``, a LayerNorm's or a convolution's bias the same over positions. The pair
 # contraction would sum them anyway; the factors a kernel call keeps for all its examples (NOTE:
-# [Working-set runs]) are summed as soon as a pass has made them (``side_factors(summed=True)``),
-# so that they hold ``J_b`` itself, not a cotangent per position, unless another use of the same
-# ``G`` keeps it per position anyway (a weight beside its bias: the sums would only add to it;
-# measured on the grid's CNN under ``batch_size="auto"``, 68 to 81 MB). On a RoBERTa-base-size model with
-# BitFit (only biases, 32 tokens, two label logits) that is a 32nd of about 26 MB per example.
-# The checks that compare ``G`` itself (the plan check, the whole-batch layout check) read the
-# factors before they are summed. Pricing (``_cost.py``) keeps ``G`` per position: a run's pass
-# forms all of it before the sums, and ``batch_size="auto"`` sized on the sums alone took a CNN's
-# blocks to 106 MB under a 64 MB budget (tests/test_memory.py).
+# [Working-set runs]) are summed as soon as a pass has laid them out (:func:`_uses`), so that they
+# hold ``J_b`` itself, not a cotangent per position. On a RoBERTa-base-size model with BitFit
+# (only biases, 32 tokens, two label logits) that is a 32nd of about 26 MB per example. Where
+# another use keeps the same ``G`` per position anyway (a weight beside its bias) the sums would
+# only add to it (measured on the memory grid's CNN under ``batch_size="auto"``: 68 to 81 MB), so
+# that bias keeps ``G`` too. The checks (the plan check, the whole-batch layout check, ``verify``)
+# contract ``G`` with cotangents instead, which is never summed. Pricing (``_cost.py``) keeps ``G``
+# per position: a run's pass forms all of it before the sums, and ``batch_size="auto"`` sized on
+# the sums alone took that CNN's blocks to 106 MB under a 64 MB budget (tests/test_memory.py).
 
 
 @dataclass
@@ -222,7 +222,7 @@ class _KeptRoles:
 
 def side_factors(
     side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None,
-    whole_batch: bool = True, summed: bool = False,
+    whole_batch: bool = True,
 ) -> SideFactors:
     """``G`` and operands of every contributing use, plus the fallback parameters' Jacobians.
 
@@ -232,19 +232,16 @@ def side_factors(
 
     The factors come from one whole-batch pass where the plan allows it, the side fits and
     ``whole_batch`` is True (NOTE: [Whole-batch pullback]), else from the per-example pass.
-    ``summed``: the operandless roles' ``G`` summed as the contraction reads them (NOTE: [Kept
-    factors of operandless roles]; never with ``cotangents``).
     """
     if whole_batch and plan.whole_batch is not None and takes_whole_batch(side, plan.whole_batch):
-        factors = whole_batch_factors(side, plan, plan.whole_batch, cotangents, summed)
+        factors = whole_batch_factors(side, plan, plan.whole_batch, cotangents)
         if factors is not None:
             return factors
-    return per_example_factors(side, plan, chunk_size, cotangents, summed)
+    return per_example_factors(side, plan, chunk_size, cotangents)
 
 
 def per_example_factors(
-    side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None,
-    summed: bool = False,
+    side: Side, plan: Plan, chunk_size: Optional[int] = None, cotangents: Optional[tuple[torch.Tensor, ...]] = None
 ) -> SideFactors:
     """:func:`side_factors` from the per-example pass of NOTE: [df/dy by perturbed passes]."""
     params = side.model.params
@@ -303,7 +300,7 @@ def per_example_factors(
     output_shapes = [tuple(output.shape[1:] if side.mapped else output.shape) for output in outputs]
     if side.mapped:
         outputs = tuple(output.movedim(0, axis) for output, axis in zip(outputs, side.out_axes))
-    uses = _uses(side, kept_roles.roles, output_shapes, gradients, iter(operands), cotangents is not None, summed)
+    uses = _uses(side, kept_roles.roles, output_shapes, gradients, iter(operands), contracted=cotangents is not None)
     fallback = None
     if plan.fallback and cotangents is None:
         fallback = side.jacobians(chunk_size=chunk_size, only=plan.fallback)
@@ -317,7 +314,6 @@ def _uses(
     gradients: tuple[torch.Tensor, ...],
     operands: Iterator[torch.Tensor],
     contracted: bool,
-    summed: bool = False,
 ) -> list[Use]:
     """The kept roles with the pass's operands and their ``G`` laid out per output leaf.
 
@@ -327,15 +323,15 @@ def _uses(
         output_shapes: one example's shape of every output leaf.
         gradients: ``G`` of every delta, ``([N,] B, *y)`` with ``B`` the basis size.
         operands: the pass's operands, in the order of the kept roles' operands.
-        contracted: ``G`` was contracted with cotangents instead of a basis (``B`` is 1).
-        summed: operandless roles' ``G`` summed as soon as it is laid out (NOTE: [Kept factors of
-            operandless roles]; ignored with ``contracted``).
+        contracted: ``G`` was contracted with cotangents instead of a basis (``B`` is 1); else
+            operandless roles' ``G`` is summed once laid out (NOTE: [Kept factors of operandless
+            roles]).
     """
     sizes = [math.prod(shape) for shape in output_shapes]
     example_axes = 1 if side.mapped else 0
     # a G that another use keeps per position (a weight beside its bias) is held anyway: its sums
     # would only add memory
-    held = {index for index, role in kept if role.summed is None} if summed else set()
+    held = set() if contracted else {index for index, role in kept if role.summed is None}
     uses = []
     for gradient_index, role in kept:
         role = role.with_operands([(next(operands), labels) for _, labels in role.operands])
@@ -347,7 +343,7 @@ def _uses(
                 _place(part, shape, role.y_shape, side, leaf)
                 for leaf, (part, shape) in enumerate(zip(_split(gradient, sizes, example_axes), output_shapes))
             )
-            if summed and role.summed is not None and gradient_index not in held:  # (*output, *y) summed
+            if role.summed is not None and gradient_index not in held:  # (*output, *y) summed
                 y = len(role.y_shape)
                 axes = [axis - y for axis, label in enumerate(role.g_labels) if label not in role.summed.g_labels]
                 per_leaf = tuple(placed.sum(dim=axes) for placed in per_leaf)
@@ -580,26 +576,24 @@ def whole_batch_pass(
 
 
 def whole_batch_factors(
-    side: Side, plan: Plan, layout: WholeBatchLayout, cotangents: Optional[tuple[torch.Tensor, ...]] = None,
-    summed: bool = False,
+    side: Side, plan: Plan, layout: WholeBatchLayout, cotangents: Optional[tuple[torch.Tensor, ...]] = None
 ) -> Optional[SideFactors]:
     """:func:`side_factors` from one whole-batch pass read by the plan's ``layout``: the factors of
     the per-example pass, laid out alike (example axis first), as views of the whole-batch tensors.
     None when the pass does not fit the plan (:func:`whole_batch_pass`) or its ``layout``."""
     output_axes = {position: fold.axis for position, fold in layout.output_folds.items()}
     done = whole_batch_pass(side, plan, output_axes, cotangents)
-    return None if done is None else read_per_example(side, plan, done, layout, cotangents is not None, summed)
+    return None if done is None else read_per_example(side, plan, done, layout, cotangents is not None)
 
 
 def read_per_example(
-    side: Side, plan: Plan, done: WholeBatchPass, layout: WholeBatchLayout, contracted: bool, summed: bool = False,
+    side: Side, plan: Plan, done: WholeBatchPass, layout: WholeBatchLayout, contracted: bool
 ) -> Optional[SideFactors]:
     """The :class:`SideFactors` of a whole-batch pass ``done`` over ``side``, each ``G`` and operand
     read per example by ``layout`` (None where the pass's operands do not lie as ``layout`` says).
 
     Args:
         contracted: the pass was pulled back over cotangents, not a basis (see :func:`side_factors`).
-        summed: see :func:`side_factors`.
     """
     examples = done.examples
     if len(done.operand_folds) != len(layout.operand_folds):
@@ -618,7 +612,7 @@ def read_per_example(
     output_shapes = [
         tuple(output.shape[:axis]) + tuple(output.shape[axis + 1 :]) for output, axis in zip(outputs, side.out_axes)
     ]
-    uses = _uses(side, done.kept, output_shapes, gradients, iter(operands), contracted, summed)
+    uses = _uses(side, done.kept, output_shapes, gradients, iter(operands), contracted=contracted)
     fallback = None
     if plan.fallback and not contracted:
         fallback = side.jacobians(only=plan.fallback)
