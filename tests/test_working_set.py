@@ -304,3 +304,14 @@ def test_weights_keep_their_cotangents_per_position(monkeypatch):
     _three_calls(ntk_fn, x, None, reference_ntk(model, x, None))
     with_operands = [use for use in seen[-1] if use.role.operands]
     assert with_operands and all(len(use.role.y_shape) == 2 for use in with_operands)
+
+
+@pytest.mark.parametrize("implementation", [2, 3])
+def test_bias_only_kernels_replay_exactly_with_compile(implementation):
+    """Captured replays (``compile=``) run the same summed factors and forward-mode passes: the
+    kernel is the reference on the first call and on every replay."""
+    torch.manual_seed(0)
+    model = _Biases().to(F64)
+    x1, x2 = _sequences(5, 1), _sequences(4, 2)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation, compile="eager")
+    _three_calls(ntk_fn, x1, x2, _bias_reference(model, x1, x2))
