@@ -7,7 +7,8 @@ layout: ``in-out`` (``h @ W``, what neural-tangents' structured derivatives anal
 ``out-in`` (``h @ W.T``, torch's layout; skipped where the Jacobian neural-tangents then forms
 exceeds ``--max-jacobian`` elements). Every worker is its own process: a warm-up call (with XLA's
 compilation), then ``--repeats`` timed calls; the table gives the median over all rounds' timed
-calls, the ratio torchntk / neural-tangents (in-out) and the largest kernel difference.
+calls, the ratio torchntk / neural-tangents (in-out) and the largest kernel difference; with
+``--floor``, also each row's floor (``bench_structured.floor_kernel``) and both libraries over it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def versus_nt(args, run_config_spec) -> int:
                 data, _ = prepare_data(model, tmpdir, n)
                 for kernel in kernels:
                     runs = [("torchntk", None)] if use_t else []
+                    if getattr(args, "floor", False):
+                        runs.append(("floor", None))
                     if use_nt:
                         runs += [("nt", layout) for layout in layouts
                                  if layout == "in-out" or n * OUTPUTS * parameters <= args.max_jacobian]
@@ -67,13 +70,15 @@ def versus_nt(args, run_config_spec) -> int:
                             kernels_out[lib, layout] = stem + ".npy"
                             print(f"{label}: median {statistics.median(result['times']) * 1e3:.1f} ms",
                                   file=sys.stderr, flush=True)
-                    rows.append(_row(model, n, kernel, layouts, times, kernels_out))
+                    rows.append(_row(model, n, kernel, layouts, times, kernels_out, getattr(args, "floor", False)))
     finally:
         if not args.keep_tmp:
             import shutil
             shutil.rmtree(tmpdir, ignore_errors=True)
     headers = ["model", "N", "kernel", "torchntk 3 [ms]"] + [f"NT 3 {layout} [ms]" for layout in layouts] + [
         "torchntk / NT in-out", "max rel diff vs NT"]
+    if getattr(args, "floor", False):
+        headers += ["floor [ms]", "torchntk / floor", "NT in-out / floor", "floor's rel diff"]
     text = render(headers, rows, False)
     ratios = [float(row[4 + len(layouts)]) for row in rows if _is_number(row[4 + len(layouts)])]
     notes = [
@@ -96,7 +101,7 @@ def versus_nt(args, run_config_spec) -> int:
     return 0
 
 
-def _row(model, n, kernel, layouts, times, kernels_out) -> list:
+def _row(model, n, kernel, layouts, times, kernels_out, floor=False) -> list:
     def median(key) -> str:
         return f"{statistics.median(times[key]) * 1e3:.1f}" if times.get(key) else "—"
 
@@ -107,8 +112,21 @@ def _row(model, n, kernel, layouts, times, kernels_out) -> list:
     if ("torchntk", None) in kernels_out and ("nt", "in-out") in kernels_out:
         value, why = rel_diff(kernels_out["torchntk", None], kernels_out["nt", "in-out"])
         difference = why or f"{value:.1e}"
-    return [model, str(n), kernel, median(("torchntk", None))] + [median(("nt", layout)) for layout in layouts] + [
+    row = [model, str(n), kernel, median(("torchntk", None))] + [median(("nt", layout)) for layout in layouts] + [
         ratio, difference]
+    if floor:
+        bottom = times.get(("floor", None))
+
+        def over_floor(key) -> str:
+            return f"{statistics.median(times[key]) / statistics.median(bottom):.2f}" if times.get(key) and bottom else "—"
+
+        # the floor forms the kernel of MLPs only: a convolution's is a lower bound (zeros)
+        checked = "—"
+        if model != "cnn" and ("floor", None) in kernels_out and ("torchntk", None) in kernels_out:
+            value, why = rel_diff(kernels_out["floor", None], kernels_out["torchntk", None])
+            checked = why or f"{value:.1e}"
+        row += [median(("floor", None)), over_floor(("torchntk", None)), over_floor(("nt", "in-out")), checked]
+    return row
 
 
 def _is_number(text: str) -> bool:

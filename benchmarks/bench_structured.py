@@ -196,6 +196,22 @@ def run_worker(spec: dict, res: dict) -> dict:
             res.update(mem.result())
         kernel_np = out.detach().cpu().numpy()
 
+    elif lib == "floor":
+        import torch
+        if spec["threads"]:
+            torch.set_num_threads(spec["threads"])
+        model = _models.build_torch_model(name)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+        model.eval()
+        x1 = torch.from_numpy(x1_np)
+        x2 = torch.from_numpy(x2_np) if x2_given else x1
+        res["stage"] = "call"
+        mem = _Memory()
+        out, first, times = time_calls(lambda: floor_kernel(model, x1, x2, trace_axes), spec["repeats"],
+                                       after_warmup=mem.mark_warmup)
+        res.update(mem.result())
+        kernel_np = out.detach().cpu().numpy()
+
     elif lib == "nt":
         import jax
         import jax.numpy as jnp
@@ -227,6 +243,49 @@ def run_worker(spec: dict, res: dict) -> dict:
     res.update(ok=True, first=first, times=times, median=statistics.median(times),
                shape=list(kernel_np.shape))
     return res
+
+
+def floor_kernel(model, x1, x2, trace_axes):
+    """The floor of a structured NTK of ``model`` (``--versus-nt --floor``): one forward pass of x1
+    and x2 as one batch, the backward sweeps of every logit to the outputs of the linear and
+    convolution layers (``G``, all logits at once as one batched backward pass), and, where every
+    such layer is linear, the products of their inputs' and ``G``'s Grams: the whole kernel, the
+    arithmetic implementation 3 of torchntk and neural-tangents make at least, written by hand.
+    With a convolution the kernel is not formed (the weights' Jacobians from ``G`` and the patches
+    come on top): a lower bound, returned as the zero kernel of the right shape."""
+    import torch
+    from torch import nn
+
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    inputs, outputs = [], []
+
+    def keep(module, args, output):
+        inputs.append(args[0])
+        outputs.append(output)
+
+    hooks = [layer.register_forward_hook(keep) for layer in layers]
+    try:
+        x = torch.cat([x1, x2])
+        y = model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    n1, o = x1.shape[0], y.shape[-1]
+    basis = torch.eye(o, dtype=y.dtype).unsqueeze(1).expand(o, *y.shape)
+    sweeps = torch.autograd.grad(y, outputs, basis, is_grads_batched=True)  # each (O, N1 + N2, ...)
+    traced = tuple(trace_axes) == (-1,)
+    shape = (n1, x2.shape[0]) if traced else (n1, x2.shape[0], o, o)
+    if not all(isinstance(layer, nn.Linear) for layer in layers):
+        return torch.zeros(shape)
+    kernel = torch.zeros(shape)
+    for layer, h, g in zip(layers, inputs, sweeps):
+        g1, g2 = g[:, :n1], g[:, n1:]
+        grams = torch.einsum("oaw,obw->ab", g1, g2) if traced else torch.einsum("oaw,pbw->abop", g1, g2)
+        products = h[:n1] @ h[n1:].T
+        kernel += grams * (products if traced else products[:, :, None, None])
+        if layer.bias is not None:
+            kernel += grams
+    return kernel
 
 
 def worker_main(spec_path: str) -> int:
@@ -400,6 +459,9 @@ def main(argv=None) -> int:
                     help="leave nn.MultiheadAttention's fused fast path and the default SDPA "
                          "kernel on (neither supports forward-mode AD); default: fast path off, "
                          "SDPA math kernel, in the transformer's workers")
+    ap.add_argument("--floor", action="store_true",
+                    help="with --versus-nt: also time each row's floor (the forward pass, the backward "
+                         "sweeps to the layers' outputs and, for MLPs, the Grams, written by hand)")
     ap.add_argument("--versus-nt", action="store_true",
                     help="the issue-16 table instead: implementation 3 against neural-tangents' 3 "
                          "per model, kernel, N and JAX weight layout, x2 given, the libraries "

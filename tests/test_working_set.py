@@ -22,6 +22,7 @@ from torchntk._implementations.memory import FORWARD_LIVE, kept_sizes, modelled_
 from torchntk._kernel import working_set
 from torchntk._kernel.settings import input_shape_key
 from torchntk._kernel.working_set import WORKING_SET_BYTES, forward_mode_tangents, working_set_run_length
+from torchntk._layout.runs import forward_mode_passes, runs
 from torchntk.testing import assert_kernels_close, reference_ntk
 
 F64 = torch.float64
@@ -81,15 +82,18 @@ class _Wide(nn.Module):
         return self.head(wide.repeat(1, 8).reshape(-1, 8, 64).mean(1))
 
 
-def _passes(monkeypatch) -> list[int]:
-    """Records the tangents of every forward-mode pass of implementation 2."""
-    seen: list[int] = []
+def _passes(monkeypatch) -> list[tuple[int, int]]:
+    """Records ``(tangents, x1 examples)`` of every forward-mode pass of implementation 2 (one
+    example where x1 is not mapped: the whole batch is one)."""
+    seen: list[tuple[int, int]] = []
     original = ntk_vector_products._forward_mode_columns
 
-    def recorded(side1, leaf, tangents, chunk):
+    def recorded(side1, leaf, tangents, chunk, examples=None):
         total = tangents[0].shape[0]
-        seen.extend([min(chunk, total - start) for start in range(0, total, chunk)])
-        return original(side1, leaf, tangents, chunk)
+        n1 = side1.batch_size() if side1.mapped else 1
+        for run in range(0, n1, examples or n1):
+            seen.extend((min(chunk, total - start), min(examples or n1, n1 - run)) for start in range(0, total, chunk))
+        return original(side1, leaf, tangents, chunk, examples)
 
     monkeypatch.setattr(ntk_vector_products, "_forward_mode_columns", recorded)
     return seen
@@ -115,14 +119,60 @@ def test_implementation_2_carries_at_most_the_bound_of_tangents_a_pass_on_every_
     call, scope = _prepared(ntk_fn, x1, x2)
     assert call.tangents_per_pass == 3
     _three_calls(ntk_fn, x1, x2, expected)
-    assert passes and max(passes) <= 3
+    n1 = 6 if vmap_axes == 0 else 1
+    assert passes and max(tangents * examples for tangents, examples in passes) <= 3 * n1
     columns = (5 if x2_given else 6) * 4
-    assert sum(passes) == 3 * columns  # every column once a call
+    assert sum(tangents * examples for tangents, examples in passes) == 3 * columns * n1  # every column once a call
+    if vmap_axes == 0:
+        # NOTE: [Forward-mode passes over runs of x1]: all of a run's tangents in every pass over
+        # runs of x1, so x1's primal is evaluated once per run of x2, not once per 3 tangents
+        assert max(tangents for tangents, _ in passes) > 3
+        primal = sum(math.ceil(length * 4 / (3 * n1)) for _, length in _runs_of_x2(call, x2_given))
+        assert sum(examples for _, examples in passes) == 3 * n1 * primal
+        assert primal <= 2 < columns / 3
     # the memory model prices the bounded passes
     bounded = modelled_peak(call, scope, torchntk.NtkImplementation(2), None)
     unbounded = modelled_peak(dataclasses.replace(call, tangents_per_pass=None), None,
                               torchntk.NtkImplementation(2), None)
     assert bounded.planned < unbounded.planned
+
+
+class _WideTransposed(_Wide):
+    def forward(self, x):
+        return super().forward(x).T  # (O, N): the examples along axis 1
+
+
+@pytest.mark.parametrize("out_axis", [1, -1])
+def test_passes_over_runs_of_x1_join_their_columns_along_the_output_batch_axis(out_axis, monkeypatch):
+    torch.manual_seed(0)
+    model = _WideTransposed().to(F64)
+    x1 = torch.randn(6, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+    x2 = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(2))
+    expected = reference_ntk(model, x1, x2, trace_axes=())
+    monkeypatch.setattr(working_set, "WORKING_SET_BYTES", 1)  # one tangent a pass over all of x1
+    passes = _passes(monkeypatch)
+    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=(0, out_axis, {}), implementation=2)
+    assert _prepared(ntk_fn, x1, x2)[0].tangents_per_pass == 1
+    _three_calls(ntk_fn, x1, x2, expected)
+    assert {examples for _, examples in passes} == {1}  # single examples, several tangents each
+    assert max(tangents for tangents, _ in passes) > 1
+
+
+def _runs_of_x2(call, x2_given: bool) -> list:
+    examples = (call.side2 if x2_given else call.side1).batch_size()
+    return runs(examples, ntk_vector_products.default_run_length(call))
+
+
+def test_forward_mode_passes_carry_every_tangent_of_a_run_over_runs_of_x1():
+    for tangents, examples, per_pass in [(8, 16, 10), (32, 16, 10), (400, 16, 10), (24, 6, 3), (7, 1, 3), (30, 5, 1)]:
+        carried, length = forward_mode_passes(tangents, examples, per_pass)
+        length = length or examples
+        assert carried * length <= per_pass * max(examples, 1)  # within the bound of a pass over all of x1
+        passes_over_x1 = math.ceil(tangents / carried)
+        # the primal over x1 as few times as the bound allows
+        assert passes_over_x1 == max(1, math.ceil(tangents / (per_pass * examples)))
+        if length < examples:
+            assert carried == tangents or length == 1
 
 
 def test_implementation_2_keeps_24_tangents_a_pass_where_activations_are_small(monkeypatch):
@@ -133,7 +183,8 @@ def test_implementation_2_keeps_24_tangents_a_pass_where_activations_are_small(m
     ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=2)
     assert _prepared(ntk_fn, x1)[0].tangents_per_pass is None
     _three_calls(ntk_fn, x1, None, reference_ntk(model, x1, None, trace_axes=()))
-    assert max(passes) > 3  # 32 columns: two passes of 16
+    assert max(tangents for tangents, _ in passes) > 3  # 32 columns: two passes of 16
+    assert all(examples == 8 for _, examples in passes)
 
 
 def test_auto_prices_implementation_2_with_the_bound(monkeypatch):

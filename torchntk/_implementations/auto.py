@@ -13,8 +13,9 @@ and the shapes, plus a FLOP equivalent per sequential ATen call (NOTE: [AUTO's o
 * Jacobian contraction (1): ``2 |K| |T| P`` for a kernel of ``|K|`` entries, ``|T|`` traced
   coordinates and ``P`` parameters; memory: both sides' Jacobians;
 * NTK-vector products (2): one forward-mode pass over x1 per ``TANGENTS_PER_PASS`` x2 output
-  entries (fewer where NOTE: [Working-set runs] bounds a pass's tangents), which computes the
-  primal once (``F1``) and a tangent per entry (``2 F1``: a matrix product's tangent is two
+  entries (fewer where NOTE: [Working-set runs] bounds a pass's tangents; then passes over runs of
+  x1 carry all of a run of x2's entries, NOTE: [Forward-mode passes over runs of x1]), which
+  computes the primal once (``F1``) and a tangent per entry (``2 F1``: a matrix product's tangent is two
   products; on BERT, pricing the primal with every tangent made AUTO pick 1 at 1.23x the time
   of 2).
   Without forward-mode derivatives (NOTE: [NTK-vector products without forward mode]) it is one
@@ -109,7 +110,7 @@ from .._utils.types import NtkImplementation
 from .choice import AutoChoice, Estimate
 from .counting import Counter, ExampleCount, counted_example, counter, example_shapes, uncached
 from .memory import PLAN_ADVICE, MemoryPlan, bounded_peak, fitted_plan, kept_sizes, modelled_peak, run_count
-from .ntk_vector_products import TANGENTS_PER_PASS, vector_products_method
+from .ntk_vector_products import TANGENTS_PER_PASS, forward_mode_pass_counts, vector_products_method
 from .structured._cost import structured_cost
 from .structured._joint import gradients_per_example, joinable
 from .structured._plan import Plan
@@ -404,13 +405,14 @@ class _Prices:
         returns), or in forward mode, unprobed, when None."""
         forward, ops, per_example_ops = self.forward, self.ops, self.per_example_ops
         x2_vectors = 2.0 * self.basis[1] * forward[1]
-        passes = math.ceil(self.entries[1] / (self.call.tangents_per_pass or TANGENTS_PER_PASS))
         memory = self.element * self.params * 8
         if method is None or method[1] is None:
+            primal, passes = forward_mode_pass_counts(self.call)
             calls = _SWEEP_OPS * per_example_ops[1] + passes * self.forward_mode_ops[0]
-            columns = _TANGENT_FORWARDS * self.entries[1] * forward[0] + passes * forward[0]  # primal once a pass
+            columns = _TANGENT_FORWARDS * self.entries[1] * forward[0] + primal * forward[0]
             return Estimate(x2_vectors + columns + self.per_op * calls, memory)
         name, missing = method
+        passes = math.ceil(self.entries[1] / (self.call.tangents_per_pass or TANGENTS_PER_PASS))
         calls = _SWEEP_OPS * (per_example_ops[1] + ops[0]) + passes * _DOUBLE_VJP_OPS * ops[0]
         flops = x2_vectors + 3.0 * forward[0] + 4.0 * self.entries[1] * forward[0] + self.per_op * calls
         return Estimate(flops, memory, f"{name}: no forward-mode derivative for {missing}")

@@ -68,7 +68,7 @@ import torch
 
 from .._call.kernel_call import KernelCall
 from .._plan.scope import Scope, cached
-from .._layout.runs import even_length, runs
+from .._layout.runs import even_length, forward_mode_passes, runs
 from .._layout.tiles import Placement
 from .._memory import KernelMemoryError, MemoryPlanWarning, available_bytes, format_bytes
 from .._utils.checks import user_stacklevel
@@ -333,8 +333,12 @@ def peak_bytes(
         # giving full columns before the layout reduces them.
         vectors = e * n2 * two.outputs * sizes.params
         columns = n2 * vectors2 if sizes.mapped else vectors2
+        examples = n1
+        if tangents is not None and sizes.mapped:  # NOTE: [Forward-mode passes over runs of x1]
+            tangents, examples = forward_mode_passes(int(columns), n1, tangents)
+            examples = examples or n1
         tangents = min(tangents or TANGENTS_AT_ONCE, columns)
-        forward = FORWARD_LIVE * e * (1 + tangents) * n1 * one.activations.largest
+        forward = FORWARD_LIVE * e * (1 + tangents) * examples * one.activations.largest
         products = 2 * sizes.kernel_bytes[0] * columns * n1 * one.outputs
         derivatives = vectors + max(sweep(two, n2, vectors2), forward + products)
     else:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
@@ -64,7 +65,7 @@ from torch.func import jacrev, jvp, vjp, vmap
 from .._call.blocks import BlockPlan, assemble
 from .._call.kernel_call import KernelCall
 from .._call.per_example import Side
-from .._layout.runs import even_length
+from .._layout.runs import even_length, forward_mode_passes, runs
 from .._model.torch_errors import missing_forward_mode
 from .._model.unfused import forward_mode_kernels, math_attention
 from .._utils.threads import FORWARD_MODE_LOCK
@@ -144,8 +145,12 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
             tangents = tuple(
                 jacobian.reshape(-1, *param.shape) for jacobian, param in zip(per_param2, params)
             )
-            chunk = vector_chunk or even_length(tangents[0].shape[0], call.tangents_per_pass or TANGENTS_PER_PASS)
-            products = columns(side1, leaf, tangents, chunk)
+            count = tangents[0].shape[0]
+            chunk = vector_chunk or even_length(count, call.tangents_per_pass or TANGENTS_PER_PASS)
+            passes = None
+            if vector_chunk is None and side1.mapped and call.tangents_per_pass is not None:
+                passes = forward_mode_passes(count, side1.batch_size(), call.tangents_per_pass)
+            products = columns(side1, leaf, tangents, chunk, passes)
             # products: (*output2, *output1) -> unzipped kernel (*output1, *output2)
             products = products.reshape(*output2_shape, *products.shape[1:])
             full = products.permute(*range(layout.ndim, 2 * layout.ndim), *range(layout.ndim))
@@ -179,11 +184,28 @@ def ntk_vector_products_blocks(call: KernelCall, forward_mode: Optional[bool] = 
 #   compares (NOTE: [The output check of NTK-vector products]);
 # * pushing a run's vectors through forward mode in equal chunks of at most TANGENTS_PER_PASS
 #   avoided a small trailing chunk that cost a whole extra forward pass. Where the pass's
-#   activations are large, a pass carries fewer (``KernelCall.tangents_per_pass``, NOTE:
-#   [Working-set runs]), and x2's runs are cut to what one pass carries: every pass over x1
-#   evaluates the primal again, which costs most where the tangents reach few layers (a
-#   RoBERTa's head: runs of 6 examples, 12 tangents, would each take two passes of 6).
+#   activations are large, NOTE: [Forward-mode passes over runs of x1] shapes the passes and
+#   the runs of x2 instead.
+
+# NOTE: [Forward-mode passes over runs of x1]
+# Where x1's activations bound the tangents of a pass over all of x1 (``KernelCall.tangents_per_pass``,
+# NOTE: [Working-set runs]), what the bound limits is tangents times examples: every activation
+# of the pass is held once per tangent and example. Each pass over x1 also evaluates x1's primal
+# again, which is most of a pass where the tangents reach few layers (a RoBERTa's head: its
+# encoder runs on the primal alone). So a run of x2 pushes all its tangents through every pass,
+# and the passes go over runs of x1 short enough to stay within the bound
+# (``_layout.runs.forward_mode_passes``): x1's primal is evaluated once per run of x2, where
+# passes over all of x1 evaluated it once per ``tangents_per_pass`` tangents. x2's runs are then
+# as long as one such set of passes carries (``tangents_per_pass`` times x1's examples), their
+# vectors within ``_BOUNDED_RUN_BYTES`` and their reverse pass within the working set (the run
+# length of implementation 3, whose pass forms the same cotangents). On a RoBERTa-base-size
+# model at N = 16 (32 tokens, two logits, 10 tangents a pass over all of x1) this took the head
+# set from 3.7 to 2.5 s, LoRA from 21.8 to 18.5-20.2 s and BitFit from 19.8 to 18.1-18.6 s, and
+# GPT-2's head from 7.6 to 5.5 s; the longer reverse passes of x2 raised the resident set by up
+# to 140 MB (``docs/benchmarks.md``). The double-VJP path keeps passes over all of x1: its
+# recorded reverse pass serves every tangent.
 _RUN_BYTES = 32 * 2**20
+_BOUNDED_RUN_BYTES = 256 * 2**20
 _MIN_RUN = 2
 TANGENTS_PER_PASS = 24
 
@@ -216,11 +238,35 @@ def default_run_length(call: KernelCall) -> Optional[int]:
     outputs_per_example = sum(output.numel() for output in call.outputs2) / examples
     params = call.model.params
     vector_bytes = sum(p.numel() for p in params) * params[0].element_size()
-    length = max(_MIN_RUN, int(_RUN_BYTES // max(1.0, outputs_per_example * vector_bytes)))
+    run_vectors = max(1.0, outputs_per_example * vector_bytes)
+    length = max(_MIN_RUN, int(_RUN_BYTES // run_vectors))
     if call.tangents_per_pass is not None:
-        # a run whose vectors need two passes costs a second pass of the primal over x1
-        length = min(length, max(1, int(call.tangents_per_pass // max(1.0, outputs_per_example))))
+        # NOTE: [Forward-mode passes over runs of x1]: a run of x2 costs one primal pass over x1
+        tangent_examples = call.tangents_per_pass * max(1, call.side1.batch_size())
+        length = max(length, int(min(tangent_examples / max(1.0, outputs_per_example), _BOUNDED_RUN_BYTES // run_vectors)))
+        if call.working_runs is not None:  # its reverse pass holds as many examples' activations
+            length = min(length, call.working_runs)
     return even_length(examples, length)
+
+
+def forward_mode_pass_counts(call: KernelCall) -> tuple[int, int]:
+    """``(evaluations of x1's primal, forward-mode passes)`` that a call without ``chunk_size`` makes
+    (AUTO's price): one primal a pass over all of x1, several passes a primal where they go over runs
+    of x1 (NOTE: [Forward-mode passes over runs of x1])."""
+    columns = sum(output.numel() for output in call.outputs2)
+    if call.tangents_per_pass is None or not call.side1.mapped:
+        passes = math.ceil(columns / (call.tangents_per_pass or TANGENTS_PER_PASS))
+        return passes, passes
+    side2 = call.side2 if call.side2 is not None else call.side1
+    examples, n1 = max(1, side2.batch_size()), call.side1.batch_size()
+    primal = passes = 0
+    for _, length in runs(examples, default_run_length(call)):
+        tangents = math.ceil(length * columns / examples)
+        carried, run = forward_mode_passes(tangents, n1, call.tangents_per_pass)
+        over_x1 = math.ceil(tangents / carried)
+        primal += over_x1
+        passes += over_x1 * math.ceil(n1 / (run or n1))
+    return primal, passes
 
 
 # -- the columns J1 t: forward mode, or two reverse passes --------------------------------------
@@ -246,10 +292,15 @@ class _Columns:
     missing: Optional[str] = None
     _transposed: dict = field(default_factory=dict)
 
-    def __call__(self, side1: Side, leaf: int, tangents: tuple, chunk: int) -> torch.Tensor:
+    def __call__(
+        self, side1: Side, leaf: int, tangents: tuple, chunk: int, passes: Optional[tuple[int, Optional[int]]] = None,
+    ) -> torch.Tensor:
+        """``passes``: the tangents and x1 examples of each forward-mode pass where x1's
+        activations bound them (NOTE: [Forward-mode passes over runs of x1]); None: ``chunk``
+        tangents a pass over all of x1, as the double-VJP path always makes."""
         if self.forward_mode is not False:
             try:
-                products = _forward_mode_columns(side1, leaf, tangents, chunk)
+                products = _forward_mode_columns(side1, leaf, tangents, *(passes or (chunk, None)))
             except (RuntimeError, NotImplementedError) as error:
                 missing = _missing_forward_mode(error)
                 if missing is None or self.forward_mode is True:
@@ -271,18 +322,32 @@ class _Columns:
             return vmap(lambda tangent: pullback(tangent)[0], chunk_size=chunk)(tangents)
 
 
-def _forward_mode_columns(side1: Side, leaf: int, tangents: tuple, chunk: int) -> torch.Tensor:
+def _forward_mode_columns(
+    side1: Side, leaf: int, tangents: tuple, chunk: int, examples: Optional[int] = None,
+) -> torch.Tensor:
+    """``J1[leaf] t`` for each of ``tangents``, ``chunk`` tangents a pass over runs of ``examples``
+    x1 examples (None: all of x1, or x1 is not mapped)."""
     # NOTE: [Memory formats in forward mode]: contiguous inputs, parameters and tangents.
     side1 = _contiguous(side1)
-    forward = side1.whole_batch()
     params = tuple(param.contiguous() for param in side1.model.params)
     tangents = tuple(tangent.contiguous() for tangent in tangents)
 
-    def column(tangent: tuple) -> torch.Tensor:
-        return jvp(forward, (params,), (tangent,))[1][leaf]
+    def columns(side: Side) -> torch.Tensor:
+        forward = side.whole_batch()
+
+        def column(tangent: tuple) -> torch.Tensor:
+            return jvp(forward, (params,), (tangent,))[1][leaf]
+
+        return vmap(column, chunk_size=chunk)(tangents)
 
     with FORWARD_MODE_LOCK, forward_mode_kernels(bool(side1.model.fused)):  # NOTE: [Threads], [Unfused kernels]
-        return vmap(column, chunk_size=chunk)(tangents)
+        if examples is None or not side1.mapped or examples >= side1.batch_size():
+            return columns(side1)
+        axis = side1.out_axes[leaf]
+        return torch.cat(
+            [columns(side1.narrow(start, length)) for start, length in runs(side1.batch_size(), examples)],
+            dim=axis if axis < 0 else axis + 1,  # the tangents' axis comes first
+        )
 
 
 # NOTE: [Memory formats in forward mode]

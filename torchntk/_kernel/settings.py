@@ -783,11 +783,12 @@ _STRUCTURED = NtkImplementation.STRUCTURED_DERIVATIVES
 
 def _working_runs(call: KernelCall, sizes: CallSizes, implementation: NtkImplementation) -> Optional[int]:
     """NOTE: [Working-set runs]'s run length of the mapped ``call`` for ``implementation``: its
-    activations per example, and for implementation 3 the cotangents its pass forms (``O`` per
-    parameter's output)."""
+    activations per example, and for implementations 2 and 3 the cotangents their reverse passes
+    form (``O`` per parameter's output; 2's bound x2's runs where its forward-mode passes are
+    bounded, NOTE: [Forward-mode passes over runs of x1])."""
     activations = sizes.side1.activations
     per_example = activations.written
-    if implementation == _STRUCTURED:
+    if implementation in (_STRUCTURED, NtkImplementation.NTK_VECTOR_PRODUCTS):
         per_example += sizes.side1.outputs * activations.parameter_outputs
     return working_set_run_length(call.side1.batch_size(), per_example, sizes.element)
 

@@ -33,10 +33,11 @@ NOTE: [Memory plans] in ``_implementations/memory.py``), plus the largest parame
 which batched convolutions and matrix products copy once per tangent. Measured on a
 RoBERTa-base-size LoRA model (16 examples of 32 tokens, whose LM head's logits, 1 MB per example,
 are its largest activation): up to 24 tangents a pass (two passes of 14) held about 87 MB each
-and took the process to 1,449-1,588 MB above its start; at most 10 (the bound), with x2's runs
-cut to one pass each (``default_run_length``: four runs of 4 examples, 8 tangents), took it to
-798 MB, and the call was faster (fewer pages to fault in). Models with small activations (the
-benchmark MLP and CNN, ResNet-18 at 32x32) keep 24 tangents a pass.
+and took the process to 1,449-1,588 MB above its start; at most 10 (the bound) took it to
+798-916 MB, and the call was faster (fewer pages to fault in). Where the bound applies, a pass
+carries all tangents of a run of x2 over runs of x1 instead (NOTE: [Forward-mode passes over runs
+of x1] in ``_implementations/ntk_vector_products.py``). Models with small activations (the
+benchmark MLP and CNN, ResNet-18 at 32x32) keep 24 tangents a pass over all of x1.
 """
 
 from __future__ import annotations

@@ -35,6 +35,28 @@ def even_length(total: int, longest: int) -> int:
     return max(1, math.ceil(total / max(1, math.ceil(total / max(1, longest)))))
 
 
+def forward_mode_passes(tangents: int, examples: int, per_pass: int) -> tuple[int, Optional[int]]:
+    """``(tangents, examples)`` of each forward-mode pass that pushes ``tangents`` tangents through
+    ``examples`` examples, where a pass over all the examples may carry ``per_pass`` tangents
+    (NOTE: [Forward-mode passes over runs of x1] in ``_implementations/ntk_vector_products.py``).
+    Examples None: all of them in every pass.
+
+    The passes keep ``tangents x examples`` at most ``per_pass x examples`` and evaluate the examples'
+    primal as few times as that allows: all tangents in every pass over runs of the examples where
+    they fit one example at least, otherwise passes over single examples.
+
+    Example:
+        >>> forward_mode_passes(8, 16, 10), forward_mode_passes(32, 16, 10), forward_mode_passes(400, 16, 10)
+        ((8, None), (32, 4), (134, 1))
+    """
+    if tangents <= per_pass:
+        return tangents, None
+    budget = per_pass * max(1, examples)
+    if tangents <= budget:
+        return tangents, even_length(examples, budget // tangents)
+    return even_length(tangents, budget), 1
+
+
 def runs(size: int, length: Optional[int]) -> list[Run]:
     """Runs of at most ``length`` covering ``range(size)`` (the last may be shorter); one run when
     ``length`` is None or covers everything.
