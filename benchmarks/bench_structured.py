@@ -285,7 +285,7 @@ def floor_kernel(model, x1, x2, trace_axes):
         kernel += grams * (products if traced else products[:, :, None, None])
         if layer.bias is not None:
             kernel += grams
-    return kernel
+    return kernel / o if traced else kernel  # a traced axis is averaged, as in neural-tangents
 
 
 def worker_main(spec_path: str) -> int:
