@@ -118,7 +118,9 @@ def _row(model, n, kernel, layouts, times, kernels_out, floor=False) -> list:
         bottom = times.get(("floor", None))
 
         def over_floor(key) -> str:
-            return f"{statistics.median(times[key]) / statistics.median(bottom):.2f}" if times.get(key) and bottom else "—"
+            if not (times.get(key) and bottom):
+                return "—"
+            return f"{statistics.median(times[key]) / statistics.median(bottom):.2f}"
 
         # the floor forms the kernel of MLPs only: a convolution's is a lower bound (zeros)
         checked = "—"

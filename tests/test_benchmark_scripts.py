@@ -109,3 +109,22 @@ def test_the_training_mode_benchmark_plans_runs_of_logits_within_its_budget():
     assert "implementation 1, `vmap_axes` None (BatchNorm2d at 'bn1' couples" in done.stdout, done.stdout
     assert re.search(r"MemoryPlanWarning: .* computing it with chunk_size=\d+ \(output entries", done.stdout), done.stdout
     assert "training mode" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("runs a benchmark script in child processes, on the CPU")
+def test_the_floor_of_the_rows_against_neural_tangents_is_the_kernel_written_by_hand():
+    done = run_python(
+        str(ROOT / "benchmarks" / "bench_structured.py"), "--versus-nt", "--floor", "--no-nt", "--models", "mlp,cnn",
+        "--sizes", "4", "--kernels", "traced,full", "--rounds", "1", "--repeats", "1", "--jax-layouts", "in-out",
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("mlp ", "cnn "))]
+    assert len(rows) == 4, done.stdout
+    for row in rows:
+        assert float(row[-4]) > 0 and float(row[-3]) > 0, done.stdout  # floor [ms], torchntk / floor
+        if row[0] == "mlp":  # the MLP's floor forms the whole kernel: it agrees with torchntk's
+            assert float(row[-1]) < 1e-5, done.stdout
+        else:  # a convolution's floor is a lower bound, with no kernel to compare
+            assert row[-1] == "—", done.stdout

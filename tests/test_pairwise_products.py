@@ -2,7 +2,8 @@
 3's contractions run opt_einsum's path one batched matrix product a step, reading operands as
 the passes lay them out (permuted views). Checked against ``torch.einsum`` in float64 on random
 equations and layouts, and on the traced ``G``-Gram whose summed output letter is taken as a
-batch letter of the product and summed after it, without copying either side."""
+batch letter of the product and summed after it, without copying either side, and on the steps that
+sum no letter, which are elementwise products."""
 
 from __future__ import annotations
 
@@ -83,6 +84,34 @@ def test_a_traced_gram_sums_its_output_letter_after_the_product_without_copies()
     steps = _pairwise_steps(equation, (tuple(one.shape), tuple(two.shape)), (one.stride(), two.stride()))
     assert [step.batch_sums for step in steps.steps] == [()]
     torch.testing.assert_close(contract_tensors(equation, [one, two]), torch.einsum(equation, one, two))
+
+
+class _Calls(TorchDispatchMode):
+    """Records the ATen calls made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_that_sums_no_letter_is_an_elementwise_product_without_copies():
+    # A full kernel's pair term: the inputs' Gram (a, b) times the G-Gram laid out (a, o, b, p) as
+    # one product over both sides' outputs leaves it, with a size-1 letter the merged uses carry.
+    generator = torch.Generator().manual_seed(0)
+    grams = torch.randn(6, 6, dtype=F64, generator=generator).T
+    g_grams = torch.randn(6, 4, 6, 4, 1, dtype=F64, generator=generator)
+    for equation, operands in [("ab,aobpz->abop", [grams, g_grams]), ("aobpz,ba->aobp", [g_grams, grams.T]),
+                               ("a,b->ab", [grams[0], grams[:, 1]])]:
+        steps = _pairwise_steps(equation, tuple(tuple(t.shape) for t in operands), tuple(t.stride() for t in operands))
+        assert [step.broadcast for step in steps.steps] == [True]
+        with _Calls() as calls:
+            actual = contract_tensors(equation, operands)
+        assert not [name for name in calls.names if any(word in name for word in ("bmm", "clone", "copy"))]
+        torch.testing.assert_close(actual, torch.einsum(equation, *operands), rtol=1e-12, atol=1e-12)
 
 
 def test_pairs_through_their_jacobians_are_contracted_as_one_concatenation():

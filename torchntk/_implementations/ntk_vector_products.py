@@ -243,7 +243,8 @@ def default_run_length(call: KernelCall) -> Optional[int]:
     if call.tangents_per_pass is not None:
         # NOTE: [Forward-mode passes over runs of x1]: a run of x2 costs one primal pass over x1
         tangent_examples = call.tangents_per_pass * max(1, call.side1.batch_size())
-        length = max(length, int(min(tangent_examples / max(1.0, outputs_per_example), _BOUNDED_RUN_BYTES // run_vectors)))
+        carried = tangent_examples / max(1.0, outputs_per_example)
+        length = max(length, int(min(carried, _BOUNDED_RUN_BYTES // run_vectors)))
         if call.working_runs is not None:  # its reverse pass holds as many examples' activations
             length = min(length, call.working_runs)
     return even_length(examples, length)

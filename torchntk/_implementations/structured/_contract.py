@@ -453,6 +453,11 @@ def _expression(equation: str, shapes: tuple[tuple[int, ...], ...]):
 # the output letter, the product reads both as they lie (the benchmark MLP at N = 64 in one
 # thread: 14.7 against 16.4 ms a call; 1000 logits at N = 32: 0.84 against 1.03 s; the fastest of
 # alternating rounds, docs/benchmarks.md).
+# A step that sums no letter (the product of a Gram of the operands and a Gram of the ``G``, per
+# pair of examples) is an elementwise product: both operands are viewed in the result's letters,
+# with size-1 axes for the letters the other brings, and multiplied with broadcasting, where a
+# batched product of 1-wide matrices copied the permuted ``G``-Gram and made one tiny product per
+# pair of examples.
 # Equations this does not cover (a letter repeated within a term, a size-1 axis broadcast against a
 # larger one, a step of more than two operands) go through opt_einsum's expression.
 
@@ -464,7 +469,7 @@ class _Operand:
 
     sums: tuple[int, ...]
     permutation: Optional[tuple[int, ...]]
-    matrix: tuple[int, int, int]
+    matrix: tuple[int, ...]  # (batch, rows, columns); a step's broadcast shape where it sums nothing
     transposed: bool
 
 
@@ -478,6 +483,7 @@ class _Step:
     operands: tuple[_Operand, _Operand]
     shape: tuple[int, ...]
     batch_sums: tuple[int, ...] = ()
+    broadcast: bool = False  # no letter summed: the operands' ``matrix`` shapes broadcast to ``shape``
 
 
 @dataclass(frozen=True)
@@ -553,6 +559,16 @@ def _pairwise_steps(
         rows = by_stride(one, [letter for letter in one.letters if letter not in two.letters])
         columns = by_stride(two, [letter for letter in two.letters if letter not in one.letters])
         summed_after = _summed_after(one, two, batch, rows, inner, columns, sizes)
+        if all(sizes[letter] == 1 for letter in inner):  # NOTE: [Pairwise products]: elementwise, broadcast
+            ones_one, ones_two = (1,) * len(columns), (1,) * len(rows)
+            first = _broadcast(one, sums_one, batch + rows, ones_one, (), inner)
+            second = _broadcast(two, sums_two, batch, ones_two, columns, inner)
+            shape = tuple(sizes[letter] for letter in batch + rows + columns)
+            steps.append(_Step(step[0], step[1], (first, second), shape, broadcast=True))
+            letters = "".join(batch + rows + columns)
+            result_sizes = tuple(sizes[letter] for letter in letters)
+            current = rest + [_Term(letters, result_sizes, _contiguous_strides(result_sizes))]
+            continue
         if summed_after is not None:
             inner = [letter for letter in inner if letter != summed_after]
             batch = [summed_after] + batch
@@ -570,6 +586,17 @@ def _pairwise_steps(
         return None
     final = tuple(result.letters.index(letter) for letter in output)
     return _Steps(tuple(steps), None if final == tuple(range(len(output))) else final)
+
+
+def _broadcast(term: _Term, sums: tuple[int, ...], letters: list[str], ones: tuple[int, ...],
+               after: Sequence[str], dropped: Sequence[str]) -> _Operand:
+    """``term`` (summed over ``sums``) permuted into ``letters`` then ``after``, viewed with the
+    size-1 axes ``ones`` between them and without its ``dropped`` letters (of size 1): one side
+    of an elementwise product."""
+    order = list(letters) + list(after) + list(dropped)
+    permutation = tuple(term.letters.index(letter) for letter in order)
+    shape = tuple(term.size(letter) for letter in letters) + ones + tuple(term.size(letter) for letter in after)
+    return _Operand(sums, None if permutation == tuple(range(len(order))) else permutation, shape, False)
 
 
 def _summed_after(
@@ -652,6 +679,9 @@ def _run_steps(planned: _Steps, tensors: Sequence[torch.Tensor]) -> torch.Tensor
                 tensor = tensor.permute(operand.permutation)
             tensor = tensor.reshape(operand.matrix)
             matrices.append(tensor.transpose(1, 2) if operand.transposed else tensor)
+        if step.broadcast:
+            current.append(torch.mul(*matrices))  # contiguous in the step's letters
+            continue
         product = torch.bmm(*matrices).view(step.shape)
         current.append(product.sum(step.batch_sums) if step.batch_sums else product)
     (result,) = current
