@@ -122,9 +122,8 @@ def _row(model, n, kernel, layouts, times, kernels_out, floor=False) -> list:
                 return "—"
             return f"{statistics.median(times[key]) / statistics.median(bottom):.2f}"
 
-        # the floor forms the kernel of MLPs only: a convolution's is a lower bound (zeros)
         checked = "—"
-        if model != "cnn" and ("floor", None) in kernels_out and ("torchntk", None) in kernels_out:
+        if ("floor", None) in kernels_out and ("torchntk", None) in kernels_out:
             value, why = rel_diff(kernels_out["floor", None], kernels_out["torchntk", None])
             checked = why or f"{value:.1e}"
         row += [median(("floor", None)), over_floor(("torchntk", None)), over_floor(("nt", "in-out")), checked]

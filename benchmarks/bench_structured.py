@@ -246,15 +246,17 @@ def run_worker(spec: dict, res: dict) -> dict:
 
 
 def floor_kernel(model, x1, x2, trace_axes):
-    """The floor of a structured NTK of ``model`` (``--versus-nt --floor``): one forward pass of x1
-    and x2 as one batch, the backward sweeps of every logit to the outputs of the linear and
-    convolution layers (``G``, all logits at once as one batched backward pass), and, where every
-    such layer is linear, the products of their inputs' and ``G``'s Grams: the whole kernel, the
-    arithmetic implementation 3 of torchntk and neural-tangents make at least, written by hand.
-    With a convolution the kernel is not formed (the weights' Jacobians from ``G`` and the patches
-    come on top): a lower bound, returned as the zero kernel of the right shape."""
+    """The floor of a structured NTK of ``model`` (``--versus-nt --floor``), the arithmetic that
+    implementation 3 of torchntk and of neural-tangents make at least, written by hand: one forward
+    pass of x1 and x2 as one batch; the backward sweeps of every logit to the outputs of the linear
+    and convolution layers (``G``, all logits at once as one batched backward pass); for a linear
+    layer the product of its inputs' Gram and ``G``'s Gram, for a convolution the Gram of its
+    weight's Jacobians, formed per example and logit from ``G`` and the input's patches (the
+    cheapest way: pairs of positions across examples cost far more), and ``G``'s sums for the
+    biases. Convolutions without groups or string padding only."""
     import torch
     from torch import nn
+    from torch.nn import functional
 
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     inputs, outputs = [], []
@@ -274,13 +276,24 @@ def floor_kernel(model, x1, x2, trace_axes):
     basis = torch.eye(o, dtype=y.dtype).unsqueeze(1).expand(o, *y.shape)
     sweeps = torch.autograd.grad(y, outputs, basis, is_grads_batched=True)  # each (O, N1 + N2, ...)
     traced = tuple(trace_axes) == (-1,)
-    shape = (n1, x2.shape[0]) if traced else (n1, x2.shape[0], o, o)
-    if not all(isinstance(layer, nn.Linear) for layer in layers):
-        return torch.zeros(shape)
-    kernel = torch.zeros(shape)
+
+    def gram(one, two):  # (O, N1, width), (O, N2, width)
+        return torch.einsum("oaw,obw->ab", one, two) if traced else torch.einsum("oaw,pbw->abop", one, two)
+
+    kernel = torch.zeros((n1, x2.shape[0]) if traced else (n1, x2.shape[0], o, o))
     for layer, h, g in zip(layers, inputs, sweeps):
-        g1, g2 = g[:, :n1], g[:, n1:]
-        grams = torch.einsum("oaw,obw->ab", g1, g2) if traced else torch.einsum("oaw,pbw->abop", g1, g2)
+        if isinstance(layer, nn.Conv2d):
+            if layer.groups != 1 or isinstance(layer.padding, str):
+                raise NotImplementedError(f"floor_kernel: {layer}")
+            patches = functional.unfold(h, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+            g = g.flatten(3)  # (O, N, C_out, positions)
+            jacobians = torch.einsum("onpl,nkl->onpk", g, patches).flatten(2)
+            kernel += gram(jacobians[:, :n1], jacobians[:, n1:])
+            if layer.bias is not None:
+                g = g.sum(-1)
+                kernel += gram(g[:, :n1], g[:, n1:])
+            continue
+        grams = gram(g[:, :n1], g[:, n1:])
         products = h[:n1] @ h[n1:].T
         kernel += grams * (products if traced else products[:, :, None, None])
         if layer.bias is not None:
