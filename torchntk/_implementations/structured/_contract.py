@@ -558,26 +558,22 @@ def _pairwise_steps(
         inner = by_stride(one, [letter for letter in shared if letter not in keep])
         rows = by_stride(one, [letter for letter in one.letters if letter not in two.letters])
         columns = by_stride(two, [letter for letter in two.letters if letter not in one.letters])
-        summed_after = _summed_after(one, two, batch, rows, inner, columns, sizes)
         if all(sizes[letter] == 1 for letter in inner):  # NOTE: [Pairwise products]: elementwise, broadcast
-            ones_one, ones_two = (1,) * len(columns), (1,) * len(rows)
-            first = _broadcast(one, sums_one, batch + rows, ones_one, (), inner)
-            second = _broadcast(two, sums_two, batch, ones_two, columns, inner)
+            first = _broadcast(one, sums_one, batch + rows, (1,) * len(columns), (), inner)
+            second = _broadcast(two, sums_two, batch, (1,) * len(rows), columns, inner)
             shape = tuple(sizes[letter] for letter in batch + rows + columns)
             steps.append(_Step(step[0], step[1], (first, second), shape, broadcast=True))
-            letters = "".join(batch + rows + columns)
-            result_sizes = tuple(sizes[letter] for letter in letters)
-            current = rest + [_Term(letters, result_sizes, _contiguous_strides(result_sizes))]
-            continue
-        if summed_after is not None:
-            inner = [letter for letter in inner if letter != summed_after]
-            batch = [summed_after] + batch
-        first = _as_matrix(one, sums_one, batch, rows, inner)
-        second = _as_matrix(two, sums_two, batch, inner, columns)
-        shape = tuple(sizes[letter] for letter in batch + rows + columns)
-        steps.append(_Step(step[0], step[1], (first, second), shape, () if summed_after is None else (0,)))
-        if summed_after is not None:
-            batch = batch[1:]
+        else:
+            summed_after = _summed_after(one, two, batch, rows, inner, columns, sizes)
+            if summed_after is not None:
+                inner = [letter for letter in inner if letter != summed_after]
+                batch = [summed_after] + batch
+            first = _as_matrix(one, sums_one, batch, rows, inner)
+            second = _as_matrix(two, sums_two, batch, inner, columns)
+            shape = tuple(sizes[letter] for letter in batch + rows + columns)
+            steps.append(_Step(step[0], step[1], (first, second), shape, () if summed_after is None else (0,)))
+            if summed_after is not None:
+                batch = batch[1:]
         letters = "".join(batch + rows + columns)
         result_sizes = tuple(sizes[letter] for letter in letters)
         current = rest + [_Term(letters, result_sizes, _contiguous_strides(result_sizes))]
