@@ -5,8 +5,10 @@ description they shortcut."""
 from __future__ import annotations
 
 import collections
+import gc
 import time
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -16,9 +18,9 @@ from torch import nn
 import torchntk
 from tests import zoo
 from torchntk._model.fingerprint import (
-    _CONTAINERS, _DEPTH, _ENTRIES, _LONG, _SYNCED, _TENSOR_TABLES, structure_fingerprint,
+    _CONTAINERS, _DEPTH, _ENTRIES, _LONG, _SYNCED, _TENSOR_TABLES, FingerprintMemo, structure_fingerprint,
 )
-from torchntk._plan.key import input_shape_key
+from torchntk._plan.key import input_shape_key, plan_key
 from torchntk._utils.checks import show
 from torchntk._utils.tree import describe
 from torchntk._utils.values import PLAIN, leaf_key, safe_repr
@@ -138,6 +140,123 @@ def test_values_and_modes_leave_it_unchanged_and_structure_changes_it():
         reference = structure_fingerprint(model)
         change()
         assert structure_fingerprint(model) != reference, number
+
+
+# -- the memo of the last walk (NOTE: [Unchanged modules]) ------------------------------------------
+
+
+def _memo_changes(model: nn.Module) -> list:
+    """Changes the memo's quick path must see, each of another kind of what it compares."""
+
+    class Tanh2(nn.Tanh):
+        pass
+
+    class Config:
+        pass
+
+    class OtherConfig:
+        pass
+
+    model.config = Config()
+
+    def swap_data():
+        model[0].weight.data = torch.zeros(5, 3)  # same Parameter object, another shape
+
+    return [
+        ("rebound plain value", lambda: setattr(model[0], "in_features", 5)),
+        ("equal value, other object", lambda: setattr(model, "flat", tuple(list(model.flat)))),
+        ("flat tuple replaced", lambda: setattr(model[2], "padding", (2,))),
+        ("list appended in place", lambda: model.mixed.append(8)),
+        ("list entry changed in place", lambda: model.mixed[2]["k"].append(9)),
+        ("empty dict filled", lambda: model.empty[2].update(x=1)),
+        ("hook registered", lambda: model[2].register_forward_pre_hook(lambda module, args: None)),
+        ("tensor attribute written in place", lambda: model.tensor.add_(1.0)),
+        ("parameter data of another shape", swap_data),
+        ("parameter replaced", lambda: setattr(model[0], "bias", nn.Parameter(torch.zeros(5)))),
+        ("buffer registered", lambda: model[1].register_buffer("scale", torch.ones(1))),
+        ("child replaced", lambda: model.__setitem__(1, nn.Tanh())),
+        ("class changed in place", lambda: setattr(model[1], "__class__", Tanh2)),
+        ("attribute deleted", lambda: delattr(model, "obj")),
+        ("object attribute replaced", lambda: setattr(model, "obj", object())),
+        ("object's class changed in place", lambda: setattr(model.config, "__class__", OtherConfig)),
+        ("numpy attribute replaced", lambda: setattr(model, "numpy", (np.float32(1.5), np.int64(3)))),
+    ]
+
+
+def test_the_memo_returns_what_a_full_walk_returns_after_every_kind_of_change():
+    model = _odd_attributes()
+    memo = FingerprintMemo()
+    for name, change in _memo_changes(model):
+        before = structure_fingerprint(model, memo=memo)
+        assert structure_fingerprint(model, memo=memo) is before, name  # nothing changed: the same tuple
+        change()
+        after = structure_fingerprint(model, memo=memo)
+        assert after == structure_fingerprint(model) == _plain_fingerprint(model), name
+        if name != "equal value, other object":
+            assert after != before, name
+        assert memo.hash_of(after) == hash(after)
+
+
+def test_the_memo_holds_what_it_compares_by_value_so_no_identity_is_reused():
+    """A float or a tuple of plain values is described by value but compared by identity: the memo
+    holds it, or a new value made right after the old one is freed could take its address."""
+    model = nn.Conv1d(2, 2, 3, padding=1)
+    memo = FingerprintMemo()
+    state = model.__dict__
+    for step in range(20):
+        for name, make in (("scale", lambda value: float(f"{value}.5")), ("padding", lambda value: tuple([value]))):
+            state[name] = make(step)  # held by the module alone
+            structure_fingerprint(model, memo=memo)
+            new = str(step + 100) if name == "scale" else [step + 100]
+            state[name] = None  # the old value is freed here unless something else holds it, and the new
+            state[name] = float(f"{new}.5") if name == "scale" else tuple(new)  # one takes its address
+            assert structure_fingerprint(model, memo=memo) == structure_fingerprint(model), (name, step)
+
+
+def test_the_memo_reports_modes_and_sees_a_mode_switch():
+    model = _odd_attributes()
+    memo = FingerprintMemo()
+    modes, again = [], []
+    first = structure_fingerprint(model, modes, memo)
+    assert structure_fingerprint(model, again, memo) is first and again == modes == [True] * 4
+    model[2].eval()
+    switched = []
+    assert structure_fingerprint(model, switched, memo) == first  # modes are not structure
+    assert switched == [True, True, True, False]
+    quick = []
+    structure_fingerprint(model, quick, memo)
+    assert quick == switched
+
+
+def test_a_plan_key_with_a_memo_equals_and_hashes_as_one_without():
+    model = ResNet18(8)
+    memo = FingerprintMemo()
+    shape_key = input_shape_key(torch.ones(2, 3, 8, 8), None, None, {})
+    keys = [plan_key(model, shape_key, memo) for _ in range(3)]
+    plain = plan_key(model, shape_key)
+    assert all(key == plain and hash(key) == hash(plain) for key in keys)
+    assert keys[1].parts[1] is keys[2].parts[1]  # the last walk's tuple: compared by identity
+    model.layer1[0].relu = nn.ReLU(inplace=False)  # a child replaced deep in the tree
+    changed = plan_key(model, shape_key, memo)
+    assert changed != plain and changed == plan_key(model, shape_key) and hash(changed) == hash(plan_key(model, shape_key))
+
+
+def test_a_kernel_function_sees_a_change_after_warm_calls_and_keeps_the_module_only_while_it_lives():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x1, x2 = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    kernel_fn = torchntk.empirical_ntk_fn(model, implementation=3)
+    for _ in range(3):  # first, warm, later
+        assert_kernels_close(kernel_fn(x1, x2), reference_ntk(model, x1, x2))
+    model[1] = nn.Sigmoid()
+    for _ in range(2):
+        assert_kernels_close(kernel_fn(x1, x2), reference_ntk(model, x1, x2))
+    model[2].register_forward_hook(lambda module, args, output: 2.0 * output)
+    assert_kernels_close(kernel_fn(x1, x2), reference_ntk(model, x1, x2))
+    alive = weakref.ref(model)
+    del model, kernel_fn
+    gc.collect()
+    assert alive() is None
 
 
 # -- values whose own methods raise or take long -------------------------------------------------

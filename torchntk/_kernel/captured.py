@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._memory import NEEDS_BLOCKS
-from .._model.fingerprint import structure_fingerprint
+from .._model.fingerprint import FingerprintMemo, structure_fingerprint
 from .._utils.bounded_cache import BoundedCache
 from .._utils.capturing import CaptureRefused, capturing
 from .._utils.checks import show, user_stacklevel
@@ -206,7 +206,7 @@ class _Arguments:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
-def guard_key(model: Any, flat: _Arguments) -> tuple:
+def guard_key(model: Any, flat: _Arguments, memo: Optional[FingerprintMemo] = None) -> tuple:
     """What a captured graph depends on besides tensor values: see NOTE: [Captured kernels].
 
     Which tensors are the same object is part of it: a graph traced with ``x2 is x1`` reads one
@@ -225,7 +225,9 @@ def guard_key(model: Any, flat: _Arguments) -> tuple:
         return (*call, id(model))
     modes = tuple(module.training for module in model.modules())
     flags = tuple(param.requires_grad for param in flat.parameters)
-    return (*call, structure_fingerprint(model), modes, flags)
+    if memo is None:
+        return (*call, structure_fingerprint(model), modes, flags)
+    return (*call, memo.hashed(structure_fingerprint(model, memo=memo)), modes, flags)  # NOTE: [Unchanged modules]
 
 
 def _global_settings() -> tuple:
@@ -294,12 +296,13 @@ class CapturedCalls:
         self._graphs = BoundedCache(_REMEMBERED)
         self._refused = BoundedCache(_REMEMBERED)  # keys that stay eager
         self._captures = 0
+        self._fingerprints = FingerprintMemo()
 
     def __call__(self, arguments: tuple, eager: Callable[..., Any], unchecked: Callable[..., Any]) -> Any:
         """``eager(*arguments)``, or its captured graph's replay; ``unchecked(*arguments)`` is the
         same computation without per-call checks (what is captured)."""
         flat = _Arguments.of(self.model, arguments)
-        key = guard_key(self.model, flat)
+        key = guard_key(self.model, flat, self._fingerprints)
         captured = self._graphs.get(key)
         if captured is None:
             result = eager(*arguments)

@@ -13,11 +13,11 @@ on every call) is computed by every call.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from .._model.fingerprint import structure_fingerprint
+from .._model.fingerprint import FingerprintMemo, structure_fingerprint
 from .._utils.tree import Flat, is_all_none
 from .._utils.types import Model
 from .._utils.values import leaf_key
@@ -47,9 +47,15 @@ class PlanKey:
 
     __slots__ = ("parts", "_hash")
 
-    def __init__(self, parts: tuple):
+    def __init__(self, parts: tuple, structure_hash: Optional[int] = None):
+        """``parts``: ``(shape key, structure fingerprint, modes)`` of a module, or ``(shape key,
+        id, None)``; ``structure_hash``: the fingerprint's hash where its memo knows it (NOTE:
+        [Unchanged modules])."""
         self.parts = parts
-        self._hash = hash(parts)
+        shape_key, structure, modes = parts
+        if structure_hash is None:
+            structure_hash = hash(structure)
+        self._hash = hash((shape_key, structure_hash, modes))
 
     def __hash__(self) -> int:
         return self._hash
@@ -61,10 +67,11 @@ class PlanKey:
         return f"PlanKey({self._hash:#x})"
 
 
-def plan_key(f: Model, shape_key: tuple) -> PlanKey:
-    """The key of NOTE: [Plan keys] for a call whose :func:`input_shape_key` is ``shape_key``."""
+def plan_key(f: Model, shape_key: tuple, memo: Optional[FingerprintMemo] = None) -> PlanKey:
+    """The key of NOTE: [Plan keys] for a call whose :func:`input_shape_key` is ``shape_key``;
+    ``memo``: the last walk of ``f`` by the same caller (NOTE: [Unchanged modules])."""
     if not isinstance(f, torch.nn.Module):
         return PlanKey((shape_key, id(f), None))
     modes: list[bool] = []
-    structure = structure_fingerprint(f, modes)  # one walk for both
-    return PlanKey((shape_key, structure, tuple(modes)))
+    structure = structure_fingerprint(f, modes, memo)  # one walk for both
+    return PlanKey((shape_key, structure, tuple(modes)), None if memo is None else memo.hash_of(structure))

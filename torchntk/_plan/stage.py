@@ -10,6 +10,7 @@ from dataclasses import replace
 import math
 from typing import Any, Callable, Hashable, Optional
 
+from .._model.fingerprint import FingerprintMemo
 from .._utils.bounded_cache import BoundedCache
 from .plan import CallPlan, CallTemplate, Facts, Purpose
 from .scope import Scope
@@ -66,6 +67,7 @@ class Planner:
         self.watches_aliases = watches_aliases
         self._records = BoundedCache(_KEYS)
         self._lock = threading.Lock()
+        self.fingerprints = FingerprintMemo()  # NOTE: [Unchanged modules]: the keys' last walk of the module
 
     def record(self, key: Hashable) -> KeyRecord:
         """The record of ``key``, made empty the first time."""
