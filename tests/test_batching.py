@@ -190,7 +190,8 @@ def test_auto_and_nngp_only_requests_use_spans():
 
 def test_structured_plan_is_redone_when_later_spans_run_other_operations(monkeypatch):
     """The quick plan probes x1's first example; when x2 reaches a ruled parameter through an op
-    without a rule, batch starts again with a plan made from every example."""
+    without a rule, the plan is made again from every example, once, and the spans prepared under
+    the quick plan are prepared again under it (NOTE: [Plans redone within a call])."""
 
     def f(params, x):  # a shape-dependent branch (the only kind vmap allows)
         weight, bias = params["weight"], params["bias"]
@@ -203,16 +204,27 @@ def test_structured_plan_is_redone_when_later_spans_run_other_operations(monkeyp
     x2 = to_device(torch.randn(5, 6, dtype=torch.float64))
     expected = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=1)(x1, x2, params)
     thorough = []
-    original = torchntk._implementations.structured.StructuredDerivatives.block_plan
+    original = torchntk._implementations.structured.plan_for
 
-    def recording(self, call, scope=None, thorough_plan=False):
-        thorough.append(thorough_plan)
-        return original(self, call, scope, thorough_plan)
+    def recording(call, options, **kwargs):
+        thorough.append(kwargs.get("thorough", False))
+        return original(call, options, **kwargs)
 
-    monkeypatch.setattr(torchntk._implementations.structured.StructuredDerivatives, "block_plan", recording)
+    monkeypatch.setattr(torchntk._implementations.structured, "plan_for", recording)
     ntk_fn = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=3)
-    assert_kernels_close(torchntk.batch(ntk_fn, 2, cache_bytes=0)(x1, x2, params), expected, rtol=1e-10, atol=1e-12)
-    assert thorough == [False, True]
+    for cache_bytes in (0, None):  # spans prepared again for every pair, or kept and prepared again once
+        thorough.clear()
+        batched = torchntk.batch(ntk_fn, 2, cache_bytes=cache_bytes)
+        assert_kernels_close(batched(x1, x2, params), expected, rtol=1e-10, atol=1e-12)
+        assert thorough == ([False, True] if cache_bytes == 0 else [])  # the thorough plan is kept for the key
+        assert_kernels_close(batched(x1, x2, params), expected, rtol=1e-10, atol=1e-12)
+        assert_kernels_close(ntk_fn(x1, x2, params), expected, rtol=1e-10, atol=1e-12)  # whole, after the spans
+    for chunk_size in (None, 2):  # a call of its own: one block, or runs of x1 and x2 (``assemble``)
+        thorough.clear()
+        direct = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=3, chunk_size=chunk_size)
+        for _ in range(3):  # first, warm, later
+            assert_kernels_close(direct(x1, x2, params), expected, rtol=1e-10, atol=1e-12)
+        assert thorough == [False, True]
 
 
 def _pretend_the_module_lives_elsewhere(monkeypatch):

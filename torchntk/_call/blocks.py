@@ -63,14 +63,6 @@ class BlockPlan:
     structured: Any = None
 
 
-class Replan(Exception):
-    """A prepared run met a model the plan behind the :class:`BlockPlan` did not foresee.
-
-    Raised by implementations whose plan comes from a cheap probe (structured derivatives); the
-    caller starts again with a plan made from every example.
-    """
-
-
 def assemble(call: KernelCall, plan: BlockPlan) -> list[torch.Tensor]:
     """Computes every output leaf's unnormalised kernel block by block, following ``plan``."""
     prepare1, prepare2, contract = plan.prepare1, plan.prepare2, plan.contract

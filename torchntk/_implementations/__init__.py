@@ -9,9 +9,9 @@ an implementation keeps what it derived for later calls with the key, NOTE: [One
 in ``_plan/scope.py``; None: nothing is kept):
 
 * ``kernels(call, scope)``: one unnormalised kernel per output leaf (see :meth:`KernelCall.normalise`);
-* ``blocks(call, scope, thorough, block)``: the same computation as a
-  :class:`~torchntk._call.blocks.BlockPlan`, for ``chunk_size`` and ``batch`` (``thorough`` asks
-  structured derivatives for a plan probed on every example; ``block`` is the block size);
+* ``blocks(call, scope, block)``: the same computation as a
+  :class:`~torchntk._call.blocks.BlockPlan`, for ``chunk_size`` and ``batch`` (``block`` is the
+  block size);
 * ``choice(call, scope)``: the :class:`~torchntk.AutoChoice` reported by ``ntk_fn.auto_choice``.
 
 With parameter groups (``call.groups``, NOTE: [Parameter groups] in ``_call/groups.py``) every kernel or
@@ -49,9 +49,7 @@ class Implementation(Protocol):
 
     def kernels(self, call: KernelCall, scope: Optional[Scope]) -> list[torch.Tensor]: ...
 
-    def blocks(
-        self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None
-    ) -> BlockPlan: ...
+    def blocks(self, call: KernelCall, scope: Optional[Scope], block: Optional[tuple] = None) -> BlockPlan: ...
 
     def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice: ...
 
@@ -67,9 +65,7 @@ class _Stateless:
     def kernels(self, call: KernelCall, scope: Optional[Scope]) -> list[torch.Tensor]:
         return self.compute(call)
 
-    def blocks(
-        self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None
-    ) -> BlockPlan:
+    def blocks(self, call: KernelCall, scope: Optional[Scope], block: Optional[tuple] = None) -> BlockPlan:
         return dataclasses.replace(self.plan(call), implementation=self.implementation)
 
     def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice:

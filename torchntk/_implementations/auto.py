@@ -639,9 +639,7 @@ class AutoSelector:
             return None
         return self.table[_STRUCTURED].plan(call, scope)
 
-    def blocks(
-        self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None
-    ) -> Any:
+    def blocks(self, call: KernelCall, scope: Optional[Scope], block: Optional[tuple] = None) -> Any:
         """The block plan of the implementation chosen for the first block (``block``: the block
         sizes of x1 and x2), whose shapes every other block but the last shares."""
         first, choice_scope = call, scope
@@ -649,7 +647,7 @@ class AutoSelector:
             first = call.narrow((0, block[0]), None if call.reuses_x1 else (0, block[1]))
             choice_scope = None if scope is None else scope.within(block)
         chosen = self.choice(first, choice_scope).implementation
-        return self.table[chosen].blocks(call, scope, thorough, block)
+        return self.table[chosen].blocks(call, scope, block)
 
 
 def _fits(choice: AutoChoice, budget: float) -> bool:

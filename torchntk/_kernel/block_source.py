@@ -121,11 +121,9 @@ class BlockRequest:
     Attributes:
         block_size: examples per block (``None``: one block). The model's whole-batch forward
             passes run on runs this long, and AUTO chooses for blocks of this size.
-        thorough: make any plan from every example (after a :class:`~torchntk._call.blocks.Replan`).
     """
 
     block_size: Optional[int]
-    thorough: bool = False
 
 
 def nbytes(data: Any) -> int:

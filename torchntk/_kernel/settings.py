@@ -625,7 +625,7 @@ class NtkSettings:
             n1 = call.side1.batch_size()
             n2 = n1 if call.reuses_x1 else call.side2.batch_size()
             block = (min(n1, request.block_size or n1), min(n2, request.block_size or n2))
-            plan = policy(self.table, self.implementation).blocks(call, spans, request.thorough, block)
+            plan = policy(self.table, self.implementation).blocks(call, spans, block)
         span_memory = None
         if plan is not None and plan.implementation is not None:
             implementation, structured = plan.implementation, plan.structured

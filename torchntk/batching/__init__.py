@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .._call.blocks import Replan
 from .._implementations.memory import result_bytes
 from .._kernel.block_source import BlockRequest, BlockSource
 from .._kernel.kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
@@ -393,30 +392,23 @@ def _by_spans(settings: _Settings, job: Job, x1: Any, x2: Any, args: tuple, kwar
     # AUTO chooses for blocks of as many (NOTE: [Automatic tiling]).
     requested = FORWARD_RUN if settings.auto else (settings.batch_size or None)
 
-    def open_source(function: Callable, device: torch.device, thorough: bool):
-        request = BlockRequest(requested, thorough)
+    def open_source(function: Callable, device: torch.device):
         moved = move((x1, x2, args, kwargs), device, source_kept=True)  # on the worker's own stream
-        return spec_of(function).open_blocks(request, moved[0], moved[1], *moved[2], **moved[3])
+        return spec_of(function).open_blocks(BlockRequest(requested), moved[0], moved[1], *moved[2], **moved[3])
 
-    for thorough in (False, True):
-        first = open_source(job.functions[0], job.devices[0], thorough)
-        if first is None:
-            return None
-        if 0 in first.sizes():
-            return _Empty(first.sizes()[0])
-        planned = None
-        if settings.auto:
-            plan = _span_plan(settings, job, first)
-            job = dataclasses.replace(job, block_size=plan.span)
-            planned = (plan.span, plan.cache)
-        try:
-            return run_spans(
-                job, first, lambda function, device: open_source(function, device, thorough),
-                settings.cache_bytes or 0, planned,
-            )
-        except Replan:  # a span met operations the quick plan did not foresee: plan from every example
-            continue
-    raise AssertionError("a thorough plan cannot ask for another plan")
+    first = open_source(job.functions[0], job.devices[0])
+    if first is None:
+        return None
+    if 0 in first.sizes():
+        return _Empty(first.sizes()[0])
+    planned = None
+    if settings.auto:
+        plan = _span_plan(settings, job, first)
+        job = dataclasses.replace(job, block_size=plan.span)
+        planned = (plan.span, plan.cache)
+    # a span meeting operations its plan did not foresee is prepared under a plan from every
+    # example by the kernel function itself (NOTE: [Plans redone within a call])
+    return run_spans(job, first, open_source, settings.cache_bytes or 0, planned)
 
 
 def _span_plan(settings: _Settings, job: Job, first: BlockSource) -> SpanPlan:

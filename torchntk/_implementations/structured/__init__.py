@@ -15,6 +15,7 @@ The pieces, in the order they run:
 * ``_merge.py``: the uses of one parameter stated alike, merged into one;
 * ``_contract.py``: the pair contractions;
 * ``_verify.py``: the check of a plan against autograd (when it is made, or on every call);
+* ``_redone.py``: a call's plan made again from every example where a pass meets what it did not foresee;
 * ``_unrolled.py``: models that differentiate inside their forward pass, evaluated through a
   traced graph of it so that the rules see the derivatives' products.
 """
@@ -27,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..._call.blocks import BlockPlan, Replan, assemble
+from ..._call.blocks import BlockPlan, assemble
 from ..._call.kernel_call import KernelCall
 from ..._call.per_example import Side
 from ..._plan.scope import Scope, cached
@@ -36,6 +37,7 @@ from ..choice import AutoChoice
 from ._contract import contract_sides
 from ._joint import gradients_per_example, joined
 from ._plan import Plan, make_plan
+from ._redone import RedonePlan
 from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, WholeBatchPass, per_example_factors, probe, side_factors
 from ._unrolled import WHOLE_BATCH_REASON, is_unrolled, through_derivatives
@@ -239,7 +241,7 @@ class StructuredDerivatives:
 
     The plan comes from a probe of one example and is reused for calls with the same key; every
     pass checks that the model still consumes its parameters as the plan says and re-plans from a
-    probe of all examples when it does not.
+    probe of all examples when it does not, within the call (NOTE: [Plans redone within a call]).
     """
 
     options: StructuredOptions = StructuredOptions()
@@ -261,20 +263,15 @@ class StructuredDerivatives:
 
     def __call__(self, call: KernelCall, scope: Optional[Scope] = None) -> list[torch.Tensor]:
         planned = self.unrolled(call, scope)
-        try:
-            return assemble(planned, self._blocks_of(call, planned, scope))
-        except Replan:
-            return assemble(planned, self._blocks_of(call, planned, scope, thorough=True))
+        return assemble(planned, self._blocks_of(call, planned, scope))
 
     # -- NOTE: [The implementation table] ------------------------------------------------------
 
     def kernels(self, call: KernelCall, scope: Optional[Scope]) -> list[torch.Tensor]:
         return self(call, scope)
 
-    def blocks(
-        self, call: KernelCall, scope: Optional[Scope], thorough: bool = False, block: Optional[tuple] = None
-    ) -> BlockPlan:
-        return self.block_plan(call, scope, thorough)
+    def blocks(self, call: KernelCall, scope: Optional[Scope], block: Optional[tuple] = None) -> BlockPlan:
+        return self.block_plan(call, scope)
 
     def choice(self, call: KernelCall, scope: Optional[Scope]) -> AutoChoice:
         fallback = self.fallback_parameters(call, scope)  # from the plan the kernel itself uses
@@ -330,44 +327,37 @@ class StructuredDerivatives:
         plan = self._plan(call, scope)
         return {call.model.names[index]: plan.reasons.get(index, "") for index in plan.fallback}
 
-    def block_plan(self, call: KernelCall, scope: Optional[Scope] = None, thorough: bool = False) -> BlockPlan:
-        """The :class:`BlockPlan` of ``call`` under the kept plan, or a ``thorough`` new one.
-
-        Its prepare functions raise :class:`Replan` when a pass meets parameter uses the kept
-        plan did not foresee (the plan is then dropped from the record); under a thorough plan
-        that is a RuntimeError: the model runs different operations on the same inputs.
+    def block_plan(self, call: KernelCall, scope: Optional[Scope] = None) -> BlockPlan:
+        """The :class:`BlockPlan` of ``call`` under the kept plan, made again from every example
+        (and kept so) where a prepared side meets parameter uses the kept plan did not foresee
+        (NOTE: [Plans redone within a call]); under a plan from every example that is a
+        RuntimeError: the model runs different operations on the same inputs.
         """
-        return self._blocks_of(call, self.unrolled(call, scope), scope, thorough)
+        return self._blocks_of(call, self.unrolled(call, scope), scope)
 
-    def _blocks_of(
-        self, given: KernelCall, call: KernelCall, scope: Optional[Scope], thorough: bool = False
-    ) -> BlockPlan:
+    def _blocks_of(self, given: KernelCall, call: KernelCall, scope: Optional[Scope]) -> BlockPlan:
         """:meth:`block_plan` of ``given``, ``call`` being it :meth:`unrolled`."""
-        plan = self._plan(call, scope, thorough)
-        blocks = _block_plan(call, self.options, plan)
+        redone = RedonePlan(
+            lambda thorough: self._plan(call, scope, thorough),
+            lambda plan: _block_plan(call, self.options, plan),
+            lambda: _nondeterministic(call.where),
+        )
+        blocks = redone.blocks
 
         def as_planned(side: Side) -> Side:
             """A side of the call as its caller holds it, with the model the plan evaluates."""
+            if call is given:
+                return side
             if side is given.side1 or side is given.side2:
                 return call.side1 if side is given.side1 else call.side2
             return dataclasses.replace(side, model=call.model)  # a span or run of the call's examples
 
-        def guarded(prepare: Callable[[Side], SideFactors]) -> Callable[[Side], SideFactors]:
-            def run(side: Side) -> SideFactors:
-                try:
-                    return prepare(side if call is given else as_planned(side))
-                except PlanMismatch:
-                    if thorough:
-                        raise _nondeterministic(call.where) from None
-                    if scope is not None:
-                        scope.pop(_PLAN, call)
-                    raise Replan from None
-
-            return run
-
         return dataclasses.replace(
-            blocks, prepare1=guarded(blocks.prepare1), prepare2=guarded(blocks.prepare2),
-            implementation=NtkImplementation.STRUCTURED_DERIVATIVES, structured=plan,
+            blocks,
+            prepare1=lambda side: redone.prepare(as_planned(side), first=True),
+            prepare2=lambda side: redone.prepare(as_planned(side), first=False),
+            contract=redone.contract,
+            implementation=NtkImplementation.STRUCTURED_DERIVATIVES, structured=redone.plan,
         )
 
 
