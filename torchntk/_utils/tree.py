@@ -30,6 +30,8 @@ class Flat:
     @classmethod
     def of(cls, tree: Any, is_leaf: Optional[Callable[[Any], bool]] = None) -> "Flat":
         """``is_leaf``: nodes to keep whole as leaves (as ``pytree.tree_flatten`` takes it)."""
+        if type(tree) is torch.Tensor:  # most inputs: pytree's walk costs more than the rest of this
+            return cls((tree,), _LEAF, ())
         all_leaves, spec = pytree.tree_flatten(tree, is_leaf=is_leaf)
         none_positions = tuple(i for i, leaf in enumerate(all_leaves) if leaf is None)
         leaves = tuple(leaf for leaf in all_leaves if leaf is not None)
@@ -46,6 +48,10 @@ class Flat:
 
     def same_structure(self, other: "Flat") -> bool:
         return self.spec == other.spec and self.none_positions == other.none_positions
+
+
+_LEAF = pytree.tree_flatten(torch.zeros(()))[1]
+"""The spec of a tree that is one leaf."""
 
 
 def is_all_none(tree: Any) -> bool:

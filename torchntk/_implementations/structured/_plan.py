@@ -10,6 +10,7 @@ are stated *jointly* when both are ruled, seen whole, and every call using eithe
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Optional, Sequence
 
@@ -66,8 +67,7 @@ class Plan:
         """
         if unruled & self.ruled:
             return False
-        known = self.ruled | set(self.fallback)
-        paired = {index: unit for unit in self.joint for index in unit}
+        known, paired = self._known, self._paired
         for call in calls:
             separate, joint = call.roles()
             if any(role.unit[0] not in known for role in separate):
@@ -77,6 +77,17 @@ class Plan:
             if units and (joint is None or units != {joint.unit}):
                 return False
         return True
+
+
+    @functools.cached_property
+    def _known(self) -> frozenset[int]:
+        """The parameters the plan knows (:meth:`foresees`, on every pass): ruled or in the fallback."""
+        return self.ruled | frozenset(self.fallback)
+
+    @functools.cached_property
+    def _paired(self) -> dict[int, tuple[int, ...]]:
+        """The joint unit of every parameter stated jointly (:meth:`foresees`)."""
+        return {index: unit for unit in self.joint for index in unit}
 
 
 @dataclass(frozen=True)
