@@ -206,7 +206,7 @@ class _Arguments:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
-def guard_key(model: Any, flat: _Arguments, memo: Optional[FingerprintMemo] = None) -> tuple:
+def guard_key(model: Any, flat: _Arguments, memo: FingerprintMemo) -> tuple:
     """What a captured graph depends on besides tensor values: see NOTE: [Captured kernels].
 
     Which tensors are the same object is part of it: a graph traced with ``x2 is x1`` reads one
@@ -223,11 +223,10 @@ def guard_key(model: Any, flat: _Arguments, memo: Optional[FingerprintMemo] = No
     call = (str(flat.spec), described, aliases, _global_settings())
     if not isinstance(model, torch.nn.Module):
         return (*call, id(model))
-    modes = tuple(module.training for module in model.modules())
+    modes: list[bool] = []
+    structure = structure_fingerprint(model, modes, memo)  # the modes from the same walk (or last walk)
     flags = tuple(param.requires_grad for param in flat.parameters)
-    if memo is None:
-        return (*call, structure_fingerprint(model), modes, flags)
-    return (*call, memo.hashed(structure_fingerprint(model, memo=memo)), modes, flags)  # NOTE: [Unchanged modules]
+    return (*call, memo.hashed(structure), tuple(modes), flags)  # NOTE: [Unchanged modules]
 
 
 def _global_settings() -> tuple:

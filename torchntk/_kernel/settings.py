@@ -272,7 +272,7 @@ class NtkSettings:
         ``check_vmap_axes=True``, on the first per key with ``"first"`` (the default)."""
         key = shape_key if isinstance(shape_key, PlanKey) else None
         shape_key = key.parts[0] if key is not None else shape_key or input_shape_key(x1, x2, params, kwargs)
-        key = self.planner.canonical(key or plan_key(self.f, shape_key, self.planner.fingerprints))
+        key = self.planner.canonical(key or self._plan_key(shape_key))
         if self.finds_axes and for_ntk:
             options = dict(
                 for_ntk=for_ntk, computes_ntk=computes_ntk, forward_run_length=forward_run_length,
@@ -289,12 +289,17 @@ class NtkSettings:
         prepared = self._prepare_in_full(key, purpose, plan, x1, x2, params, kwargs, where, shape_key, caller)
         return replace(prepared, plan_key=key)
 
+    def _plan_key(self, shape_key: tuple) -> PlanKey:
+        """:func:`plan_key` of this kernel function's model, from its planner's last walk of the
+        module (NOTE: [Unchanged modules])."""
+        return plan_key(self.f, shape_key, self.planner.fingerprints)
+
     def found(self, x1: Any, x2: Any, params: Any, kwargs: dict, shape_key: Optional[tuple] = None) -> "NtkSettings":
         """These settings with the ``vmap_axes`` found for the call's key where they were decided
         (NOTE: [Found vmap_axes]); ``self`` where the axes are the user's or not decided yet."""
         if not self.finds_axes:
             return self
-        key = plan_key(self.f, shape_key or input_shape_key(x1, x2, params, kwargs), self.planner.fingerprints)
+        key = self._plan_key(shape_key or input_shape_key(x1, x2, params, kwargs))
         found = self.planner.facts(key).found_axes
         return self if found is UNDECIDED else self._with_axes(found)
 
@@ -425,7 +430,7 @@ class NtkSettings:
         """``choice`` with the ``vmap_axes`` its call maps with (NOTE: [Found vmap_axes])."""
         axes, reason = self.vmap_axes, None
         if self.finds_axes:
-            facts = self.planner.facts(plan_key(self.f, shape_key, self.planner.fingerprints))
+            facts = self.planner.facts(self._plan_key(shape_key))
             axes, reason = (None if facts.found_axes is UNDECIDED else facts.found_axes), facts.found_reason
         shown = None
         if axes is not None and not (is_all_none(axes.in_axes) and axes.kwargs_axes is None):
@@ -603,7 +608,7 @@ class NtkSettings:
         if self.finds_axes:  # NOTE: [Found vmap_axes]: the key's first call decides them
             found = self.found(x1, x2, params, kwargs, shape_key)
             if found is self:  # only the trial: without axes, batch computes block by block
-                key = plan_key(self.f, shape_key, self.planner.fingerprints)
+                key = self._plan_key(shape_key)
                 options = dict(
                     for_ntk=True, computes_ntk="ntk" in names, forward_run_length=forward_runs, shape_key=key,
                     needs_outputs="nngp" in names, admit=False, caller=None,

@@ -115,7 +115,7 @@ def structure_fingerprint(
             ))
     fingerprint = tuple(entries)
     if memo is not None:
-        walk = _LastWalk(_weak(module), tuple(walked), fingerprint, hash(fingerprint))
+        walk = _LastWalk(_weak(module), tuple(walked), fingerprint, hashed(fingerprint))
         memo.last = walk if all(one.module is not None for one in walk.modules) and walk.module is not None else None
     return fingerprint
 
@@ -162,8 +162,15 @@ class FingerprintMemo:
         return last.hash if last is not None and last.fingerprint is fingerprint else hash(fingerprint)
 
     def hashed(self, fingerprint: tuple) -> "HashedFingerprint":
-        """``fingerprint`` as a part of a key that hashes it once: :class:`HashedFingerprint`."""
-        return HashedFingerprint(fingerprint, self.hash_of(fingerprint))
+        """``fingerprint`` as a part of a key that hashes it once (:class:`HashedFingerprint`): the
+        last walk's own where it is that walk's, so keys compare it by identity."""
+        last = self.last
+        return last.hashed if last is not None and last.fingerprint is fingerprint else hashed(fingerprint)
+
+
+def hashed(fingerprint: tuple) -> "HashedFingerprint":
+    """``fingerprint`` hashed once, for a key (:class:`HashedFingerprint`)."""
+    return HashedFingerprint(fingerprint, hash(fingerprint))
 
 
 class HashedFingerprint:
@@ -206,7 +213,11 @@ class _LastWalk:
     module: Optional[weakref.ref]
     modules: tuple[_Walked, ...]
     fingerprint: tuple
-    hash: int
+    hashed: HashedFingerprint
+
+    @property
+    def hash(self) -> int:
+        return hash(self.hashed)
 
 
 def _unchanged(walked: tuple[_Walked, ...], modes: list) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._model.fingerprint import FingerprintMemo, structure_fingerprint
+from .._model.fingerprint import FingerprintMemo, hashed, structure_fingerprint
 from .._utils.tree import Flat, is_all_none
 from .._utils.types import Model
 from .._utils.values import leaf_key
@@ -47,15 +47,9 @@ class PlanKey:
 
     __slots__ = ("parts", "_hash")
 
-    def __init__(self, parts: tuple, structure_hash: Optional[int] = None):
-        """``parts``: ``(shape key, structure fingerprint, modes)`` of a module, or ``(shape key,
-        id, None)``; ``structure_hash``: the fingerprint's hash where its memo knows it (NOTE:
-        [Unchanged modules])."""
+    def __init__(self, parts: tuple):
         self.parts = parts
-        shape_key, structure, modes = parts
-        if structure_hash is None:
-            structure_hash = hash(structure)
-        self._hash = hash((shape_key, structure_hash, modes))
+        self._hash = hash(parts)
 
     def __hash__(self) -> int:
         return self._hash
@@ -74,4 +68,5 @@ def plan_key(f: Model, shape_key: tuple, memo: Optional[FingerprintMemo] = None)
         return PlanKey((shape_key, id(f), None))
     modes: list[bool] = []
     structure = structure_fingerprint(f, modes, memo)  # one walk for both
-    return PlanKey((shape_key, structure, tuple(modes)), None if memo is None else memo.hash_of(structure))
+    # hashed once (NOTE: [Unchanged modules]): the last walk's where nothing changed
+    return PlanKey((shape_key, hashed(structure) if memo is None else memo.hashed(structure), tuple(modes)))
