@@ -225,6 +225,9 @@ def test_structured_plan_is_redone_when_later_spans_run_other_operations(monkeyp
         for _ in range(3):  # first, warm, later
             assert_kernels_close(direct(x1, x2, params), expected, rtol=1e-10, atol=1e-12)
         assert thorough == [False, True]
+    captured = torchntk.empirical_ntk_fn(f, vmap_axes=0, implementation=3, compile="eager")
+    for _ in range(3):  # the first call (eager, the plan redone), its capture, replays
+        assert_kernels_close(captured(x1, x2, params), expected, rtol=1e-10, atol=1e-12)
 
 
 def _pretend_the_module_lives_elsewhere(monkeypatch):
