@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = ("mlp", "cnn", "resnet18", "mobilenet", "bert", "lstm")
 
 STAGES = {
-    "vmap_axes trial": ("torchntk._kernel.settings", "NtkSettings", "_trial"),
+    "vmap_axes trial": ("torchntk._kernel.preparation", None, "trial"),
     "output check": ("torchntk._call.vmap_check", "VmapAxesCheck", "outputs"),
     "derivative check": ("torchntk._call.vmap_check", "VmapAxesCheck", "derivatives"),
     "AUTO's choice": ("torchntk._implementations.auto", None, "choose"),

@@ -120,7 +120,7 @@ def test_auto_choice_prices_the_call_as_the_kernel_function_prepares_it(monkeypa
     """The choice is cached per input shapes, so ``auto_choice`` before the first call and the
     first call itself must price the same call, working-set runs included (NOTE: [Working-set
     runs]): they once differed, and a GPT-2 kernel computed with 3 where auto_choice said 1."""
-    monkeypatch.setattr(torchntk._kernel.settings, "working_set_run_length", lambda examples, written, element: 2)
+    monkeypatch.setattr(torchntk._kernel.preparation, "working_set_run_length", lambda examples, written, element: 2)
     model = _wide()
     x1, x2 = _inputs(16, 6, 4)
     asked_first = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import torchntk
-from torchntk._kernel.settings import NtkSettings
+from torchntk._kernel import preparation
 from torchntk.testing import assert_kernels_close, reference_ntk
 
 pytestmark = pytest.mark.cpu_only("vmap's data-dependent errors as raised on the CPU; the choice is priced for the CPU")
@@ -60,11 +60,11 @@ def _priced(monkeypatch, loop: float, whole: float) -> list:
     """Replaces the prices (loop, whole batches); returns the calls that priced."""
     priced = []
 
-    def price(self, call, shape_key):
+    def price(settings, call, shape_key):
         priced.append(call.side1.loop)
         return loop if call.side1.loop else whole
 
-    monkeypatch.setattr(NtkSettings, "_price", price)
+    monkeypatch.setattr(preparation, "_price", price)
     return priced
 
 
@@ -126,13 +126,11 @@ def test_the_cost_model_prices_both_and_either_choice_is_exact():
 
 def test_the_price_of_the_loop_follows_the_cost_model_and_its_overhead(monkeypatch):
     """Real prices, no mock: raising the loop's per-example overhead turns the choice to whole batches."""
-    import torchntk._kernel.settings as settings
-
     model, x1, x2 = _model(), _molecules(6, 1), _molecules(4, 2)
-    monkeypatch.setattr(settings, "LOOP_EXAMPLE_FLOPS", 0.0)
+    monkeypatch.setattr(preparation, "LOOP_EXAMPLE_FLOPS", 0.0)
     low = torchntk.empirical_ntk_fn(model)
     low(x1, x2)
-    monkeypatch.setattr(settings, "LOOP_EXAMPLE_FLOPS", 1e15)
+    monkeypatch.setattr(preparation, "LOOP_EXAMPLE_FLOPS", 1e15)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torchntk.ExampleLoopWarning)
         high = torchntk.empirical_ntk_fn(model)

@@ -46,7 +46,7 @@ class _PreparedInFull:
             self.count += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr("torchntk._kernel.settings.prepare_call", counted)
+        monkeypatch.setattr("torchntk._kernel.preparation.prepare_call", counted)
 
 
 @IMPLEMENTATIONS

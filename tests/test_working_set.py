@@ -280,13 +280,13 @@ def test_autos_pick_of_3_runs_with_3s_runs(monkeypatch):
     structured = torchntk.NtkImplementation.STRUCTURED_DERIVATIVES
     expected_runs = working_set_run_length(8, activations.written + 3 * activations.parameter_outputs, 8)
     assert expected_runs is not None and expected_runs < 4
-    chosen = torchntk._kernel.settings.memory_plan
+    chosen = torchntk._kernel.execution.memory_plan
 
     def picks_3(table, implementation, *rest):  # AUTO's choice, made to be 3
         plan = chosen(table, implementation, *rest)
         return dataclasses.replace(plan, implementation=structured)
 
-    monkeypatch.setattr(torchntk._kernel.settings, "memory_plan", picks_3)
+    monkeypatch.setattr(torchntk._kernel.execution, "memory_plan", picks_3)
     ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0, memory="64GB")
     kind = type(ntk_fn._settings.table[structured])
     seen: list = []

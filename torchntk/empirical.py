@@ -8,7 +8,7 @@ x1 work. Keyword arguments given as a 2-tuple are split: the first element goes 
 second with x2.
 
 The module holds the four public builders and little else (the shared machinery is in
-``_kernel/settings.py``); it is over 400 lines because of their docstrings.
+``_kernel/``); it is over 400 lines because of their docstrings.
 
 Kernel shapes follow NOTE: [Kernel layout] in ``torchntk/_layout/kernel_layout.py`` and the "Kernel layout"
 page of the documentation: output axes in order, kept axes doubled (x1 then x2), diagonal axes
@@ -40,7 +40,8 @@ from ._call.vmap_axes import parse_vmap_axes, split_kwargs
 from ._implementations.nngp import nngp
 from ._kernel.block_source import BlockRequest, BlockSource
 from ._kernel.kernel_function import KernelFnSpec, KernelFunction
-from ._kernel.settings import FORWARD_RUN, NtkOptions, NtkSettings, input_shape_key
+from ._kernel.block_source import FORWARD_RUN
+from ._kernel.settings import NtkOptions, NtkSettings, input_shape_key
 from ._layout.notices import OutputNotices
 from ._memory import NEEDS_BLOCKS, CallerPlan
 from ._model.functional import functional_model, warn_training_mode

@@ -7,7 +7,9 @@ no batching rule, Hugging Face's padding-mask code branches on tensor values. Su
 a :class:`~torchntk._call.per_example.VmapLimitation` (from the vmap region itself, or from
 ``VmapAxesCheck`` once it has seen the same examples agree with the batch without vmap). A kernel
 function then computes the call again with its examples mapped by a Python loop (NOTE: [Example
-loops]) and remembers, per plan key, that vmap failed, so later calls start with the loop.
+loops]) and remembers, per plan key, that vmap failed, so later calls start with the loop
+(``looped_where_vmap_fails`` in ``_kernel/execution.py``, for a first call's checks and for the
+implementations' passes alike).
 The loop evaluates the same per-example function, so the ``vmap_axes`` checks still apply to it
 (a model that couples examples is still an error). It warns once per kernel function with
 :class:`ExampleLoopWarning`, which says what the loop costs.

@@ -76,7 +76,7 @@ def candidate_vmap_axes(x1: Any, x2: Any, kwargs: Mapping[str, Any]) -> Optional
     leaves all lead with the examples (an attention mask), the others passed whole. They are tried
     only where every input leaf is a tensor of at least two dimensions whose leading size is its
     side's number of examples, and adopted only when NOTE: [Checking vmap_axes] passes on the first
-    call of a key (``_kernel/settings.py``) and the kernel's layout keeps the leading output axis
+    call of a key (``_kernel/preparation.py``) and the kernel's layout keeps the leading output axis
     (so that the same ``trace_axes`` mean the same kernel with and without axes): structural
     coupling (batch statistics, dropout in training mode), per-example outputs that differ from
     the whole batch's, or derivatives that differ, keep the whole-batch computation for that key,

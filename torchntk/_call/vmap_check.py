@@ -502,7 +502,7 @@ class PendingDerivatives:
     (:meth:`settle`), so every failure is still found and explained by the same messages.
 
     A kernel function defers the check this way only on calls that compute the NTK right after
-    with AUTO or implementation 3 (``_kernel/settings.py``, ``_settle_derivatives``), and settles
+    with AUTO or implementation 3 (``_kernel/preparation.py``, ``_settle_derivatives``), and settles
     it before the call goes on, on the first call of a key: later calls never see it.
     """
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -26,8 +26,21 @@ from .._call.finite import all_finite, raise_for_non_finite_outputs
 from .._call.kernel_call import KernelCall
 from .._call.outputs import combine
 from .._call.per_example import Side
+from .._implementations import policy
+from .._implementations.memory import modelled_peak
 from .._implementations.nngp import nngp
 from .._layout.kernel_layout import KernelLayout
+from .._plan import input_shape_key
+from .preparation import trial
+
+if TYPE_CHECKING:
+    from .settings import NtkSettings
+
+FORWARD_RUN = 256
+"""Examples per whole-batch forward pass of a batched call (``open_blocks``), at least the block
+size. A forward pass without gradients holds a small part of what an example's derivatives
+need, so runs this long bound memory without paying a model call per small block (32 calls of
+16 examples cost 10 ms more than 2 of 256 on the benchmark MLP)."""
 
 
 @dataclass
@@ -138,3 +151,52 @@ def nbytes(data: Any) -> int:
     if len(leaves) == 1 and leaves[0] is data:
         return 0
     return sum(nbytes(leaf) for leaf in leaves)
+
+
+def open_blocks(
+    settings: NtkSettings, request: BlockRequest, x1: Any, x2: Any, params: Any, kwargs: dict, *,
+    names: tuple[str, ...], bare: bool, where: str,
+) -> Optional[BlockSource]:
+    """The call as a :class:`BlockSource` for ``batch``, or None without ``vmap_axes`` (see
+    NOTE: [Prepared spans]); the NNGP's forward passes are mapped by ``vmap_axes`` too."""
+    forward_runs = None if request.block_size is None else max(request.block_size, FORWARD_RUN)
+    shape_key = input_shape_key(x1, x2, params, kwargs)
+    if settings.finds_axes:  # NOTE: [Found vmap_axes]: the key's first call decides them
+        found = settings.found(x1, x2, params, kwargs, shape_key)
+        if found is settings:  # only the trial: without axes, batch computes block by block
+            key = settings.key_of(shape_key)
+            options = dict(
+                for_ntk=True, computes_ntk="ntk" in names, forward_run_length=forward_runs, shape_key=key,
+                needs_outputs="nngp" in names, admit=False, caller=None,
+            )
+            trial(settings, key, x1, x2, params, kwargs, where, options)
+            found = settings.found(x1, x2, params, kwargs, shape_key)
+        return found.open_blocks(request, x1, x2, params, kwargs, names=names, bare=bare, where=where)
+    if not settings.maps_examples:
+        return None  # before any forward pass: without vmap_axes the model sees whole batches
+    call = settings.prepare(
+        x1, x2, params, kwargs, where, computes_ntk="ntk" in names, forward_run_length=forward_runs,
+        shape_key=shape_key, needs_outputs="nngp" in names,  # the NTK's spans read output shapes only
+    )
+    if not call.side1.mapped:
+        return None
+    plan = None
+    spans = settings.planner.scope(call.plan_key, "blocks")  # planned apart from whole calls
+    if "ntk" in names:
+        n1 = call.side1.batch_size()
+        n2 = n1 if call.reuses_x1 else call.side2.batch_size()
+        block = (min(n1, request.block_size or n1), min(n2, request.block_size or n2))
+        plan = policy(settings.table, settings.implementation).blocks(call, spans, block)
+    span_memory = None
+    if plan is not None and plan.implementation is not None:
+        implementation, structured = plan.implementation, plan.structured
+
+        def span_memory(length: int) -> float:
+            """NOTE: [Memory plans]: two spans of ``length`` prepared and contracted (no result)."""
+            peak = modelled_peak(call, spans, implementation, length, structured, cut=True)
+            return peak.derivatives
+
+    return BlockSource(
+        call, plan, names, bare=bare, thread_safe=settings.thread_safe, span_memory=span_memory,
+        explains_non_finite=settings.check_vmap_axes is not False,
+    )

@@ -21,8 +21,9 @@ NOTE: [Memory plans]). None of these depends on tensor values, so each is decide
 * A warm call is the key's lookup, the binding of its tensors to the template (the model's
   private copies, both sides) and the plan's execution: no forward pass, no check, no decision.
 
-``_kernel/settings.py`` runs the stage (:class:`~torchntk._plan.stage.Planner` holds the plans
-of one kernel function); ``batch`` asks the same settings for its spans. A plan is replaced, never
+``_kernel/`` runs the stage (``preparation.py`` prepares a call from its plan, ``execution.py``
+computes it; :class:`~torchntk._plan.stage.Planner` holds the plans of one kernel function);
+``batch`` asks the same settings for its spans. A plan is replaced, never
 changed: a new fact (a switch to the example loop) makes a new plan, and so does a memory plan
 that no longer fits the budget.
 """

@@ -31,7 +31,7 @@ import torch
 from .._implementations.memory import result_bytes
 from .._kernel.block_source import BlockRequest, BlockSource
 from .._kernel.kernel_function import KernelFnSpec, KernelFunction, spec_of, sync_replica
-from .._kernel.settings import FORWARD_RUN
+from .._kernel.block_source import FORWARD_RUN
 from .._memory import NEEDS_BLOCKS, CallerPlan, memory_argument, resolve_budget
 from .._model.fingerprint import structure_fingerprint
 from .._utils import checks as _checks
