@@ -46,7 +46,6 @@ from .working_set import forward_mode_tangents, working_set_run_length
 if TYPE_CHECKING:
     from .settings import NtkSettings
 
-
 _STRUCTURED = NtkImplementation.STRUCTURED_DERIVATIVES
 
 _PLAN_CHECKED = (NtkImplementation.AUTO, NtkImplementation.STRUCTURED_DERIVATIVES)
