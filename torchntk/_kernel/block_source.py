@@ -8,8 +8,9 @@ better: its implementation's :class:`~torchntk._call.blocks.BlockPlan` prepares 
 once and contracts any two prepared runs. A :class:`BlockSource` wraps one validated call of the
 kernel function on all of x1 and x2 and exposes exactly that: ``prepare`` a span of one side,
 ``contract`` two prepared spans into the kernel function's result for those examples
-(normalised, with the NNGP too when ``get`` asks for it). ``batch`` decides the spans, caches
-prepared spans of x2 and writes the results.
+(normalised, with the NNGP too when ``get`` asks for it); :func:`open_blocks` makes one from a
+kernel function's settings. ``batch`` decides the spans, caches prepared spans of x2 and writes
+the results.
 """
 
 from __future__ import annotations
