@@ -52,7 +52,7 @@ def ntk(settings: NtkSettings, call: KernelCall, caller: Optional[CallerPlan] = 
 
     def planned(call: KernelCall) -> Any:
         # NOTE: [Memory plans]: refused, or given a chunk_size, before any derivative is taken
-        # (inside `computed`: implementation 3's plan may need the example loop too)
+        # (inside looped_where_vmap_fails: implementation 3's plan may need the example loop too)
         try:
             plan = settings.planner.memory_plan(
                 call.plan_key, _memory_choices(call), budget,
@@ -74,7 +74,10 @@ def ntk(settings: NtkSettings, call: KernelCall, caller: Optional[CallerPlan] = 
 
     def compute() -> PyTree:
         with serialised(settings.thread_safe), explained(call.where):  # NOTE: [Threads]
-            kernels = _computed(settings, call, planned)
+            kernels = looped_where_vmap_fails(
+                settings, call.plan_key, call.where, lambda loop: planned(call.looped() if loop else call),
+                call.side1.mapped and not call.side1.loop,
+            )
             if kernels is NEEDS_BLOCKS:
                 return kernels
             settings.explain_non_finite(call, kernels)
@@ -111,14 +114,6 @@ def looped_where_vmap_fails(
         settings.planner.learn(key, example_loop=True)
         settings.example_loops.switch(error, where)
         return result
-
-
-def _computed(settings: NtkSettings, call: KernelCall, compute: Callable[[KernelCall], Any]) -> Any:
-    """``compute(call)``, again with an example loop if vmap fails on the model."""
-    mapped = call.side1.mapped and not call.side1.loop
-    return looped_where_vmap_fails(
-        settings, call.plan_key, call.where, lambda loop: compute(call.looped() if loop else call), mapped
-    )
 
 
 def _explained(settings: NtkSettings, refusal: KernelMemoryError, call: KernelCall) -> KernelMemoryError:
