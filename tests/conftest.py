@@ -15,9 +15,10 @@ not import, and the summary says which and why.
 """
 
 import collections
+import os
 import pathlib
 import sys
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 import torch
@@ -41,6 +42,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--device", default="cpu",
         help="device of the shared test models and inputs (tests/cases.py), e.g. cuda or cuda:1; default: cpu",
     )
+
+
+# The most memory one test process (a pytest-xdist worker, with the children it starts) holds at
+# once, with room to spare: docs/benchmarks.md ("The test suite in one process per core").
+_WORKER_BYTES = 6 * 2**30
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: no error where it is not installed
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> Optional[int]:
+    """``-n auto``: one worker per core this process may use, but no more than the available memory
+    holds (:data:`_WORKER_BYTES` each), at least one. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # pytest-xdist's own hook reads it
+    from torchntk import _memory
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    memory = _memory.available_bytes(torch.device("cpu")) // _WORKER_BYTES
+    return max(1, int(min(cores, memory)))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,7 +95,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-_CPU_ONLY_REASONS = pytest.StashKey[collections.Counter]()
+_CPU_ONLY_PROPERTY = "cpu_only"
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection, so that only the tests that run are counted
@@ -84,7 +103,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from tests import cases
 
     elsewhere = cases.DEVICE.type != "cpu"
-    reasons: collections.Counter = collections.Counter()
     for item in items:
         cuda_marker = item.get_closest_marker("cuda_only")
         if cuda_marker is not None:
@@ -97,8 +115,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker is not None:
             reason = _marker_reason(item, marker)  # checked on every run, so that CPU runs catch a missing one
             if elsewhere:
-                reasons[reason] += 1
-    config.stash[_CPU_ONLY_REASONS] = reasons
+                # On the test's report, not in this process: under pytest-xdist the workers collect
+                # and run the tests, and only their reports reach the process that prints the summary.
+                item.user_properties.append((_CPU_ONLY_PROPERTY, reason))
 
 
 def _marker_reason(item: pytest.Item, marker: pytest.Mark) -> str:
@@ -112,7 +131,13 @@ def _marker_reason(item: pytest.Item, marker: pytest.Mark) -> str:
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     _summarise_optional_libraries(terminalreporter)
-    reasons = config.stash.get(_CPU_ONLY_REASONS, None)
+    reasons: collections.Counter = collections.Counter(
+        value
+        for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+        if report.when == "call"
+        for name, value in report.user_properties
+        if name == _CPU_ONLY_PROPERTY
+    )
     if not reasons:
         return
     device = config.getoption("--device")

@@ -83,13 +83,13 @@ def test_batched_equals_unbatched(n1, n2, batch_size, devices, store_on_device):
 
 
 @pytest.mark.slow
-def test_batched_equals_unbatched_full_grid():
-    for n1, n2 in SIZES:
-        combinations = itertools.product(LAYOUTS, (1, 2, 3), (False, True), BATCH_SIZES, WORKERS, (True, False))
-        for index, (layout, implementation, same, batch_size, devices, store_on_device) in enumerate(combinations):
-            # Shifted every 4 so that the innermost (devices, store_on_device) pairs meet every mode.
-            mode = MODES[(index + index // 4) % len(MODES)]
-            _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_device, mode)
+@pytest.mark.parametrize("n1, n2", SIZES)  # one test per size, so that pytest-xdist's workers share the grid
+def test_batched_equals_unbatched_full_grid(n1, n2):
+    combinations = itertools.product(LAYOUTS, (1, 2, 3), (False, True), BATCH_SIZES, WORKERS, (True, False))
+    for index, (layout, implementation, same, batch_size, devices, store_on_device) in enumerate(combinations):
+        # Shifted every 4 so that the innermost (devices, store_on_device) pairs meet every mode.
+        mode = MODES[(index + index // 4) % len(MODES)]
+        _check(n1, n2, layout, implementation, same, batch_size, devices, store_on_device, mode)
 
 
 def test_spans_prepare_each_example_once_and_reuse_cached_x2_spans(monkeypatch):

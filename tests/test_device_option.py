@@ -54,10 +54,13 @@ def test_cpu_only_tests_see_the_cpu(device: torch.device) -> None:
     assert make_x1_x2(case)[0].device.type == "cpu"
 
 
-def test_cpu_only_tests_run_on_the_cpu_and_the_summary_says_why() -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_cpu_only_tests_run_on_the_cpu_and_the_summary_says_why(workers: list[str]) -> None:
     # The meta device stands in for a GPU here: a cpu_only test must still run, on the CPU, and pass.
+    # Under pytest-xdist the summary is printed by a process that ran no test: the count comes with
+    # the workers' reports.
     done = run_python(
-        "-m", "pytest", "-p", "no:cacheprovider", "--device", "meta",
+        "-m", "pytest", "-p", "no:cacheprovider", "--device", "meta", *workers,
         f"{ROOT / 'tests' / 'test_device_option.py'}::test_cpu_only_tests_see_the_cpu", timeout=120,
     )
     assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr

@@ -159,7 +159,7 @@ def test_the_readme_sets_up_top_to_bottom():
     assert _commands(setup.code) == [
         "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu",
         'pip install -e ".[test]"',
-        "python -m pytest",
+        "python -m pytest -n auto",
     ]
 
 
@@ -174,7 +174,7 @@ def _ci_matrix() -> list[dict[str, str]]:
 def test_ci_runs_the_readme_set_up():
     commands = _commands((ROOT / ".ci" / "run").read_text().replace("\\\n", " "))
     installs = [i for i, command in enumerate(commands) if command.endswith('-m pip install --quiet -e ".[test]"')]
-    tests, slow = commands.index('"$python" -m pytest'), commands.index('"$python" -m pytest -m slow')
+    tests, slow = commands.index('"$python" -m pytest -n auto'), commands.index('"$python" -m pytest -m slow -n auto')
     assert installs and max(installs) < tests < slow
     # torch pinned in every install that names it, so that nothing pulls another build.
     for command in commands:
