@@ -44,8 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-# The most memory one test process (a pytest-xdist worker, with the children it starts) holds at
-# once, with room to spare: docs/benchmarks.md ("The test suite in one process per core").
+# The memory one test process (a pytest-xdist worker, with the children it starts) is given: the
+# slow run's largest was 7.3 GB, one child of the memory grid; the fast run's 3.4 GB, and most
+# tests hold far less (docs/benchmarks.md, "The test suite in one process per core").
 _WORKER_BYTES = 6 * 2**30
 
 
