@@ -21,7 +21,9 @@ from torchntk._implementations.counting import _CountingMode
 from torchntk._implementations.memory import FORWARD_LIVE, kept_sizes, modelled_peak
 from torchntk._kernel import working_set
 from torchntk._kernel.settings import input_shape_key
-from torchntk._kernel.working_set import WORKING_SET_BYTES, forward_mode_tangents, working_set_run_length
+from torchntk._kernel.working_set import (
+    FRESH_PAGES_BYTES, WORKING_SET_BYTES, forward_mode_tangents, working_set_run_length,
+)
 from torchntk._layout.runs import forward_mode_passes, runs
 from torchntk.testing import assert_kernels_close, reference_ntk
 
@@ -60,13 +62,31 @@ def test_working_set_runs_are_as_few_as_the_bound_allows_and_of_equal_lengths(ex
 # -- implementation 2: tangents per forward-mode pass ---------------------------------------------
 
 
-def test_forward_mode_tangents_keep_a_pass_within_the_working_set():
-    assert forward_mode_tangents(16, 1000, 100, 4, 24) is None  # small activations: 24 a pass
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA], ids=["cpu", "cuda"])
+def test_forward_mode_tangents_keep_a_pass_within_the_working_set(device):
+    assert forward_mode_tangents(16, 1000, 100, 4, 24, device) is None  # small activations: 24 a pass
     largest = 256_000  # RoBERTa's logits per example at 32 tokens (an 8000-word vocabulary)
-    tangents = forward_mode_tangents(16, largest, 8 * 768, 4, 24)
+    tangents = forward_mode_tangents(16, largest, 8 * 768, 4, 24, device)
     per_tangent = 4 * (FORWARD_LIVE * 16 * largest + 8 * 768)
+    # where the working set bounds the passes, the fresh-pages bound does not lower them further:
+    # fewer tangents would make x2's runs shorter and evaluate x1's primal more often
     assert tangents == 10 and tangents * per_tangent <= WORKING_SET_BYTES < (tangents + 1) * per_tangent
-    assert forward_mode_tangents(1, WORKING_SET_BYTES, 0, 4, 24) == 1  # at least one
+    assert forward_mode_tangents(1, WORKING_SET_BYTES, 0, 4, 24, device) == 1  # at least one
+
+
+def test_forward_mode_tangents_keep_a_cpu_pass_s_largest_activation_below_fresh_pages():
+    # the grid CNN at scale 2: 32 channels of 16 x 16 per example, 64 examples of x1, float32
+    activation = 4 * 64 * 32 * 16 * 16
+    assert 24 * (FORWARD_LIVE * activation + 4 * 9216) <= WORKING_SET_BYTES  # the working set allows 24
+    tangents = forward_mode_tangents(64, 32 * 16 * 16, 9216, 4, 24, CPU)
+    assert tangents == 12 and tangents * activation <= FRESH_PAGES_BYTES < (tangents + 1) * activation
+    assert forward_mode_tangents(64, 32 * 16 * 16, 9216, 4, 24, CUDA) is None  # the caching allocator reuses
+    assert forward_mode_tangents(32, 32 * 16 * 16, 9216, 4, 24, CPU) is None  # 24 fit: unchanged
+    assert forward_mode_tangents(64, FRESH_PAGES_BYTES, 0, 1, 24, CPU) == 1  # at least one
+    assert FRESH_PAGES_BYTES < 32 * 2**20  # below glibc's largest threshold for mapping an allocation alone
 
 
 class _Wide(nn.Module):
@@ -185,6 +205,30 @@ def test_implementation_2_keeps_24_tangents_a_pass_where_activations_are_small(m
     _three_calls(ntk_fn, x1, None, reference_ntk(model, x1, None, trace_axes=()))
     assert max(tangents for tangents, _ in passes) > 3  # 32 columns: two passes of 16
     assert all(examples == 8 for _, examples in passes)
+
+
+@pytest.mark.parametrize("x2_given", [True, False], ids=["x2", "x2-None"])
+def test_implementation_2_keeps_a_cpu_pass_s_largest_activation_within_fresh_pages_on_every_call(x2_given, monkeypatch):
+    torch.manual_seed(0)
+    model = _Wide().to(F64)
+    x1 = torch.randn(8, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+    x2 = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(2)) if x2_given else None
+    probe = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=2)
+    call, scope = _prepared(probe, x1, x2)
+    assert call.tangents_per_pass is None  # the working set allows 24 a pass over all of x1
+    sizes = kept_sizes(call, scope)
+    per_tangent_example = sizes.element * sizes.side1.activations.largest
+    # room for four tangents over all of x1 (32 tangent-examples) within the bound
+    monkeypatch.setattr(working_set, "FRESH_PAGES_BYTES", 4.5 * 8 * per_tangent_example)
+    passes = _passes(monkeypatch)
+    ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=2)
+    assert _prepared(ntk_fn, x1, x2)[0].tangents_per_pass == 4
+    _three_calls(ntk_fn, x1, x2, reference_ntk(model, x1, x2, trace_axes=()))
+    assert passes and max(tangents * examples for tangents, examples in passes) <= 4 * 8
+    # NOTE: [Forward-mode passes over runs of x1]: more tangents a pass, over runs of x1
+    assert max(tangents for tangents, _ in passes) > 4 and min(examples for _, examples in passes) < 8
+    columns = (5 if x2_given else 8) * 4
+    assert sum(tangents * examples for tangents, examples in passes) == 3 * columns * 8  # every column once a call
 
 
 def test_auto_prices_implementation_2_with_the_bound(monkeypatch):

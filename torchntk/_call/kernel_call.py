@@ -88,8 +88,9 @@ class KernelCall:
             forms a cotangent per basis vector for every output of an operation that consumes a
             parameter (NOTE: [Working-set runs]). None elsewhere.
         tangents_per_pass: the tangents one forward-mode pass of implementation 2 carries at most,
-            where its activations would otherwise exceed that bound (``forward_mode_tangents``), or
-            None (``TANGENTS_PER_PASS``).
+            where its activations would otherwise exceed that bound, or on the CPU its largest
+            activation the fresh-pages bound (``forward_mode_tangents``), or None
+            (``TANGENTS_PER_PASS``).
         plan_key: the key of the call's plan (NOTE: [Plan keys] in ``_plan/key.py``), under which
             what the call learns (a switch to the example loop) is kept; None outside a kernel function.
         derivative_check: the derivative check of a key's first call, left to the plan and settled

@@ -163,7 +163,7 @@ def _within_working_set(
     if products:
         changes["tangents_per_pass"] = forward_mode_tangents(
             sizes.side1.examples, sizes.side1.activations.largest, max(sizes.param_sizes, default=0),
-            sizes.element, TANGENTS_PER_PASS,
+            sizes.element, TANGENTS_PER_PASS, call.outputs1[0].device,
         )
     return replace(call, **changes)
 

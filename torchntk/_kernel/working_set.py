@@ -38,6 +38,21 @@ and took the process to 1,449-1,588 MB above its start; at most 10 (the bound) t
 carries all tangents of a run of x2 over runs of x1 instead (NOTE: [Forward-mode passes over runs
 of x1] in ``_implementations/ntk_vector_products.py``). Models with small activations (the
 benchmark MLP and CNN, ResNet-18 at 32x32) keep 24 tangents a pass over all of x1.
+
+On the CPU a second bound applies where the working set leaves 24 tangents a pass: the pass's
+largest activation (tangents times x1's examples) stays within :data:`FRESH_PAGES_BYTES`. glibc's
+malloc maps every allocation of 32 MiB or more on its own and unmaps it when it is freed, so each
+such tensor of every pass comes as fresh pages that the kernel faults in and zeroes; an
+elementwise step over them then costs many times its arithmetic (a ReLU's backward mask over 40
+MiB took 96 ms inside a pass, 0.66 ms alone). Fewer tangents a pass also put the passes over runs
+of x1, whose primal is evaluated once per run of x2 instead of once per 24 tangents. Measured on
+the grid CNN at scale 2 (32 channels of 16x16, 64 examples, full kernel, one thread), 20
+tangents a pass over all of x1 (40 MiB activations) took 31-38 s a warm call, 12 a pass 16-19 s,
+and glibc kept from unmapping (``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set high)
+14 s (``docs/benchmarks.md``). Where the working set already bounds the passes, this bound does not
+lower them further: fewer tangents there make x2's runs shorter and evaluate x1's primal more
+often (a RoBERTa-base-size head set at N = 16: 5.3 s with 10 tangents a pass, 8.9 s with 1). On
+CUDA the caching allocator keeps freed blocks, and the bound does not apply.
 """
 
 from __future__ import annotations
@@ -45,11 +60,17 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
+
 from .._implementations.memory import FORWARD_LIVE
 from .._layout.runs import even_length
 
 WORKING_SET_BYTES = 512 * 2**20
 """The activations one run of a per-example pass may hold."""
+FRESH_PAGES_BYTES = 24 * 2**20
+"""On the CPU, the largest activation of one of implementation 2's forward-mode passes (all its
+tangents and examples): below glibc's largest threshold for mapping an allocation on its own (32
+MiB), so that malloc reuses the memory of the pass before (NOTE: [Working-set runs])."""
 
 
 def working_set_run_length(examples: int, written_per_example: float, element: int) -> Optional[int]:
@@ -71,13 +92,25 @@ def working_set_run_length(examples: int, written_per_example: float, element: i
 
 def forward_mode_tangents(
     examples: int, largest_per_example: float, largest_parameter: float, element: int, at_most: int,
+    device: torch.device,
 ) -> Optional[int]:
     """Tangents per forward-mode pass of implementation 2 over ``examples`` examples (the whole x1
     batch; 1 without ``vmap_axes``, whose count is the whole batch's), each with a largest
     activation of ``largest_per_example`` elements, the largest parameter ``largest_parameter``
     elements: at most ``at_most``, and as many as keep the pass within :data:`WORKING_SET_BYTES`
-    (at least one). None when ``at_most`` already does."""
-    per_tangent = element * (FORWARD_LIVE * max(1, examples) * largest_per_example + largest_parameter)
-    if per_tangent * at_most <= WORKING_SET_BYTES:
-        return None
-    return max(1, math.floor(WORKING_SET_BYTES / per_tangent))
+    (at least one). None when ``at_most`` already does, except on the CPU where ``at_most``
+    tangents would make the pass's largest activation exceed :data:`FRESH_PAGES_BYTES`: then as
+    many as stay within that (NOTE: [Working-set runs]).
+
+    Example:
+        >>> cpu, cuda = torch.device("cpu"), torch.device("cuda")
+        >>> forward_mode_tangents(64, 8192, 9216, 4, 24, cpu), forward_mode_tangents(64, 8192, 9216, 4, 24, cuda)
+        (12, None)
+    """
+    activation = element * max(1, examples) * largest_per_example
+    fitting = WORKING_SET_BYTES / (FORWARD_LIVE * activation + element * largest_parameter)
+    if fitting < at_most:
+        return max(1, math.floor(fitting))
+    if device.type == "cpu" and activation * at_most > FRESH_PAGES_BYTES:
+        return max(1, math.floor(FRESH_PAGES_BYTES / activation))
+    return None
