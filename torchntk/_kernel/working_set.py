@@ -42,9 +42,9 @@ benchmark MLP and CNN, ResNet-18 at 32x32) keep 24 tangents a pass over all of x
 On the CPU a second bound applies where the working set leaves 24 tangents a pass: the pass's
 largest activation (tangents times x1's examples) stays within :data:`FRESH_PAGES_BYTES`. glibc's
 malloc maps every allocation of 32 MiB or more on its own and unmaps it when it is freed, so each
-such tensor of every pass comes as fresh pages that the kernel faults in and zeroes; an
-elementwise step over them then costs many times its arithmetic (a ReLU's backward mask over 40
-MiB took 96 ms inside a pass, 0.66 ms alone). Fewer tangents a pass also put the passes over runs
+such tensor of every pass comes as fresh pages that the kernel faults in and zeroes, which can
+cost several times an elementwise step's arithmetic (on CI's 2-core CPU a fresh 42 MiB tensor took
+39 ms to allocate and fill, an in-place add of the same size 9 ms). Fewer tangents a pass also put the passes over runs
 of x1, whose primal is evaluated once per run of x2 instead of once per 24 tangents. Measured on
 the grid CNN at scale 2 (32 channels of 16x16, 64 examples, full kernel, one thread), 20
 tangents a pass over all of x1 (40 MiB activations) took 31-38 s a warm call, 12 a pass 16-19 s,
