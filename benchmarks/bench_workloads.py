@@ -16,9 +16,9 @@ with the default ``check_vmap_axes=True`` or, suffixed ``f``, ``check_vmap_axes=
 examples (:func:`floor`), the arithmetic every method makes at least, against which each method's
 time is given as a ratio. Each kernel is checked against the first method's and timed as the
 median of ``--repeats`` warm calls, with the CPU time it took over its wall time (the cores it
-keeps busy); peak
-memory is the process' resident-set growth during the method's first call (Linux), reported when
-one method runs per process (``--methods``). The methods' warm calls alternate, round by round.
+keeps busy), and the seconds of its first call (its plan and checks; the first method of a
+process also pays PyTorch's lazy initialisation); peak memory is the process' resident-set growth
+during the method's first call (Linux), reported when one method runs per process (``--methods``). The methods' warm calls alternate, round by round.
 ``--extrapolate N`` times the kernel of N examples written by ``batch`` into a memmap with a
 progress file on 1, 2 and 3 blocks and extrapolates.
 
@@ -137,17 +137,20 @@ def floor(model, ids, mask, where):
     ]
 
 
-def measure(calls: dict, repeats: int) -> tuple[dict, dict, dict, dict]:
+def measure(calls: dict, repeats: int) -> tuple[dict, dict, dict, dict, dict]:
     """Each call warmed up once (plans, checks, caches), then ``repeats`` rounds timing every call
     in turn, so that a change of the machine's load falls on all of them alike. Returns the median
     seconds, the process CPU time over the wall time of the timed calls (the cores a method keeps
     busy; at most the threads torch is given, plus a little for other threads), the resident-set
     growth in MB of each call's warm-up (meaningful for the first call of a process only: the peak
-    is the process'), and the results."""
-    grown, kernels = {}, {}
+    is the process'), the seconds of that first call (its plan and checks; the first method of a
+    process also pays PyTorch's lazy initialisation), and the results."""
+    grown, first, kernels = {}, {}, {}
     for method, call in calls.items():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.perf_counter()
         kernels[method] = call()
+        first[method] = time.perf_counter() - start
         grown[method] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     times: dict = {method: [] for method in calls}
     cpu: dict = {method: [] for method in calls}
@@ -159,7 +162,7 @@ def measure(calls: dict, repeats: int) -> tuple[dict, dict, dict, dict]:
             cpu[method].append(time.process_time() - start_cpu)
     medians = {method: statistics.median(values) for method, values in times.items()}
     busy = {method: sum(cpu[method]) / sum(times[method]) for method in calls}
-    return medians, busy, grown, kernels
+    return medians, busy, grown, first, kernels
 
 
 def main() -> None:
@@ -189,8 +192,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, {TOKENS} tokens, "
           f"{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, median of {args.repeats}")
     print("| model | set | dtype | parameters | N | method | seconds | hand / method | method / floor | CPU / wall "
-          "| RSS growth MB | rel. diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| first call s | RSS growth MB | rel. diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, choice, dtype_name in itertools.product(*(args.models.split(","), args.sets.split(","),
                                                          args.dtypes.split(","))):
         dtype = getattr(torch, dtype_name)
@@ -210,7 +213,7 @@ def main() -> None:
                     if needed > 0.8 * available:
                         print(f"| {name} | {choice} | {dtype_name} | {count:,} | {n} | hand | needs "
                               f"{needed / 2**30:.1f} GiB of Jacobians, {available / 2**30:.1f} GiB available | | | | "
-                              f"| |", flush=True)
+                              f"| | |", flush=True)
                         continue
                     calls[method] = lambda: hand_written(model, ids, mask, where)  # noqa: E731
                 elif method == "floor":
@@ -221,7 +224,7 @@ def main() -> None:
                     if method.startswith("0"):
                         chosen = ntk_fn.auto_choice(ids, None, attention_mask=mask, rows=where).implementation
                         labels[method] = f"{method} (picks {int(chosen)})"
-            times, busy, grown, kernels = measure(calls, args.repeats)
+            times, busy, grown, first, kernels = measure(calls, args.repeats)
             reference = next((kernel for method, kernel in kernels.items() if method != "floor"), None)
             for method, seconds in times.items():
                 difference = "-"
@@ -231,7 +234,7 @@ def main() -> None:
                 above_floor = seconds / times["floor"] if "floor" in times else float("nan")
                 memory = f"{grown[method]:.0f}" if len(calls) == 1 else "-"
                 print(f"| {name} | {choice} | {dtype_name} | {count:,} | {n} | {labels.get(method, method)} | "
-                      f"{seconds:.3f} | {ratio:.2f} | {above_floor:.2f} | {busy[method]:.2f} | {memory} | "
+                      f"{seconds:.3f} | {ratio:.2f} | {above_floor:.2f} | {busy[method]:.2f} | {first[method]:.3f} | {memory} | "
                       f"{difference} |", flush=True)
         if args.extrapolate:
             extrapolated(model, name, args.vocab, args.extrapolate, args.block, args.extrapolate_method, dtype,

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchntk
 from tests.cases import N1, N2, ModelCase, _build, _normal, make_x1_x2, to_device
@@ -428,3 +431,68 @@ def test_the_plan_check_judges_entries_against_the_parameters_largest_terms_too(
     assert _compare(expected + torch.tensor([0.0, 1e-4, 0.0]), bound, expected) is not None
     assert _compare(expected * 1.01, bound, expected) is not None  # 1% off everywhere
     assert _compare(expected.double() + 1e-10, bound.double(), expected.double()) is not None  # float64 is tight
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The largest number of bytes held at once by storages that ops under it create (views and
+    ``out=`` results of storages made before it count nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holders: dict[int, int] = {}  # storage address -> live tensors seeing it
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for tensor in pytree.tree_leaves(out):
+            if not isinstance(tensor, Tensor) or tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+            if address not in self.holders:
+                if address in inputs or not storage.nbytes():
+                    continue  # a view or an out= result of a storage made before
+                self.holders[address] = 0
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+            self.holders[address] += 1
+            weakref.finalize(tensor, self._dropped, address, storage.nbytes())
+        return out
+
+    def _dropped(self, address: int, nbytes: int) -> None:
+        self.holders[address] -= 1
+        if not self.holders[address]:
+            del self.holders[address]
+            self.now -= nbytes
+
+
+def test_the_plan_check_compares_one_parameter_at_a_time():
+    """NOTE: [Streamed comparisons]: the check of 3's plan against autograd forms each parameter's
+    structured ``J^T v`` and its difference from autograd's as it goes, instead of every
+    parameter's at once: what it allocates stays within a few copies of the largest parameter,
+    where forming them all held two copies of every parameter (8 here). The same first, warm and
+    later call: the check runs on the first only, and the kernel is exact on all three."""
+    from torchntk._implementations import structured
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(128, 128), nn.Tanh())])
+    x = torch.randn(6, 128, dtype=torch.float64).float()
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    peaks = []
+
+    def measured(*args, **kwargs):
+        with _LiveBytes() as mode:
+            found = disagreements(*args, **kwargs)
+        peaks.append(mode.peak)
+        return found
+
+    disagreements = structured.disagreements
+    fn = torchntk.empirical_ntk_fn(model, implementation=3)
+    with mock.patch.object(structured, "disagreements", measured):
+        kernels = [fn(x) for _ in range(3)]
+    assert len(peaks) == 1, peaks  # the first call's check
+    assert 0 < peaks[0] <= 3 * largest, (peaks, largest)
+    reference = reference_ntk(model, x)
+    for kernel in kernels:
+        assert_kernels_close(kernel, reference)
