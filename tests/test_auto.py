@@ -682,8 +682,9 @@ class _Tied(nn.Module):
 
 
 def _contract_path_cost(equation: str, shapes: tuple) -> tuple[float, float]:
-    """``_contract.pair_cost`` the plain way: ``opt_einsum.contract_path``'s report, after summing
-    out the indices of one operand only."""
+    """``_contract.pair_cost`` the plain way: ``opt_einsum.contract_path``'s report for the order
+    the contraction takes (NOTE: [Contraction order]), after summing out the indices of one operand
+    only."""
     inputs, output = equation.split("->")
     terms = inputs.split(",")
     counts = collections.Counter(equation.replace(",", "").replace("->", ""))
@@ -693,10 +694,9 @@ def _contract_path_cost(equation: str, shapes: tuple) -> tuple[float, float]:
         summed += math.prod(shape) if len(keep) < len(term) else 0
         reduced_terms.append("".join(term[i] for i in keep))
         reduced_shapes.append(tuple(shape[i] for i in keep))
-    _, info = opt_einsum.contract_path(
-        ",".join(reduced_terms) + "->" + output, *reduced_shapes, shapes=True, optimize="optimal",
-        memory_limit=structured_contract._MAX_INTERMEDIATE,
-    )
+    reduced = ",".join(reduced_terms) + "->" + output
+    order = [list(step) for step in structured_contract._path(reduced, tuple(reduced_shapes))]
+    _, info = opt_einsum.contract_path(reduced, *reduced_shapes, shapes=True, optimize=order)
     return summed + float(info.opt_cost), float(info.largest_intermediate)
 
 

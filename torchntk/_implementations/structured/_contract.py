@@ -249,12 +249,77 @@ def _starts_within_a_side(equation: str, shapes: tuple, side1_operands: int) -> 
 
 @functools.lru_cache(maxsize=1024)
 def _path(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-    """opt_einsum's optimal order for ``equation``: searched once for both the choice of order and
-    the expression that follows it."""
-    path, _ = opt_einsum.contract_path(
-        equation, *shapes, shapes=True, optimize="optimal", memory_limit=_MAX_INTERMEDIATE
-    )
-    return tuple(tuple(step) for step in path)
+    """The order of ``equation``'s steps (NOTE: [Contraction order]): searched once for both the
+    choice of order and the expression that follows it."""
+    terms, output, sizes, _ = _reduced(equation, shapes)
+    return tuple(tuple(step) for step in _order(terms, output, sizes))
+
+
+# NOTE: [Contraction order]
+# A pair contraction runs in the order that costs the fewest FLOPs plus ``_WRITE_COST`` per
+# element of every intermediate it writes (opt_einsum's dynamic programming, ``combo``; the price
+# merged uses are judged by), not in the order of fewest FLOPs. The two differ on a linear layer
+# applied to tokens: by FLOPs alone, one side's ``G`` meets the inputs' Gram first, an
+# intermediate of ``N^2 T O`` times the layer's width (``(8, 32, 3072, 8, 2)`` for RoBERTa's
+# feed-forward layers at N = 8: 50 MB, and 50 MB more for its permuted copy), where the ``G``-Gram
+# first writes ``N^2 O^2 T^2`` elements (1 MB) for 1.8x the FLOPs. On the CPU such intermediates
+# are fresh memory on every call wherever the allocator returns them to the system (glibc maps
+# anything above 32 MB anew), and faulting it in costs more than the FLOPs saved
+# (docs/benchmarks.md, "Contraction order: FLOPs and the intermediates written"). Where no order
+# keeps every intermediate within ``_MAX_INTERMEDIATE``, and where the price is no lower, the
+# order of fewest FLOPs is kept, as opt_einsum's ``optimal`` gives it under that limit.
+_ORDER = opt_einsum.paths.DynamicProgramming(minimize=f"combo-{int(_WRITE_COST)}")
+
+
+def _order(terms: list[frozenset], output: frozenset, sizes: dict[str, int]) -> list[tuple[int, ...]]:
+    """The steps of NOTE: [Contraction order] over ``terms`` (sets of letters, each summed already
+    over the letters no other term or the output has) to ``output``."""
+    if len(terms) <= 2:
+        return [tuple(range(len(terms)))]
+    fewest = list(opt_einsum.paths.optimal(terms, output, sizes, _MAX_INTERMEDIATE))
+    # without a memory limit: where no order fits one, opt_einsum's search never ends
+    written = list(_ORDER(terms, output, sizes))
+    price, largest = _priced(written, terms, output, sizes)
+    # ties (orders of the same price, e.g. which side's Gram comes first) keep the order of fewest FLOPs
+    if largest <= _MAX_INTERMEDIATE and price < _priced(fewest, terms, output, sizes)[0]:
+        return written
+    return fewest
+
+
+def _priced(
+    path: list[tuple[int, ...]], terms: list[frozenset], output: frozenset, sizes: dict[str, int]
+) -> tuple[float, int]:
+    """FLOPs plus ``_WRITE_COST`` per element written, of ``path``'s steps, and the elements of its
+    largest intermediate."""
+    price, largest = 0.0, 0
+    for step in path:
+        step = tuple(sorted(step, reverse=True))
+        result, terms, removed, involved = opt_einsum.helpers.find_contraction(step, terms, output)
+        written = opt_einsum.helpers.compute_size_by_dict(result, sizes)
+        price += opt_einsum.helpers.flop_count(involved, bool(removed), len(step), sizes) + _WRITE_COST * written
+        largest = max(largest, written)
+    return price, largest
+
+
+def _reduced(
+    equation: str, shapes: tuple[tuple[int, ...], ...]
+) -> tuple[list[frozenset], frozenset, dict[str, int], float]:
+    """``equation``'s terms as sets of letters, without the letters of one operand only; its output;
+    the letters' sizes (a size-1 axis broadcasts, as in opt_einsum); and the FLOPs of summing out
+    the letters left out."""
+    inputs, output = equation.split("->")
+    terms = inputs.split(",")
+    counts = collections.Counter(equation.replace(",", "").replace("->", ""))
+    reduced_terms, sizes, summed = [], {}, 0.0
+    for term, shape in zip(terms, shapes):
+        kept = "".join(letter for letter in term if counts[letter] > 1)
+        if len(kept) < len(term):
+            summed += math.prod(shape)
+        reduced_terms.append(frozenset(kept))
+        for letter, size in zip(term, shape):
+            if counts[letter] > 1 and sizes.get(letter, 1) == 1:
+                sizes[letter] = int(size)
+    return reduced_terms, frozenset(output), sizes, summed
 
 
 def pair_kind(role1: Role, role2: Role) -> str:
@@ -282,7 +347,8 @@ def pair_equation(
 
 @functools.lru_cache(maxsize=1024)
 def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
-    """opt_einsum's FLOP count and largest intermediate (elements) for its optimal order.
+    """opt_einsum's FLOP count and largest intermediate (elements) for the order the contraction
+    takes (NOTE: [Contraction order]).
 
     An index that appears in one operand only is summed out first (as ``torch.einsum`` does);
     opt_einsum would price it as part of the product (a bias pair sums ``G`` over positions on
@@ -293,24 +359,8 @@ def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float
     does (parsing, BLAS checks, each step's equation, its report: about half its time on the small
     equations AUTO prices, where planning is much of what choosing costs).
     """
-    inputs, output = equation.split("->")
-    terms = inputs.split(",")
-    counts = collections.Counter(equation.replace(",", "").replace("->", ""))
-    reduced_terms, sizes, summed = [], {}, 0.0
-    for term, shape in zip(terms, shapes):
-        kept = "".join(letter for letter in term if counts[letter] > 1)
-        if len(kept) < len(term):
-            summed += math.prod(shape)
-        reduced_terms.append(kept)
-        for letter, size in zip(term, shape):
-            if counts[letter] > 1 and sizes.get(letter, 1) == 1:  # a size-1 axis broadcasts, as in opt_einsum
-                sizes[letter] = int(size)
-    remaining = [frozenset(term) for term in reduced_terms]
-    kept_output = frozenset(output)
-    if len(terms) > 2:
-        path = opt_einsum.paths.optimal(remaining, kept_output, sizes, _MAX_INTERMEDIATE)
-    else:
-        path = [tuple(range(len(terms)))]
+    remaining, kept_output, sizes, summed = _reduced(equation, shapes)
+    path = _order(remaining, kept_output, sizes)
     flops, intermediates = 0, []
     for step in path:
         step = tuple(sorted(step, reverse=True))
