@@ -291,14 +291,24 @@ def _priced(
 ) -> tuple[float, int]:
     """FLOPs plus ``_WRITE_COST`` per element written, of ``path``'s steps, and the elements of its
     largest intermediate."""
-    price, largest = 0.0, 0
+    flops, written, largest = _walked(path, terms, output, sizes)
+    return flops + _WRITE_COST * written, largest
+
+
+def _walked(
+    path: list[tuple[int, ...]], terms: list[frozenset], output: frozenset, sizes: dict[str, int]
+) -> tuple[int, int, int]:
+    """The FLOPs of ``path``'s steps (opt_einsum's count), the elements they write, and the
+    elements of the largest intermediate (1 for an empty path)."""
+    flops, written, largest = 0, 0, 1
     for step in path:
         step = tuple(sorted(step, reverse=True))
         result, terms, removed, involved = opt_einsum.helpers.find_contraction(step, terms, output)
-        written = opt_einsum.helpers.compute_size_by_dict(result, sizes)
-        price += opt_einsum.helpers.flop_count(involved, bool(removed), len(step), sizes) + _WRITE_COST * written
-        largest = max(largest, written)
-    return price, largest
+        size = opt_einsum.helpers.compute_size_by_dict(result, sizes)
+        flops += opt_einsum.helpers.flop_count(involved, bool(removed), len(step), sizes)
+        written += size
+        largest = max(largest, size)
+    return flops, written, largest
 
 
 def _reduced(
@@ -359,15 +369,9 @@ def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float
     does (parsing, BLAS checks, each step's equation, its report: about half its time on the small
     equations AUTO prices, where planning is much of what choosing costs).
     """
-    remaining, kept_output, sizes, summed = _reduced(equation, shapes)
-    path = _order(remaining, kept_output, sizes)
-    flops, intermediates = 0, []
-    for step in path:
-        step = tuple(sorted(step, reverse=True))
-        result, remaining, removed, involved = opt_einsum.helpers.find_contraction(step, remaining, kept_output)
-        flops += opt_einsum.helpers.flop_count(involved, bool(removed), len(step), sizes)
-        intermediates.append(opt_einsum.helpers.compute_size_by_dict(result, sizes))
-    return summed + float(flops), float(max(intermediates, default=1))
+    terms, output, sizes, summed = _reduced(equation, shapes)
+    flops, _, largest = _walked(_order(terms, output, sizes), terms, output, sizes)
+    return summed + float(flops), float(largest)
 
 
 @functools.lru_cache(maxsize=1024)
