@@ -41,6 +41,9 @@ def versus_nt(args, run_config_spec) -> int:
     rows, failures = [], []
     started = time.perf_counter()
     try:
+        gemm = _gemm_line(args, run_config_spec, tmpdir, use_t, use_nt)
+        header.append(gemm)
+        print(gemm, flush=True)
         for model in models:
             parameters = _models.num_params(_models.build_torch_model(model))
             for n in sizes:
@@ -99,6 +102,28 @@ def versus_nt(args, run_config_spec) -> int:
             if failures:
                 fh.write("\nFailures:\n\n" + "\n".join(f"- {failure}" for failure in failures) + "\n")
     return 0
+
+
+def _gemm_line(args, run_config_spec, tmpdir: str, use_t: bool, use_nt: bool) -> str:
+    """How fast each library multiplies matrices on this machine: the rows' floors are made of
+    such products, so the ratios of two machines differ by as much as their BLAS libraries do
+    (torch's MKL on an AMD EPYC ran at half of XLA's speed)."""
+    from bench_structured import GEMM_SHAPE
+
+    m, k, n = GEMM_SHAPE
+    speeds = {}
+    for engine, wanted in (("torch", use_t), ("jax", use_nt)):
+        if not wanted:
+            continue
+        spec = dict(lib="gemm", model="mlp", kernel="traced", x2="given", impl=3, data="", layout=engine,
+                    torchntk_root=args.torchntk_root)
+        result, why = run_config_spec(spec, os.path.join(tmpdir, f"gemm-{engine}"), args)
+        if result is None or not result.get("ok"):
+            speeds[engine] = f"failed ({why or result.get('error', '')})"[:120]
+        else:
+            speeds[engine] = f"{2 * m * k * n / statistics.median(result['times']) / 1e9:.0f} GFLOP/s"
+    measured = ", ".join(f"{engine} {speed}" for engine, speed in speeds.items()) or "not run"
+    return f"GEMM    : float32 ({m} x {k}) @ ({k} x {n}), median of each library's worker: {measured}"
 
 
 def _row(model, n, kernel, layouts, times, kernels_out, floor=False) -> list:

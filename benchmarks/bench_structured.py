@@ -154,6 +154,12 @@ def run_worker(spec: dict, res: dict) -> dict:
     import _models
 
     lib, name, impl = spec["lib"], spec["model"], spec["impl"]
+    if lib == "gemm":  # no model: the machine's matrix products (``--versus-nt``'s GEMM line)
+        res["stage"] = "call"
+        kernel_np, first, times = _gemm_times(spec)
+        np.save(spec["kernel_out"], kernel_np)
+        res.update(ok=True, first=first, times=times, median=statistics.median(times), shape=list(kernel_np.shape))
+        return res
     trace_axes = tuple(spec["trace_axes"])
     x2_given = spec["x2"] == "given"
     data = np.load(spec["data"])
@@ -243,6 +249,36 @@ def run_worker(spec: dict, res: dict) -> dict:
     res.update(ok=True, first=first, times=times, median=statistics.median(times),
                shape=list(kernel_np.shape))
     return res
+
+
+GEMM_SHAPE = (640, 2048, 2048)
+"""``(m, k, n)`` of the matrix product ``--versus-nt`` times in each library: the wide MLP's
+largest (its sweeps through a 2048-wide layer at N = 32), the kind of product the rows' floors
+are made of."""
+
+
+def _gemm_times(spec: dict):
+    """A float32 ``(m, k) @ (k, n)`` product of :data:`GEMM_SHAPE` timed in ``spec["layout"]``'s
+    library (``torch``: ``torch.mm``, the BLAS torch was built with; ``jax``: a jitted ``@``)."""
+    import numpy as np
+
+    m, k, n = GEMM_SHAPE
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    if spec["layout"] == "torch":
+        import torch
+        if spec["threads"]:
+            torch.set_num_threads(spec["threads"])
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        out, first, times = time_calls(lambda: torch.mm(ta, tb), spec["repeats"])
+        return out[:1, :1].numpy(), first, times
+    import jax
+    import jax.numpy as jnp
+
+    ja, jb = jnp.asarray(a), jnp.asarray(b)
+    product = jax.jit(lambda one, two: one @ two)
+    out, first, times = time_calls(lambda: product(ja, jb).block_until_ready(), spec["repeats"])
+    return np.asarray(out[:1, :1]), first, times
 
 
 def floor_kernel(model, x1, x2, trace_axes):

@@ -125,3 +125,6 @@ def test_the_floor_of_the_rows_against_neural_tangents_is_the_kernel_written_by_
     for row in rows:
         assert float(row[-4]) > 0 and float(row[-3]) > 0, done.stdout  # floor [ms], torchntk / floor
         assert float(row[-1]) < 1e-5, done.stdout  # the floor forms the whole kernel: it agrees with torchntk's
+    # the machine's matrix products, which the floors are made of, timed in torch's own worker
+    gemm = [line for line in done.stdout.splitlines() if line.startswith("GEMM    :")]
+    assert len(gemm) == 1 and float(gemm[0].split("torch ")[1].split(" GFLOP/s")[0]) > 0, done.stdout
