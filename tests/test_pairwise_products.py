@@ -169,7 +169,7 @@ def test_a_linear_layer_over_tokens_is_contracted_through_grams_not_a_width_size
     _, info = opt_einsum.contract_path(equation, *roberta, shapes=True, optimize="optimal")
     assert info.largest_intermediate == 8 * 32 * 3072 * 8 * 2 and flops > info.opt_cost
 
-    small = ((3, 2, 4, 96), (3, 4, 17), (3, 2, 4, 96), (3, 4, 17))
+    small = ((4, 2, 8, 256), (4, 8, 33), (4, 2, 8, 256), (4, 8, 33))
     assert orders(small)[0] != orders(small)[1]  # the same choice at a size a test can run
     generator = torch.Generator().manual_seed(0)
     tensors = [torch.randn(shape, dtype=F64, generator=generator) for shape in small]
@@ -183,3 +183,26 @@ def test_a_linear_layer_over_tokens_is_contracted_through_grams_not_a_width_size
     wide = ((10, 2000, 2000), (10, 7), (10, 2000, 2000), (10, 7))
     taken, fewest = orders(wide, "aow,ai,bpw,bi->abop")
     assert taken == fewest and time.perf_counter() - start < 10
+
+
+def test_the_search_for_an_order_by_price_is_skipped_where_it_could_save_less_than_one_call(monkeypatch):
+    """Every order within the memory limit costs at least the fewest FLOPs and writes the result,
+    so the search by price (NOTE: [Contraction order]) runs only where the order of fewest FLOPs
+    writes more than that by one call's dispatch (``_CALL_COST``): it was most of the planning of
+    a first call on MobileNetV3-small (120 searches, 250 ms), for no change of order there."""
+    from torchntk._implementations.structured import _contract
+
+    searched = []
+    search = _contract._ORDER
+    monkeypatch.setattr(_contract, "_ORDER", lambda *args: searched.append(args) or search(*args))
+    equation = "aotw,ati,bpsw,bsi->abop"
+
+    def order(shapes):
+        searched.clear()
+        return _contract._order(*_contract._reduced(equation, shapes)[:3]), len(searched)
+
+    tiny = ((3, 2, 4, 16), (3, 4, 9), (3, 2, 4, 16), (3, 4, 9))
+    terms, output, sizes, _ = _contract._reduced(equation, tiny)
+    _, writes, _ = _contract._walked(order(tiny)[0], terms, output, sizes)
+    assert _contract._WRITE_COST * writes < _contract._CALL_COST and order(tiny)[1] == 0
+    assert order(((4, 2, 8, 256), (4, 8, 33), (4, 2, 8, 256), (4, 8, 33)))[1] == 1

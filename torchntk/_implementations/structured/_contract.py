@@ -247,12 +247,19 @@ def _starts_within_a_side(equation: str, shapes: tuple, side1_operands: int) -> 
     return (first < side1_operands) == (second < side1_operands)
 
 
-@functools.lru_cache(maxsize=1024)
 def _path(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-    """The order of ``equation``'s steps (NOTE: [Contraction order]): searched once for both the
-    choice of order and the expression that follows it."""
-    terms, output, sizes, _ = _reduced(equation, shapes)
-    return tuple(tuple(step) for step in _order(terms, output, sizes))
+    """The order of ``equation``'s steps (NOTE: [Contraction order])."""
+    return _ordered(equation, shapes)[-1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _ordered(
+    equation: str, shapes: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[frozenset, ...], frozenset, dict[str, int], float, tuple[tuple[int, ...], ...]]:
+    """:func:`_reduced` and the order of the steps: searched once per equation for AUTO's price
+    (:func:`pair_cost`), the choice of order and the expression that follows it."""
+    terms, output, sizes, summed = _reduced(equation, shapes)
+    return tuple(terms), output, sizes, summed, tuple(tuple(step) for step in _order(terms, output, sizes))
 
 
 # NOTE: [Contraction order]
@@ -267,7 +274,13 @@ def _path(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int
 # anything above 32 MB anew), and faulting it in costs more than the FLOPs saved
 # (docs/benchmarks.md, "Contraction order: FLOPs and the intermediates written"). Where no order
 # keeps every intermediate within ``_MAX_INTERMEDIATE``, and where the price is no lower, the
-# order of fewest FLOPs is kept, as opt_einsum's ``optimal`` gives it under that limit.
+# order of fewest FLOPs is kept, as opt_einsum's ``optimal`` gives it under that limit. The search
+# by price (opt_einsum's dynamic programming, about 0.5 ms an equation) runs only where it can
+# pay: every order within the limit costs at least the fewest FLOPs and writes the result, so
+# none saves more than what the order of fewest FLOPs writes besides the result; where that is
+# less than ``_CALL_COST``, that order is taken at once. On a MobileNetV3-small's first call the
+# searches took 250 ms (120 of them) before; 46 remain, and no order changed on the models of
+# ``benchmarks/bench_first_call.py`` (docs/benchmarks.md, "The contraction order's search").
 _ORDER = opt_einsum.paths.DynamicProgramming(minimize=f"combo-{int(_WRITE_COST)}")
 
 
@@ -277,11 +290,15 @@ def _order(terms: list[frozenset], output: frozenset, sizes: dict[str, int]) -> 
     if len(terms) <= 2:
         return [tuple(range(len(terms)))]
     fewest = list(opt_einsum.paths.optimal(terms, output, sizes, _MAX_INTERMEDIATE))
+    flops, writes, _ = _walked(fewest, terms, output, sizes)
+    # no other order saves more than this one writes besides the result (NOTE: [Contraction order])
+    if _WRITE_COST * (writes - opt_einsum.helpers.compute_size_by_dict(output, sizes)) < _CALL_COST:
+        return fewest
     # without a memory limit: where no order fits one, opt_einsum's search never ends
     written = list(_ORDER(terms, output, sizes))
     price, largest = _priced(written, terms, output, sizes)
     # ties (orders of the same price, e.g. which side's Gram comes first) keep the order of fewest FLOPs
-    if largest <= _MAX_INTERMEDIATE and price < _priced(fewest, terms, output, sizes)[0]:
+    if largest <= _MAX_INTERMEDIATE and price < flops + _WRITE_COST * writes:
         return written
     return fewest
 
@@ -369,8 +386,8 @@ def pair_cost(equation: str, shapes: tuple[tuple[int, ...], ...]) -> tuple[float
     does (parsing, BLAS checks, each step's equation, its report: about half its time on the small
     equations AUTO prices, where planning is much of what choosing costs).
     """
-    terms, output, sizes, summed = _reduced(equation, shapes)
-    flops, _, largest = _walked(_order(terms, output, sizes), terms, output, sizes)
+    terms, output, sizes, summed, path = _ordered(equation, shapes)
+    flops, _, largest = _walked(path, list(terms), output, sizes)
     return summed + float(flops), float(largest)
 
 
