@@ -82,13 +82,15 @@ FULL_GRID = [
 GIGABYTE = [
     dict(model="transformer", tokens=12, n1=36, n2=None, implementation=implementation, trace_axes=(-1,),
          memory=memory)
-    for implementation, memory in ((3, "inf"), (3, "96MB"), (0, "96MB"))
+    for implementation, memory in ((3, "inf"), (3, "96MB"), (0, "96MB"), (3, "320MB"))
 ]
 """Structured derivatives' traced kernel of the transformer block for 36 examples of 12 tokens holds
-about 1 GB of pair intermediates at once; within 96 MB it runs in blocks of a few examples. (With 8
-tokens, the order of NOTE: [Contraction order] holds 0.1 GB for 24 examples, where the order of
-fewest FLOPs held 1 GB. Within 64 MB this call peaked at 104 MB with torch 2.14, at the 105.6 MB
-limit of that budget, and at 64-65 MB with 2.13; within 96 MB, at 95-98 MB with either.)"""
+about 1 GB of pair intermediates at once; within 96 or 320 MB it runs in blocks of a few examples.
+(With 8 tokens, the order of NOTE: [Contraction order] holds 0.1 GB for 24 examples, where the order
+of fewest FLOPs held 1 GB.) The blocks of x1 with itself off the diagonal hold both runs' factors
+and Jacobians: priced as one run with itself, the plan for 320 MB took blocks of 12 examples and
+peaked at 550 MB. Measured after the unplanned call in the same process, a planned call's peak is
+up to 40 MB higher than in a fresh one (64 MB: 63-65 MB fresh, 97-104 MB after it, either torch)."""
 BATCHED = [dict(model="cnn", scale=1, n1=64, n2=None, implementation=3, trace_axes=(), memory="16MB", batch=True)]
 """``batch(batch_size="auto")`` within a budget a tenth of its unplanned peak."""
 

@@ -29,7 +29,7 @@ def test_predicted_peaks_are_within_the_documented_factor_of_max_memory_allocate
     assert not bad, "\n".join(bad)
 
 
-def test_a_kernel_needing_a_gigabyte_completes_within_96_mb_on_cuda(device):
+def test_a_kernel_needing_a_gigabyte_completes_within_96_and_320_mb_on_cuda(device):
     unplanned, *planned = (measure_cuda(config, device) for config in GIGABYTE)
     assert unplanned["measured"] > 0.5e9 and unplanned["chunk_size"] is None, unplanned
     for row in planned:

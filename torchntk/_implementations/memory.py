@@ -36,7 +36,8 @@ size):
   a ``chunk_size``, implementations 1 and 3 sweep the examples of one working-set run at a time
   (NOTE: [Working-set runs]), so ``n`` is at most that run's length;
 * structured derivatives' factors and pair intermediates: ``e`` times
-  ``structured._cost.StructuredCost.held_elements`` of the call narrowed to the runs, the largest
+  ``structured._cost.StructuredCost.held_elements`` of the call narrowed to a run of each side
+  (with x2 None too: a block off the diagonal holds two runs' factors and Jacobians), the largest
   pair intermediate counted ``INTERMEDIATE_COPIES`` times, plus the sweep (over both sides'
   examples when one pass serves both);
 * NTK-vector products' forward-mode pass over all of x1 with ``t`` tangents (at most 24, fewer
@@ -654,8 +655,9 @@ def structured_memory(call: KernelCall, plan: Any) -> StructuredMemory:
         if (length1, length2) not in found:
             narrowed = call
             if call.side1.mapped and (length1 < n1 or length2 < n2):
-                same = call.side2 is None and length1 == length2
-                narrowed = call.narrow((0, length1), None if same else (0, length2))
+                # two runs of x1 each (x2 None): the blocks off the diagonal hold both sides'
+                # factors and Jacobians, which one run paired with itself holds once
+                narrowed = call.narrow((0, length1), (0, length2))
             cost = structured_cost(narrowed, plan)
             # An einsum step's operands are often reshaped copies: the largest intermediate counts more.
             found[length1, length2] = cost.held_elements + (INTERMEDIATE_COPIES - 1) * cost.largest_elements
