@@ -275,12 +275,13 @@ def _ordered(
 # (docs/benchmarks.md, "Contraction order: FLOPs and the intermediates written"). Where no order
 # keeps every intermediate within ``_MAX_INTERMEDIATE``, and where the price is no lower, the
 # order of fewest FLOPs is kept, as opt_einsum's ``optimal`` gives it under that limit. The search
-# by price (opt_einsum's dynamic programming, about 0.5 ms an equation) runs only where it can
-# pay: every order within the limit costs at least the fewest FLOPs and writes the result, so
-# none saves more than what the order of fewest FLOPs writes besides the result; where that is
-# less than ``_CALL_COST``, that order is taken at once. On a MobileNetV3-small's first call the
-# searches took 250 ms (120 of them) before; 46 remain, and no order changed on the models of
-# ``benchmarks/bench_first_call.py`` (docs/benchmarks.md, "The contraction order's search").
+# by price (opt_einsum's dynamic programming, 0.5-2 ms an equation) runs once per equation
+# (``_ordered``) and only where it can pay: every order within the limit costs at least the fewest
+# FLOPs and writes the result, so none saves more than what the order of fewest FLOPs writes
+# besides the result; where that is less than ``_CALL_COST``, that order is taken at once. On a
+# MobileNetV3-small's first call 120 searches took 250 ms; 23 remain, and no order changed on the
+# models of ``benchmarks/bench_first_call.py`` (docs/benchmarks.md, "The contraction order's
+# search, only where it can pay").
 _ORDER = opt_einsum.paths.DynamicProgramming(minimize=f"combo-{int(_WRITE_COST)}")
 
 
