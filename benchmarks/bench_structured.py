@@ -156,10 +156,7 @@ def run_worker(spec: dict, res: dict) -> dict:
     lib, name, impl = spec["lib"], spec["model"], spec["impl"]
     if lib == "gemm":  # no model: the machine's matrix products (``--versus-nt``'s GEMM line)
         res["stage"] = "call"
-        kernel_np, first, times = _gemm_times(spec)
-        np.save(spec["kernel_out"], kernel_np)
-        res.update(ok=True, first=first, times=times, median=statistics.median(times), shape=list(kernel_np.shape))
-        return res
+        return _finished(spec, res, *_gemm_times(spec))
     trace_axes = tuple(spec["trace_axes"])
     x2_given = spec["x2"] == "given"
     data = np.load(spec["data"])
@@ -244,10 +241,15 @@ def run_worker(spec: dict, res: dict) -> dict:
         kernel_np = np.asarray(out)
     else:
         raise ValueError(lib)
+    return _finished(spec, res, kernel_np, first, times)
+
+
+def _finished(spec: dict, res: dict, kernel_np, first: float, times: list) -> dict:
+    """``res`` of a worker that ran: its timings, and its result saved for the driver's comparisons."""
+    import numpy as np
 
     np.save(spec["kernel_out"], kernel_np)
-    res.update(ok=True, first=first, times=times, median=statistics.median(times),
-               shape=list(kernel_np.shape))
+    res.update(ok=True, first=first, times=times, median=statistics.median(times), shape=list(kernel_np.shape))
     return res
 
 
