@@ -173,18 +173,46 @@ def test_a_layout_that_rules_out_whole_batches_is_priced_before_3s_plan_is_check
         assert_kernels_close(kernel, reference_ntk(model, x))
 
 
-def test_the_layout_shapes_found_for_pricing_are_reused_by_the_plans_check(cpu_prices):
-    """Where the shapes allow whole batches and 3 is picked, its check reuses the recording pass
-    that priced it."""
-    model = _wide()
+class _LeadingAxis(nn.Module):
+    """The hidden layer runs on the inputs with a leading axis of size 1: its output holds the
+    examples on axis 1, behind another axis of size 1 per example, where the whole-batch pass
+    cannot guess them."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.head = nn.Linear(16, 256), nn.Linear(256, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(x.unsqueeze(0))).squeeze(0))
+
+
+@pytest.mark.parametrize("model, recorded_passes", [(_wide, 0), (_LeadingAxis, 1)], ids=["guessed", "recorded"])
+def test_the_layout_shapes_found_for_pricing_are_reused_by_the_plans_check(model, recorded_passes, cpu_prices):
+    """Where the shapes allow whole batches and 3 is picked, its check reuses the pass that priced
+    it: the check's own whole-batch pass, where every perturbed output holds the examples on the
+    axis a guess from one example's shapes names (no recording pass), else the recording pass that
+    found the axes (NOTE: [The layout read from the check's own pass]). One whole-batch pass of the
+    check's examples completes."""
+    model = model().double().to(cases.DEVICE)
     x1, x2 = _inputs(16, 6, 4)
+    whole_batch_pass = structured_module._whole_batch.whole_batch_pass
+    completed = []
+
+    def counted(*args, **kwargs):
+        done = whole_batch_pass(*args, **kwargs)
+        completed.extend([done] if done is not None else [])
+        return done
+
     with mock.patch.object(structured_module._whole_batch, "_output_axes",
-                           wraps=structured_module._whole_batch._output_axes) as recorded:
+                           wraps=structured_module._whole_batch._output_axes) as recorded, \
+            mock.patch.object(structured_module._whole_batch, "whole_batch_pass", counted):
         ntk_fn = torchntk.empirical_ntk_fn(model, trace_axes=(), implementation=0)
-        kernel = ntk_fn(x1, x2)
+        kernels = [ntk_fn(x1, x2) for _ in range(3)]
     choice = ntk_fn.auto_choice(x1, x2)
-    assert choice.implementation == STRUCTURED and recorded.call_count == 1
-    assert_kernels_close(kernel, reference_ntk(model, x1, x2, trace_axes=()))
+    assert choice.implementation == STRUCTURED and choice.vmap_axes_reason is None
+    assert recorded.call_count == recorded_passes and len(completed) == 1
+    for kernel in kernels:
+        assert_kernels_close(kernel, reference_ntk(model, x1, x2, trace_axes=()))
 
 
 def test_the_plan_made_to_price_structured_derivatives_is_reused_by_the_kernel(cpu_prices):

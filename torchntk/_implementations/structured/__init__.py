@@ -42,7 +42,7 @@ from ._roles import OutputSpec, RuleCall
 from ._side import PlanMismatch, SideFactors, WholeBatchPass, per_example_factors, probe, side_factors
 from ._unrolled import WHOLE_BATCH_REASON, is_unrolled, through_derivatives
 from ._verify import disagreements, verify, whole_batch_products
-from ._whole_batch import LayoutShapes, check_sample, layout_shapes, sample_pass, with_whole_batch
+from ._whole_batch import LayoutShapes, check_sample, found_layout, layout_shapes, sample_pass, with_whole_batch
 
 
 @dataclass(frozen=True)
@@ -307,16 +307,22 @@ class StructuredDerivatives:
         return cached(scope, _PROBE, call, lambda: probe_plan(call, self.options)).unchecked()
 
     def layout_reason(self, call: KernelCall, scope: Optional[Scope] = None) -> Optional[str]:
-        """Why the quick plan's passes cannot run over the whole batch, as far as the shapes of one
-        recording pass tell (``layout_shapes``; None: they may), without checking the plan: AUTO
-        prices 3 from it before paying for the check. Kept for :meth:`plan`'s check to reuse."""
+        """Why the quick plan's passes cannot run over the whole batch, as far as the shapes of the
+        check's whole-batch pass tell (``found_layout``; None: they may), without checking the
+        plan: AUTO prices 3 from it before paying for the check. Kept, with that pass, for
+        :meth:`plan`'s check to reuse."""
         call = self.unrolled(call, scope)
         plan = None if scope is None else scope.get(_PLAN, call)
         if plan is not None:
             return plan.whole_batch_reason
         if is_unrolled(call.model):
             return WHOLE_BATCH_REASON
-        shapes = layout_shapes(call, self._unchecked_plan(call, scope))
+        plan = self._unchecked_plan(call, scope)
+        if call.groups is not None:  # the check reads the pass by the roles groups split
+            shapes = layout_shapes(call, plan)
+        else:  # NOTE: [The layout read from the check's own pass]: the check's own, if it settles derivatives
+            pending = call.derivative_check
+            shapes = found_layout(call, plan, parameters=pending is not None and pending.open and not plan.fallback)
         if scope is not None:
             scope.put(_SHAPES, call, shapes)
         return shapes.reason

@@ -2,8 +2,9 @@
 
 NOTE: [Whole-batch pullback] (``_side.py``) says what the whole-batch pass computes and why its
 layout needs a check; this module makes that check. With ``vmap_axes`` and a plan probed on one
-example, a recording pass over a few examples of the call (at most :data:`CHECK_EXAMPLES`, at
-least two) finds the axis of every perturbed op's output that holds the examples; then the
+example, the whole-batch pass over a few examples of the call (at most :data:`CHECK_EXAMPLES`, at
+least two) finds the axis of every perturbed op's output that holds the examples (where it is not
+the first, a recording pass finds it: NOTE: [The layout read from the check's own pass]); then the
 whole-batch pass and the per-example pass of those examples, with one random cotangent, must agree
 on every use's ``G`` and every operand, example by example, within a tolerance far below what a
 wrong reading gives (another example's values). Comparing ``J^T v`` summed over the examples would
@@ -13,8 +14,8 @@ differ between examples, so ``G`` tells examples apart even where the inputs do 
 A plan whose check fails, or that cannot be checked (fewer than two examples of one per-example
 shape, examples mapped by a loop, a plan probed on every example, dense local Jacobians), keeps the
 per-example pass, and :attr:`~._plan.Plan.whole_batch_reason` says why. The check costs one
-recording pass, one whole-batch and one per-example backward pass of those few examples, once per
-plan (that is, per input shapes).
+whole-batch and one per-example backward pass of those few examples (and a recording pass where
+the examples are not on the first axes), once per plan (that is, per input shapes).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -46,6 +47,7 @@ from ._side import (
     under_a_transform,
     whole_batch_context,
     whole_batch_pass,
+    whole_shape,
 )
 
 CHECK = True
@@ -67,30 +69,51 @@ _REDUCED_FLOAT32_RTOL = 2e-2
 
 @dataclass(frozen=True)
 class LayoutShapes:
-    """What shapes alone tell of a plan's whole-batch pass, from one recording pass over the
-    check's examples and no backward pass: the axis of each perturbed rule call's output that
-    holds the examples, or why the pass cannot run over the whole batch. AUTO prices 3 from it
-    before it pays for the plan's check (``StructuredDerivatives.layout_reason``), and the check
-    then reuses it.
+    """What shapes tell of a plan's whole-batch pass over the check's examples: the axis of each
+    perturbed rule call's output that holds the examples, or why the pass cannot run over the
+    whole batch. AUTO prices 3 from it before it pays for the plan's check
+    (``StructuredDerivatives.layout_reason``), and the check then reuses it, with the pass that
+    found it (NOTE: [The layout read from the check's own pass]).
 
     Attributes:
         perturbed_shapes, fallback: those of the plan it was found for (it holds for no other:
-            the recording pass is read by what the plan perturbs and foresees).
+            the pass is read by what the plan perturbs and foresees).
         output_axes: ``{position: axis}``, or None where ``reason`` says why not.
         reason: why the passes cannot run over the whole batch, or None.
+        done: the whole-batch pass of :func:`check_sample`'s examples and cotangents that found
+            the axes, for the check to use (None where a recording pass found them).
     """
 
     perturbed_shapes: Optional[dict]
     fallback: Any
     output_axes: Optional[dict[int, int]]
     reason: Optional[str]
+    done: Optional[WholeBatchPass] = field(default=None, compare=False, repr=False)
 
     def holds_for(self, plan: Plan) -> bool:
         return self.perturbed_shapes == plan.perturbed_shapes and self.fallback == plan.fallback
 
+    def pass_for(self, plan: Plan, parameters: bool) -> Optional[WholeBatchPass]:
+        """The pass that found the shapes, where it serves ``plan`` (with autograd's products when
+        ``parameters``)."""
+        done = self.done if self.holds_for(plan) else None
+        return None if done is None or (parameters and done.parameter_products is None) else done
+
 
 def layout_shapes(call: KernelCall, plan: Plan) -> LayoutShapes:
-    """:class:`LayoutShapes` of ``plan`` (a quick plan, checked or not) on ``call``."""
+    """:class:`LayoutShapes` of ``plan`` (a quick plan, checked or not) on ``call``, from a
+    recording pass over the check's examples."""
+    sample = check_sample(call)
+    refused = _refused(call, plan, sample)
+    if refused is not None:
+        return refused
+    return LayoutShapes(plan.perturbed_shapes, plan.fallback, *_output_axes(sample[0], plan))
+
+
+def _refused(call: KernelCall, plan: Plan, sample: Optional[tuple]) -> Optional[LayoutShapes]:
+    """The :class:`LayoutShapes` of a ``call`` and ``plan`` whose passes cannot run over the whole
+    batch whatever the model's shapes (``sample``: its :func:`check_sample`); None where the
+    shapes decide."""
     def refused(reason: str) -> LayoutShapes:
         return LayoutShapes(plan.perturbed_shapes, plan.fallback, None, reason)
 
@@ -105,10 +128,66 @@ def layout_shapes(call: KernelCall, plan: Plan) -> LayoutShapes:
         return refused("the plan comes from probes of every example (the model's operations depend on the data)")
     if not plan.perturbed_shapes:
         return refused("no rule call contributes")
-    sample = check_sample(call)
     if sample is None:
         return refused("fewer than two examples of one per-example shape to check the whole-batch pass on")
-    return LayoutShapes(plan.perturbed_shapes, plan.fallback, *_output_axes(sample[0], plan))
+    return None
+
+
+# NOTE: [The layout read from the check's own pass]
+# The whole-batch pass of the check's examples needs the axis of every perturbed rule call's output
+# that holds the examples before it starts (its perturbations are inputs of the VJP), and a
+# recording pass over the same examples used to find them. One example's pass runs as a batch of
+# one, so its outputs nearly always keep that batch axis with size 1: the first axis (batch-first
+# activations) or another (a recurrence's input projection over all steps, time-major inside an
+# LSTM). So the pass is first tried with the examples on the first axis of size 1 of each output's
+# per-example shape (the first axis where none has size 1): the recorder refuses it
+# (``ShapeMismatch``) at the first rule call whose output has another shape or dtype, and an
+# operation the plan did not foresee ends it too (``whole_batch_pass`` returns None). A pass that
+# completes had every perturbed output shaped as ``whole_shape(one example's, axis, examples)``,
+# which the recording pass reads (``find_fold``) as that same axis; guesses the reading would not
+# confirm (an empty axis) are not tried. So the guess decides exactly what the recording pass
+# would, and the recording pass runs only where the guess fails (a position embedding shared by
+# every example, a model that moves the examples to an axis whose per-example size is not 1), to
+# find the axes or the reason. The pass found is then the check's own (``sample_pass`` with
+# autograd's products, ``_layout`` without; AUTO's ``layout_reason`` keeps it for them): one
+# pass of the model fewer on a first call. The values are still checked against the per-example
+# pass (``_readings``, ``_compare``), as for axes a recording pass found.
+
+
+def found_layout(
+    call: KernelCall, plan: Plan, parameters: bool, sample: Optional[tuple[Side, tuple[torch.Tensor, ...]]] = None,
+) -> LayoutShapes:
+    """:class:`LayoutShapes` of ``plan`` on ``call``, with the whole-batch pass of the check's
+    examples and cotangents (``sample``, :func:`check_sample`'s) that found them where the first
+    axes hold the examples (with autograd's products when ``parameters``), else from a recording
+    pass (NOTE: [The layout read from the check's own pass])."""
+    sample = sample or check_sample(call)
+    refused = _refused(call, plan, sample)
+    if refused is not None:
+        return refused
+    guessed = _guessed(plan, sample, parameters)
+    return guessed if guessed is not None else layout_shapes(call, plan)
+
+
+def _guessed(plan: Plan, sample: tuple[Side, tuple[torch.Tensor, ...]], parameters: bool) -> Optional[LayoutShapes]:
+    """The whole-batch pass of the check's examples and cotangents (``sample``) with the examples
+    of every perturbed output on the axis one example's pass gives size 1 (the first, where none
+    does), and the :class:`LayoutShapes` it shows; None where it does not fit (NOTE: [The layout
+    read from the check's own pass])."""
+    examples, cotangents = sample
+    count = examples.batch_size()
+    axes = {position: next((axis for axis, size in enumerate(shape) if size == 1), 0)
+            for position, (shape, _) in plan.perturbed_shapes.items()}
+    if any(find_fold(whole_shape(shape, axes[position], count), shape, count) != Fold(axes[position])
+           for position, (shape, _) in plan.perturbed_shapes.items()):
+        return None
+    try:
+        done = whole_batch_pass(examples, plan, axes, cotangents, parameters=parameters)
+    except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
+        if is_out_of_memory(error):
+            raise
+        return None
+    return None if done is None else LayoutShapes(plan.perturbed_shapes, plan.fallback, axes, None, done)
 
 
 def with_whole_batch(
@@ -129,7 +208,7 @@ def with_whole_batch(
         done: the whole-batch pass of :func:`check_sample`'s examples and cotangents under the plan
             checked, where the check against autograd made it already (:func:`sample_pass`).
     """
-    layout, reason = _layout(call, checked or plan, single, shapes, done)
+    layout, reason = _layout(call, checked or plan, single, shapes, done, found=checked is None)
     return dataclasses.replace(plan, whole_batch=layout, whole_batch_reason=reason)
 
 
@@ -175,9 +254,12 @@ def sample_pass(
     rule the pass out, it does not fit the plan or it fails (:func:`with_whole_batch` then says
     why)."""
     if shapes is None or not shapes.holds_for(plan):
-        shapes = layout_shapes(call, plan)
+        shapes = found_layout(call, plan, True, sample)
     if shapes.output_axes is None:
         return shapes, None
+    done = shapes.pass_for(plan, True)
+    if done is not None:
+        return shapes, done
     examples, cotangents = sample
     try:
         return shapes, whole_batch_pass(examples, plan, shapes.output_axes, cotangents, parameters=True)
@@ -189,10 +271,14 @@ def sample_pass(
 
 def _layout(
     call: KernelCall, plan: Plan, single: Optional[SideFactors] = None, shapes: Optional[LayoutShapes] = None,
-    done: Optional[WholeBatchPass] = None,
+    done: Optional[WholeBatchPass] = None, found: bool = True,
 ) -> tuple[Optional[WholeBatchLayout], Optional[str]]:
+    """``found``: ``shapes`` (and their pass) were found for ``plan`` itself, not for the plan
+    before parameter groups split its roles (a pass is read by the roles it kept)."""
     if shapes is None or not shapes.holds_for(plan):
-        shapes = layout_shapes(call, plan)
+        shapes = found_layout(call, plan, False) if done is None and found else layout_shapes(call, plan)
+    if done is None and found:
+        done = shapes.pass_for(plan, False)  # the pass that found the shapes
     if shapes.output_axes is None:
         return None, shapes.reason
     output_axes = shapes.output_axes
