@@ -4,7 +4,8 @@ NOTE: [Whole-batch pullback] (``_side.py``) says what the whole-batch pass compu
 layout needs a check; this module makes that check. With ``vmap_axes`` and a plan probed on one
 example, the whole-batch pass over a few examples of the call (at most :data:`CHECK_EXAMPLES`, at
 least two) finds the axis of every perturbed op's output that holds the examples (where it is not
-the first, a recording pass finds it: NOTE: [The layout read from the check's own pass]); then the
+the one a single example's shapes suggest, a recording pass finds it: NOTE: [The layout read from
+the check's own pass]); then the
 whole-batch pass and the per-example pass of those examples, with one random cotangent, must agree
 on every use's ``G`` and every operand, example by example, within a tolerance far below what a
 wrong reading gives (another example's values). Comparing ``J^T v`` summed over the examples would
@@ -15,7 +16,8 @@ A plan whose check fails, or that cannot be checked (fewer than two examples of 
 shape, examples mapped by a loop, a plan probed on every example, dense local Jacobians), keeps the
 per-example pass, and :attr:`~._plan.Plan.whole_batch_reason` says why. The check costs one
 whole-batch and one per-example backward pass of those few examples (and a recording pass where
-the examples are not on the first axes), once per plan (that is, per input shapes).
+the examples are not where one example's shapes suggest), once per plan (that is, per input
+shapes).
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def _refused(call: KernelCall, plan: Plan, sample: Optional[tuple]) -> Optional[
 # operation the plan did not foresee ends it too (``whole_batch_pass`` returns None). A pass that
 # completes had every perturbed output shaped as ``whole_shape(one example's, axis, examples)``,
 # which the recording pass reads (``find_fold``) as that same axis; guesses the reading would not
-# confirm (an empty axis) are not tried. So the guess decides exactly what the recording pass
+# confirm (an empty axis, a scalar output) are not tried. So the guess decides exactly what the recording pass
 # would, and the recording pass runs only where the guess fails (a position embedding shared by
 # every example, a model that moves the examples to an axis whose per-example size is not 1), to
 # find the axes or the reason. The pass found is then the check's own (``sample_pass`` with
@@ -158,9 +160,10 @@ def found_layout(
     call: KernelCall, plan: Plan, parameters: bool, sample: Optional[tuple[Side, tuple[torch.Tensor, ...]]] = None,
 ) -> LayoutShapes:
     """:class:`LayoutShapes` of ``plan`` on ``call``, with the whole-batch pass of the check's
-    examples and cotangents (``sample``, :func:`check_sample`'s) that found them where the first
-    axes hold the examples (with autograd's products when ``parameters``), else from a recording
-    pass (NOTE: [The layout read from the check's own pass])."""
+    examples and cotangents (``sample``, :func:`check_sample`'s) that found them where the axes
+    one example's shapes suggest hold the examples (with autograd's products when
+    ``parameters``), else from a recording pass (NOTE: [The layout read from the check's own
+    pass])."""
     sample = sample or check_sample(call)
     refused = _refused(call, plan, sample)
     if refused is not None:
@@ -178,9 +181,9 @@ def _guessed(plan: Plan, sample: tuple[Side, tuple[torch.Tensor, ...]], paramete
     count = examples.batch_size()
     axes = {position: next((axis for axis, size in enumerate(shape) if size == 1), 0)
             for position, (shape, _) in plan.perturbed_shapes.items()}
-    if any(find_fold(whole_shape(shape, axes[position], count), shape, count) != Fold(axes[position])
+    if any(not shape or find_fold(whole_shape(shape, axes[position], count), shape, count) != Fold(axes[position])
            for position, (shape, _) in plan.perturbed_shapes.items()):
-        return None
+        return None  # a scalar or an empty axis: no reading the recording pass would confirm
     try:
         done = whole_batch_pass(examples, plan, axes, cotangents, parameters=parameters)
     except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
