@@ -196,9 +196,9 @@ def _settles_derivatives(
     Autograd's products come from the whole-batch check's pass of the same examples where that
     pass can run (NOTE: [Autograd's products from the whole-batch check]), returned with the
     layout shapes it was made with for that check to reuse."""
-    pending = call.derivative_check
-    if pending is None or not pending.open or plan.fallback:
+    if not _may_settle_derivatives(call, plan):
         return False, shapes, None
+    pending = call.derivative_check
     examples, cotangents = sample
     done = None
     if call.groups is None and not is_unrolled(call.model):  # where the whole-batch check runs on this plan
@@ -212,6 +212,14 @@ def _settles_derivatives(
         return False, shapes, done
     pending.vouched_by_3 = True
     return True, shapes, done
+
+
+def _may_settle_derivatives(call: KernelCall, plan: Plan) -> bool:
+    """Whether 3's check of ``plan`` can settle the call's pending derivative check (NOTE: [The
+    derivative check within a plan's check]): one is pending and no parameter is left to the
+    Jacobian fallback, whose per-example derivatives the check would not see."""
+    pending = call.derivative_check
+    return pending is not None and pending.open and not plan.fallback
 
 
 def _with_probe(plan: Plan, calls: list[RuleCall], thorough: bool) -> Plan:
@@ -321,8 +329,7 @@ class StructuredDerivatives:
         if call.groups is not None:  # the check reads the pass by the roles groups split
             shapes = layout_shapes(call, plan)
         else:  # NOTE: [The layout read from the check's own pass]: the check's own, if it settles derivatives
-            pending = call.derivative_check
-            shapes = found_layout(call, plan, parameters=pending is not None and pending.open and not plan.fallback)
+            shapes = found_layout(call, plan, parameters=_may_settle_derivatives(call, plan))
         if scope is not None:
             scope.put(_SHAPES, call, shapes)
         return shapes.reason

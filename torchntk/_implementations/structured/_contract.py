@@ -297,20 +297,16 @@ def _order(terms: list[frozenset], output: frozenset, sizes: dict[str, int]) -> 
         return fewest
     # without a memory limit: where no order fits one, opt_einsum's search never ends
     written = list(_ORDER(terms, output, sizes))
-    price, largest = _priced(written, terms, output, sizes)
+    written_flops, written_writes, largest = _walked(written, terms, output, sizes)
     # ties (orders of the same price, e.g. which side's Gram comes first) keep the order of fewest FLOPs
-    if largest <= _MAX_INTERMEDIATE and price < flops + _WRITE_COST * writes:
+    if largest <= _MAX_INTERMEDIATE and _price(written_flops, written_writes) < _price(flops, writes):
         return written
     return fewest
 
 
-def _priced(
-    path: list[tuple[int, ...]], terms: list[frozenset], output: frozenset, sizes: dict[str, int]
-) -> tuple[float, int]:
-    """FLOPs plus ``_WRITE_COST`` per element written, of ``path``'s steps, and the elements of its
-    largest intermediate."""
-    flops, written, largest = _walked(path, terms, output, sizes)
-    return flops + _WRITE_COST * written, largest
+def _price(flops: int, written: int) -> float:
+    """FLOPs plus ``_WRITE_COST`` per element written: what NOTE: [Contraction order] minimises."""
+    return flops + _WRITE_COST * written
 
 
 def _walked(

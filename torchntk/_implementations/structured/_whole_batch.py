@@ -184,13 +184,21 @@ def _guessed(plan: Plan, sample: tuple[Side, tuple[torch.Tensor, ...]], paramete
     if any(not shape or find_fold(whole_shape(shape, axes[position], count), shape, count) != Fold(axes[position])
            for position, (shape, _) in plan.perturbed_shapes.items()):
         return None  # a scalar or an empty axis: no reading the recording pass would confirm
+    done = _pass_or_none(examples, plan, axes, cotangents, parameters)
+    return None if done is None else LayoutShapes(plan.perturbed_shapes, plan.fallback, axes, None, done)
+
+
+def _pass_or_none(
+    examples: Side, plan: Plan, axes: dict[int, int], cotangents: tuple[torch.Tensor, ...], parameters: bool
+) -> Optional[WholeBatchPass]:
+    """:func:`whole_batch_pass`, None where it fails for the model's sake (running out of memory
+    is raised)."""
     try:
-        done = whole_batch_pass(examples, plan, axes, cotangents, parameters=parameters)
+        return whole_batch_pass(examples, plan, axes, cotangents, parameters=parameters)
     except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
         if is_out_of_memory(error):
             raise
         return None
-    return None if done is None else LayoutShapes(plan.perturbed_shapes, plan.fallback, axes, None, done)
 
 
 def with_whole_batch(
@@ -264,12 +272,7 @@ def sample_pass(
     if done is not None:
         return shapes, done
     examples, cotangents = sample
-    try:
-        return shapes, whole_batch_pass(examples, plan, shapes.output_axes, cotangents, parameters=True)
-    except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
-        if is_out_of_memory(error):
-            raise
-        return shapes, None
+    return shapes, _pass_or_none(examples, plan, shapes.output_axes, cotangents, True)
 
 
 def _layout(
