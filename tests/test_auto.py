@@ -148,9 +148,11 @@ class _PositionEmbedded(nn.Module):
 
 
 def test_a_layout_that_rules_out_whole_batches_is_priced_before_3s_plan_is_checked(cpu_prices):
-    """NOTE: [What choosing may cost]: where 3 wins only by passes over the whole batch, one recording
-    pass tells whether the shapes allow them before the plan's check is paid for; here they do not,
-    3 priced per example loses to 1, and its plan is never checked."""
+    """NOTE: [What choosing may cost]: where 3 wins only by passes over the whole batch, the check's
+    whole-batch pass tells whether the shapes allow them before the plan's check is paid for; here
+    they do not (it stops at the position embedding, whose output is one example's shape over
+    every example, and no recording pass runs: NOTE: [The layout read from the check's own
+    pass]), 3 priced per example loses to 1, and its plan is never checked."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = _PositionEmbedded().double().to(cases.DEVICE).eval()
@@ -163,11 +165,13 @@ def test_a_layout_that_rules_out_whole_batches_is_priced_before_3s_plan_is_check
         return reasons[-1]
 
     with mock.patch.object(structured_module.StructuredDerivatives, "layout_reason", spied), \
-            mock.patch.object(structured_module, "plan_for", wraps=structured_module.plan_for) as plans:
+            mock.patch.object(structured_module, "plan_for", wraps=structured_module.plan_for) as plans, \
+            mock.patch.object(structured_module._whole_batch, "_output_axes",
+                              wraps=structured_module._whole_batch._output_axes) as recorded:
         ntk_fn = torchntk.empirical_ntk_fn(model)
         kernels = [ntk_fn(x) for _ in range(3)]
         choice = ntk_fn.auto_choice(x)
-    assert len(reasons) == 1 and "does not hold the examples" in reasons[0]
+    assert len(reasons) == 1 and "does not hold the examples" in reasons[0] and recorded.call_count == 0
     assert choice.implementation == JACOBIAN and plans.call_count == 0
     for kernel in kernels:
         assert_kernels_close(kernel, reference_ntk(model, x))

@@ -209,11 +209,26 @@ class _LeadingAxis(nn.Module):
         return self.second(torch.tanh(self.first(x.unsqueeze(0))).squeeze(0))
 
 
+class _SharedRow(nn.Module):
+    """A layer whose input is the same for every example (a learnt offset, as a position embedding
+    of Hugging Face transformers is one row for all examples): its output does not hold the
+    examples, so the passes cannot run over the whole batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.offset, self.second = nn.Linear(4, 6), nn.Linear(2, 6), nn.Linear(6, 3)
+        self.register_buffer("ones", torch.ones(1, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(torch.tanh(self.first(x) + self.offset(self.ones)))
+
+
 _GUESSED_CASES = {
     **{case_id: lambda case_id=case_id: STRUCTURED_CASES[case_id]() for case_id in WHOLE_BATCH_CASES},
     "time_major": lambda: (_build(TimeMajorRecurrence), *_time_major_inputs()),
     "reversed_inside": lambda: (_build(ReversedInside), _normal(5, 4, seed=1), _normal(4, 4, seed=2)),
     "leading_axis": lambda: (_build(_LeadingAxis), _normal(5, 4, seed=1), _normal(4, 4, seed=2)),
+    "shared_row": lambda: (_build(_SharedRow), _normal(5, 4, seed=1), _normal(4, 4, seed=2)),
 }
 
 
@@ -221,17 +236,26 @@ _GUESSED_CASES = {
 def test_the_axes_the_checks_pass_guesses_are_those_a_recording_pass_finds(case_id, monkeypatch):
     """NOTE: [The layout read from the check's own pass]: wherever the check's whole-batch pass
     completes with the axes guessed from one example's shapes, a recording pass over the same
-    examples finds the same axes; where it does not, the recording pass decides. The kernels stay
-    exact on a first and a second call, with x2 and without."""
-    found, results = _whole_batch.found_layout, []
+    examples finds the same axes, and where it stops at an output that is one example's shape
+    over several, the recording pass refuses the layout for the same reason; elsewhere the
+    recording pass decides. The kernels stay exact on a first and a second call, with x2 and
+    without."""
+    found, results, recordings = _whole_batch.found_layout, [], []
+    output_axes = _whole_batch._output_axes
+
+    def recording(*args):
+        recordings.append(args)
+        return output_axes(*args)
 
     def compared(call, plan, parameters, sample=None):
+        before = len(recordings)
         shapes = found(call, plan, parameters, sample)
+        results.append((len(recordings) == before, shapes.done is not None))
         recorded = _whole_batch.layout_shapes(call, plan)
         assert (shapes.output_axes, shapes.reason) == (recorded.output_axes, recorded.reason)
-        results.append(shapes.done is not None)
         return shapes
 
+    monkeypatch.setattr(_whole_batch, "_output_axes", recording)
     monkeypatch.setattr(_whole_batch, "found_layout", compared)
     monkeypatch.setattr(structured, "found_layout", compared)
     built = _GUESSED_CASES[case_id]()
@@ -244,7 +268,10 @@ def test_the_axes_the_checks_pass_guesses_are_those_a_recording_pass_finds(case_
         for _ in range(2):
             assert_kernels_close(ntk_fn(x1, second), reference_ntk(module, x1, second, trace_axes=()))
     assert results, "the layout was found"
-    assert all(results) == (case_id != "leading_axis"), results  # only there does the recording pass decide
+    # only there does the recording pass decide; the shared row's guess is refused, and the pass
+    # that stopped decides
+    assert all(guessed for guessed, _ in results) == (case_id != "leading_axis"), results
+    assert all(completed for _, completed in results) == (case_id not in ("leading_axis", "shared_row")), results
 
 
 def _mlp() -> nn.Module:
@@ -542,8 +569,8 @@ def test_the_whole_batch_checks_pass_gives_autograds_products(case_id, monkeypat
     whole_batch_pass = _whole_batch.whole_batch_pass
     products = structured.whole_batch_products
 
-    def recorded_pass(side, plan, output_axes, cotangents=None, parameters=False):
-        done = whole_batch_pass(side, plan, output_axes, cotangents, parameters)
+    def recorded_pass(side, plan, output_axes, cotangents=None, parameters=False, **options):
+        done = whole_batch_pass(side, plan, output_axes, cotangents, parameters, **options)
         # the check drops the products once compared; a pass with guessed axes that the model's
         # shapes refuse makes none (NOTE: [The layout read from the check's own pass])
         if parameters and done is not None:
@@ -597,9 +624,9 @@ def test_a_use_hidden_from_the_recorder_shows_in_the_whole_batch_checks_products
     made = []
     whole_batch_pass = _whole_batch.whole_batch_pass
 
-    def recorded_pass(side, plan, output_axes, cotangents=None, parameters=False):
+    def recorded_pass(side, plan, output_axes, cotangents=None, parameters=False, **options):
         made.append(parameters)
-        return whole_batch_pass(side, plan, output_axes, cotangents, parameters)
+        return whole_batch_pass(side, plan, output_axes, cotangents, parameters, **options)
 
     monkeypatch.setattr(_whole_batch, "whole_batch_pass", recorded_pass)
     model = _build(_HiddenScale)

@@ -54,9 +54,10 @@ everything else is made when it can change the pick and can pay for itself:
   CNNs), reusing the probe; parameters the check demotes are priced again as fallback. Before
   that, where 3 is priced with passes over the whole batch, the check's own whole-batch pass
   over its examples tells whether the shapes allow them (``StructuredDerivatives.layout_reason``;
-  a recording pass where the examples are not where one example's shapes suggest, NOTE: [The
-  layout read from the check's own pass]; a position embedding of Hugging Face transformers,
-  one row for all examples, does not allow them), and 3 is priced per example where they do
+  a recording pass where the examples are elsewhere than one example's shapes suggest, NOTE:
+  [The layout read from the check's own pass]; a position embedding of Hugging Face
+  transformers, one row for all examples, does not allow them, which that pass shows where it
+  stops), and 3 is priced per example where they do
   not: a BERT whose 3 then lost to 1 paid 43% of its first call for a check it did not use. The
   check reuses that pass. The probe, the layout and the check are the plan the kernel computes
   with, so they are wasted only when 3 loses.

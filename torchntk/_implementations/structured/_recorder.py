@@ -306,7 +306,11 @@ class Recorder(TorchFunctionMode):
 
 
 class ShapeMismatch(Exception):
-    """A perturbation prepared for a rule call does not have the shape of the call's output."""
+    """A perturbation prepared for a rule call does not have the shape of the call's output.
+
+    Its ``args``: the rule call's position, its output's shape and the perturbation's, where the
+    recorder raised it; none where a pass found its rule calls otherwise than the plan's.
+    """
 
 
 _IN_PLACE_OPERATORS = frozenset(

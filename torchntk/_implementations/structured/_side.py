@@ -502,7 +502,7 @@ class WholeBatchPass:
 
 def whole_batch_pass(
     side: Side, plan: Plan, output_axes: dict[int, int], cotangents: Optional[tuple[torch.Tensor, ...]] = None,
-    parameters: bool = False,
+    parameters: bool = False, raise_mismatch: bool = False,
 ) -> Optional[WholeBatchPass]:
     """One whole-batch pass of NOTE: [Whole-batch pullback]: the perturbed model's VJP over the
     whole batch, pulled back over the basis of one example's outputs set for every example at once
@@ -520,6 +520,9 @@ def whole_batch_pass(
         parameters: with ``cotangents``, also differentiate the parameters: autograd's ``J^T v``
             (:attr:`WholeBatchPass.parameter_products`; NOTE: [Autograd's products from the
             whole-batch check]).
+        raise_mismatch: raise the recorder's :class:`ShapeMismatch` (the first rule call whose
+            output is not shaped as ``output_axes`` say; NOTE: [The layout read from the check's
+            own pass]) instead of returning None.
     """
     params = side.model.params
     examples = side.batch_size()
@@ -551,7 +554,9 @@ def whole_batch_pass(
     with whole_batch_context(side):
         try:
             outputs, pullback, operands = vjp(perturbed_model, *primals, has_aux=True)
-        except (ShapeMismatch, PlanMismatch):
+        except (ShapeMismatch, PlanMismatch) as error:
+            if raise_mismatch and isinstance(error, ShapeMismatch):
+                raise
             return None
         checked = _probe_roles(recorded, plan, positions, examples, operands)
         if checked is None:

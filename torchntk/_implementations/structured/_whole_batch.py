@@ -4,8 +4,8 @@ NOTE: [Whole-batch pullback] (``_side.py``) says what the whole-batch pass compu
 layout needs a check; this module makes that check. With ``vmap_axes`` and a plan probed on one
 example, the whole-batch pass over a few examples of the call (at most :data:`CHECK_EXAMPLES`, at
 least two) finds the axis of every perturbed op's output that holds the examples (where it is not
-the one a single example's shapes suggest, a recording pass finds it: NOTE: [The layout read from
-the check's own pass]); then the
+the one a single example's shapes suggest, a recording pass finds it, unless the pass showed an
+output shared by every example: NOTE: [The layout read from the check's own pass]); then the
 whole-batch pass and the per-example pass of those examples, with one random cotangent, must agree
 on every use's ``G`` and every operand, example by example, within a tolerance far below what a
 wrong reading gives (another example's values). Comparing ``J^T v`` summed over the examples would
@@ -16,7 +16,7 @@ A plan whose check fails, or that cannot be checked (fewer than two examples of 
 shape, examples mapped by a loop, a plan probed on every example, dense local Jacobians), keeps the
 per-example pass, and :attr:`~._plan.Plan.whole_batch_reason` says why. The check costs one
 whole-batch and one per-example backward pass of those few examples (and a recording pass where
-the examples are not where one example's shapes suggest), once per plan (that is, per input
+the examples are elsewhere than one example's shapes suggest), once per plan (that is, per input
 shapes).
 """
 
@@ -147,13 +147,19 @@ def _refused(call: KernelCall, plan: Plan, sample: Optional[tuple]) -> Optional[
 # operation the plan did not foresee ends it too (``whole_batch_pass`` returns None). A pass that
 # completes had every perturbed output shaped as ``whole_shape(one example's, axis, examples)``,
 # which the recording pass reads (``find_fold``) as that same axis; guesses the reading would not
-# confirm (an empty axis, a scalar output) are not tried. So the guess decides exactly what the recording pass
-# would, and the recording pass runs only where the guess fails (a position embedding shared by
-# every example, a model that moves the examples to an axis whose per-example size is not 1), to
-# find the axes or the reason. The pass found is then the check's own (``sample_pass`` with
-# autograd's products, ``_layout`` without; AUTO's ``layout_reason`` keeps it for them): one
-# pass of the model fewer on a first call. The values are still checked against the per-example
-# pass (``_readings``, ``_compare``), as for axes a recording pass found.
+# confirm (an empty axis, a scalar output) are not tried. So the guess decides exactly what the
+# recording pass would. Where the pass stops at a rule call whose output over the examples has one
+# example's shape (a position embedding of Hugging Face transformers: one row for every example),
+# the recording pass would read that output as shared by every example (``find_fold``) and refuse
+# the layout for the same reason, the calls before it being shaped as the guess; so that reason
+# decides, and no recording pass runs (which would name another reason only where the whole batch
+# also makes other rule calls or consumes the parameters otherwise: whole batches are ruled out
+# either way). The recording pass runs only where the guess fails otherwise (a model that moves the
+# examples to an axis whose per-example size is not 1, or makes other rule calls over the whole
+# batch), to find the axes or the reason. The pass found is then the check's own (``sample_pass``
+# with autograd's products, ``_layout`` without; AUTO's ``layout_reason`` keeps it for them): one
+# pass of the model fewer on a first call. The values are still checked against the per-example pass
+# (``_readings``, ``_compare``), as for axes a recording pass found.
 
 
 def found_layout(
@@ -162,8 +168,8 @@ def found_layout(
     """:class:`LayoutShapes` of ``plan`` on ``call``, with the whole-batch pass of the check's
     examples and cotangents (``sample``, :func:`check_sample`'s) that found them where the axes
     one example's shapes suggest hold the examples (with autograd's products when
-    ``parameters``), else from a recording pass (NOTE: [The layout read from the check's own
-    pass])."""
+    ``parameters``), or the reason where that pass stops at an output shared by every example,
+    else from a recording pass (NOTE: [The layout read from the check's own pass])."""
     sample = sample or check_sample(call)
     refused = _refused(call, plan, sample)
     if refused is not None:
@@ -184,19 +190,32 @@ def _guessed(plan: Plan, sample: tuple[Side, tuple[torch.Tensor, ...]], paramete
     if any(not shape or find_fold(whole_shape(shape, axes[position], count), shape, count) != Fold(axes[position])
            for position, (shape, _) in plan.perturbed_shapes.items()):
         return None  # a scalar or an empty axis: no reading the recording pass would confirm
-    done = _pass_or_none(examples, plan, axes, cotangents, parameters)
+    try:
+        done = _pass_or_none(examples, plan, axes, cotangents, parameters, raise_mismatch=True)
+    except ShapeMismatch as mismatch:
+        if len(mismatch.args) != 3:
+            return None  # the pass made other rule calls: the recording pass says which
+        position, shape, _ = mismatch.args
+        single = tuple(plan.perturbed_shapes[position][0])
+        if tuple(shape) != single:
+            return None  # the examples lie elsewhere: the recording pass finds where
+        # the same output for every example: the recording pass's reading (find_fold) refuses it
+        return LayoutShapes(
+            plan.perturbed_shapes, plan.fallback, None, _not_on_one_axis(position, tuple(shape), single, count)
+        )
     return None if done is None else LayoutShapes(plan.perturbed_shapes, plan.fallback, axes, None, done)
 
 
 def _pass_or_none(
-    examples: Side, plan: Plan, axes: dict[int, int], cotangents: tuple[torch.Tensor, ...], parameters: bool
+    examples: Side, plan: Plan, axes: dict[int, int], cotangents: tuple[torch.Tensor, ...], parameters: bool,
+    raise_mismatch: bool = False,
 ) -> Optional[WholeBatchPass]:
     """:func:`whole_batch_pass`, None where it fails for the model's sake (running out of memory
-    is raised)."""
+    is raised, and with ``raise_mismatch`` the recorder's :class:`ShapeMismatch`)."""
     try:
-        return whole_batch_pass(examples, plan, axes, cotangents, parameters=parameters)
+        return whole_batch_pass(examples, plan, axes, cotangents, parameters=parameters, raise_mismatch=raise_mismatch)
     except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
-        if is_out_of_memory(error):
+        if is_out_of_memory(error) or (raise_mismatch and isinstance(error, ShapeMismatch)):
             raise
         return None
 
@@ -346,12 +365,15 @@ def _output_axes(examples: Side, plan: Plan) -> tuple[Optional[dict[int, int]], 
         output = recorder.calls[position].output
         fold = find_fold(output.shape, shape, count)
         if fold is None or fold.axis is None or output.dtype != dtype:
-            return None, (
-                f"rule call {position} gives {tuple(output.shape)} for {count} examples but {shape} for one: "
-                f"its output does not hold the examples on one axis"
-            )
+            return None, _not_on_one_axis(position, tuple(output.shape), shape, count)
         axes[position] = fold.axis
     return axes, None
+
+
+def _not_on_one_axis(position: int, whole: tuple, single: tuple, count: int) -> str:
+    """Why the passes cannot run over the whole batch where rule call ``position``'s output over
+    ``count`` examples, shaped ``whole``, does not hold them on one axis of one example's ``single``."""
+    return f"rule call {position} gives {whole} for {count} examples but {single} for one: its output does not hold the examples on one axis"
 
 
 def _readings(
