@@ -196,13 +196,11 @@ def _guessed(plan: Plan, sample: tuple[Side, tuple[torch.Tensor, ...]], paramete
         if len(mismatch.args) != 3:
             return None  # the pass made other rule calls: the recording pass says which
         position, shape, _ = mismatch.args
-        single = tuple(plan.perturbed_shapes[position][0])
-        if tuple(shape) != single:
+        single = plan.perturbed_shapes[position][0]
+        if shape != single:
             return None  # the examples lie elsewhere: the recording pass finds where
         # the same output for every example: the recording pass's reading (find_fold) refuses it
-        return LayoutShapes(
-            plan.perturbed_shapes, plan.fallback, None, _not_on_one_axis(position, tuple(shape), single, count)
-        )
+        return LayoutShapes(plan.perturbed_shapes, plan.fallback, None, _not_on_one_axis(position, shape, single, count))
     return None if done is None else LayoutShapes(plan.perturbed_shapes, plan.fallback, axes, None, done)
 
 
@@ -214,8 +212,8 @@ def _pass_or_none(
     is raised, and with ``raise_mismatch`` the recorder's :class:`ShapeMismatch`)."""
     try:
         return whole_batch_pass(examples, plan, axes, cotangents, parameters=parameters, raise_mismatch=raise_mismatch)
-    except (RuntimeError, PlanMismatch, ShapeMismatch) as error:
-        if is_out_of_memory(error) or (raise_mismatch and isinstance(error, ShapeMismatch)):
+    except RuntimeError as error:  # the pass returns None itself where it does not fit the plan
+        if is_out_of_memory(error):
             raise
         return None
 
@@ -373,7 +371,10 @@ def _output_axes(examples: Side, plan: Plan) -> tuple[Optional[dict[int, int]], 
 def _not_on_one_axis(position: int, whole: tuple, single: tuple, count: int) -> str:
     """Why the passes cannot run over the whole batch where rule call ``position``'s output over
     ``count`` examples, shaped ``whole``, does not hold them on one axis of one example's ``single``."""
-    return f"rule call {position} gives {whole} for {count} examples but {single} for one: its output does not hold the examples on one axis"
+    return (
+        f"rule call {position} gives {whole} for {count} examples but {single} for one: its output does not hold "
+        f"the examples on one axis"
+    )
 
 
 def _readings(
