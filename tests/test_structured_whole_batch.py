@@ -332,6 +332,26 @@ def test_one_output_entry_per_example_replays_exactly(eager_computations):
     assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
 
 
+def test_an_output_shared_by_every_example_keeps_per_example_passes_on_replays(passes, eager_computations):
+    """NOTE: [The layout read from the check's own pass]: the guessed pass that stops at the shared
+    row decides the plan on the first call; the kernel is exact on that call, on a warm one and on
+    replays of the graph ``compile=`` captured, with other inputs and weights written in place."""
+    import warnings
+
+    model = _build(_SharedRow)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), compile="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a capture refused or a replay failed
+        for seed in range(4):
+            with torch.no_grad():
+                model.offset.weight.mul_(1.1)
+            x1, x2 = _normal(5, 4, seed=seed), _normal(3, 4, seed=seed + 10)
+            assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
+    assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
+    assert passes.plan.whole_batch is None and "does not hold the examples" in passes.plan.whole_batch_reason
+    assert passes.whole_batch == 0
+
+
 def test_one_example_on_x1_is_checked_on_the_examples_of_x2(passes):
     model = _build(_mlp)
     x1, x2 = _normal(1, 4, seed=1), _normal(5, 4, seed=2)
