@@ -19,7 +19,9 @@ Each side runs in ``--trials`` fresh processes (median of their times).
   examples, as users then write it. A failed vmap attempt is not timed.
 
 Printed: the table of first-call and warm times and the ratios the issue's targets name
-(torchntk first / torchntk warm, torchntk first / tutorial first), and with ``--profile`` the
+(torchntk first / torchntk warm, torchntk first / tutorial first), the first call of a kernel
+function built again for the same model after those calls (the one-liner run again: it shares the
+first one's plans), against the warm call, and with ``--profile`` the
 first call of each row timed by stage (:data:`STAGES`: torchntk's stage functions wrapped with
 a timer in a third process; stages nest, so the shares do not add up).
 
@@ -231,6 +233,11 @@ def worker(row: str, side: str, repeats: int, profile: bool) -> dict:
         choice = ntk_fn.auto_choice(x, **kwargs)
         result["pick"] = int(choice.implementation)
         result["vmap_axes"] = choice.vmap_axes is not None
+        # NOTE: [Plans shared by kernel functions]: the same one-liner written again
+        rebuilt = torchntk.empirical_ntk_fn(model, output_fn=output_fn)
+        start = time.perf_counter()
+        rebuilt(x, **kwargs)
+        result["rebuilt"] = time.perf_counter() - start
     return result
 
 
@@ -275,8 +282,9 @@ def run_trials(row: str, side: str, repeats: int, threads: Optional[int], trials
     if failed:
         return failed[0]
     merged = dict(results[0])
-    for field in ("first", "warm"):
-        merged[field] = statistics.median(result[field] for result in results)
+    for field in ("first", "warm", "rebuilt"):
+        if field in merged:
+            merged[field] = statistics.median(result[field] for result in results)
     return merged
 
 
@@ -317,19 +325,20 @@ def main(argv: Optional[list] = None) -> None:
           f"load average {os.getloadavg()[0]:.2f}")
     print()
     print("| row | torchntk first (s) | torchntk warm (s) | tutorial first (s) | tutorial warm (s) | first / warm | "
-          "first / tutorial's first | AUTO's pick | axes found | tutorial |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "first / tutorial's first | AUTO's pick | axes found | tutorial | rebuilt's first / warm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     profiles = {}
     for row in rows:
         ours = run_trials(row, "torchntk", arguments.repeats, arguments.threads, arguments.trials)
         theirs = run_trials(row, "tutorial", arguments.repeats, arguments.threads, arguments.trials)
         if "error" in ours or "error" in theirs:
-            print(f"| {row} | {ours.get('error') or theirs.get('error')} |||||||||")
+            print(f"| {row} | {ours.get('error') or theirs.get('error')} ||||||||||")
             continue
         print(
             f"| {row} | {ours['first']:.3f} | {ours['warm']:.3f} | {theirs['first']:.3f} | {theirs['warm']:.3f} | "
             f"{ours['first'] / ours['warm']:.2f} | {ours['first'] / theirs['first']:.2f} | {ours['pick']} | "
-            f"{'yes' if ours['vmap_axes'] else 'no'} | {'loop' if theirs['loop'] else 'vmap'} |"
+            f"{'yes' if ours['vmap_axes'] else 'no'} | {'loop' if theirs['loop'] else 'vmap'} | "
+            f"{ours['rebuilt'] / ours['warm']:.2f} |"
         )
         if arguments.profile:
             profiles[row] = run_side(row, "torchntk", 1, True, arguments.threads)

@@ -18,7 +18,7 @@ import collections
 import os
 import pathlib
 import sys
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 import torch
@@ -188,6 +188,35 @@ def device(_run_device: torch.device) -> torch.device:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _plans_of_this_test() -> None:
+    """Every test plans its models anew: kernel functions of one model built with the same options
+    share their plans (NOTE: [Plans shared by kernel functions] in ``torchntk/_plan/shared.py``), and
+    the models some test modules build once (``functools.lru_cache``) would otherwise come to a
+    test planned by whichever test ran before it in the same process."""
+    from torchntk._plan.shared import forget_shared_planners
+
+    forget_shared_planners()
+
+
+@pytest.fixture
+def monkeypatch(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """pytest's ``monkeypatch``, after whose every ``setattr`` kernel functions built anew plan
+    anew: tests patch a module's constant (a working-set bound, a switch) and then build a kernel
+    function of a model an earlier one planned, to see what the constant changes; without this it
+    would share the earlier one's plans (NOTE: [Plans shared by kernel functions])."""
+    from torchntk._plan.shared import forget_shared_planners
+
+    patch = monkeypatch.setattr
+
+    def setattr_and_plan_anew(*args: Any, **kwargs: Any) -> None:
+        patch(*args, **kwargs)
+        forget_shared_planners()
+
+    monkeypatch.setattr = setattr_and_plan_anew  # type: ignore[method-assign]
+    return monkeypatch
 
 
 @pytest.fixture

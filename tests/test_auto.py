@@ -32,6 +32,7 @@ from torchntk._implementations import structured as structured_module
 from torchntk._implementations.structured import _contract as structured_contract
 from torchntk._implementations.structured import _cost as structured_cost_module
 from torchntk._implementations.structured import _joint as structured_joint
+from torchntk._plan.shared import forget_shared_planners
 from torchntk._utils.threads import FORWARD_MODE_LOCK
 from torchntk.testing import assert_kernels_close, reference_ntk
 
@@ -97,6 +98,7 @@ def test_probing_everything_prices_every_candidate_and_picks_the_same():
     model = _tiny()
     x1, x2 = _inputs(3)
     lazy = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0).auto_choice(x1, x2)
+    forget_shared_planners()  # a kernel function of its own, planned under this patch
     with mock.patch.object(auto_module, "_PROBE_EVERYTHING", True):
         auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
         thorough = auto.auto_choice(x1, x2)
@@ -255,6 +257,7 @@ def test_structured_derivatives_are_priced_from_the_probe_and_checked_only_when_
     assert_kernels_close(actual, reference_ntk(model, x1, x2, trace_axes=()), rtol=1e-10)
 
     probes, checks = _plan_spies()
+    forget_shared_planners()  # a kernel function of its own, planned under these patches
     with priced, probes as probe_passes, checks as check_passes:
         auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
         choice = auto.auto_choice(x1, x2)
@@ -280,6 +283,7 @@ def test_parameters_the_check_demotes_are_priced_again_as_fallback(cpu_prices):
         unchecked = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
         with mock.patch.object(structured_module.StructuredDerivatives, "plan", lambda *args, **kwargs: 1 / 0):
             priced_unchecked = unchecked.auto_choice(x1, x2)  # 3 is excluded when checking it fails
+        forget_shared_planners()  # a kernel function of its own, planned without that patch
         auto = torchntk.empirical_ntk_fn(model, trace_axes=(), vmap_axes=0, implementation=0)
         choice = auto.auto_choice(x1, x2)
         actual = auto(x1, x2)
@@ -301,6 +305,7 @@ def _first_call(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, trace_axes
         calls.append(call)
         return original(call, plans, *args, **kwargs)
 
+    forget_shared_planners()  # a kernel function of its own, whose choice is made, not kept
     with mock.patch.object(auto_module, "choose", catching):
         torchntk.empirical_ntk_fn(model, trace_axes=trace_axes, vmap_axes=0, implementation=0).auto_choice(x1, x2)
     return calls[0]
@@ -350,6 +355,7 @@ def test_implementation_2_is_never_picked_unprobed_and_is_excluded_when_its_prob
     def cannot_run(side):
         raise ValueError("no derivative of this model")
 
+    forget_shared_planners()  # a kernel function of its own, planned under these patches
     with expensive, dear, mock.patch.object(auto_module, "vector_products_method", cannot_run):
         auto = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)
         choice = auto.auto_choice(x1, x2)
@@ -662,6 +668,7 @@ def test_forward_mode_prices_the_derivatives_a_model_takes_at_their_own_rate(mon
         return counts[-1]
 
     def estimates() -> dict:
+        forget_shared_planners()  # each priced by a kernel function of its own
         ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=None, implementation=0)
         with mock.patch.object(counting_module, "count_example", counted):
             return ntk_fn.auto_choice(x1, x2).estimates
@@ -791,6 +798,7 @@ def test_the_whole_batch_pass_is_priced_and_priced_again_where_the_checked_plan_
         def refused(call, plan, checked=None, **options):
             return dataclasses.replace(plan, whole_batch=None, whole_batch_reason="refused by the test")
 
+        forget_shared_planners()  # a kernel function of its own, planned under this patch
         with mock.patch.object(structured_module, "with_whole_batch", refused):
             auto = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=0)
             per_example = auto.auto_choice(x1, x2)

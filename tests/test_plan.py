@@ -364,3 +364,168 @@ def test_a_key_keeps_what_its_implementations_derived_in_its_record(implementati
     assert set(table) == {1, 2, 3}  # AUTO is a policy over the table, not one of its entries
     for entry in table.values():  # nothing of a call kept outside the records
         assert all(not hasattr(value, "_entries") for value in vars(entry).values())
+
+
+# NOTE: [Plans shared by kernel functions]: a kernel function built again plans nothing again.
+
+
+@IMPLEMENTATIONS
+@pytest.mark.parametrize("x2_given", [True, False], ids=["x2", "x2-None"])
+def test_a_kernel_function_built_again_shares_the_plans_of_the_first(implementation, x2_given, monkeypatch):
+    """A second kernel function of the model with the same options binds its first call to the plan
+    the first one made (no preparation in full), with other inputs and weights changed in place in
+    between, and stays exact on its first, second and later calls."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _mlp()
+
+    def build():
+        return torchntk.empirical_ntk_fn(model, vmap_axes="auto", trace_axes=(), implementation=implementation)
+
+    x1, x2 = _inputs(5, 3)
+    first = build()
+    assert_kernels_close(first(x1, x2 if x2_given else None), reference_ntk(model, x1, x2 if x2_given else x1, trace_axes=()))
+    assert prepared.count == 1
+    del first
+    with torch.no_grad():
+        model[0].weight.mul_(1.5)
+    again = build()
+    for seed in range(2, 5):  # its first, second and a later call
+        x1, x2 = _inputs(5, 3, seed=seed)
+        x2 = x2 if x2_given else None
+        assert_kernels_close(again(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
+    assert prepared.count == 1
+
+
+class _Head(nn.Module):
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        return out[:, :2]
+
+
+def test_kernel_functions_of_other_options_models_or_builders_plan_anew(monkeypatch):
+    """Options compare by value where plain and by identity otherwise: another ``trace_axes``, a
+    new ``output_fn`` object (the same code), a copy of the model or the other builder plan their
+    first call in full; the same ``output_fn`` object shares."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _mlp()
+    x1, x2 = _inputs(5, 3)
+    torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2)
+    assert prepared.count == 1
+    torchntk.empirical_ntk_fn(model, vmap_axes=0, trace_axes=())(x1, x2)
+    assert prepared.count == 2
+    torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2)  # the same options as the first: shared
+    assert prepared.count == 2
+
+    def head(out):
+        return out[:, :2]
+
+    def same_code(out):
+        return out[:, :2]
+
+    for output_fn, count in ((head, 3), (head, 3), (same_code, 4)):
+        kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, output_fn=output_fn)(x1, x2)
+        assert_kernels_close(kernel, reference_ntk(nn.Sequential(model, _Head()), x1, x2))
+        assert prepared.count == count
+    copy = _mlp()
+    assert_kernels_close(torchntk.empirical_ntk_fn(copy, vmap_axes=0)(x1, x2), reference_ntk(copy, x1, x2))
+    assert prepared.count == 5
+    kernels = torchntk.empirical_kernel_fn(model, vmap_axes=0)(x1, x2, get="ntk")
+    assert_kernels_close(kernels, reference_ntk(model, x1, x2))
+    assert prepared.count == 6
+
+
+def test_a_kernel_function_built_again_keeps_every_guarantee_of_a_warm_call(monkeypatch):
+    """The NaN explanation on the rebuilt function's first call, the output check on every call with
+    ``check_vmap_axes=True``, and a new key (a hook registered between the builds) planned in full."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _mlp()
+    x1, x2 = _inputs(5, 3)
+    torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2)
+    bad = x1.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"output leaf 0 for x1 holds 3 NaN"):
+        torchntk.empirical_ntk_fn(model, vmap_axes=0)(bad, x2)
+    assert prepared.count == 1  # bound to the first one's plan, and explained all the same
+
+    checked = torchntk.empirical_ntk_fn(model, vmap_axes=0, check_vmap_axes=True)
+    checked(x1, x2)
+    outputs_checked = []
+    original = torchntk._call.vmap_check.VmapAxesCheck.outputs
+    monkeypatch.setattr(
+        torchntk._call.vmap_check.VmapAxesCheck, "outputs",
+        lambda self, *args, **kwargs: outputs_checked.append(1) or original(self, *args, **kwargs),
+    )
+    assert_kernels_close(torchntk.empirical_ntk_fn(model, vmap_axes=0, check_vmap_axes=True)(x1, x2), reference_ntk(model, x1, x2))
+    assert outputs_checked, "the output check of check_vmap_axes=True runs on the rebuilt function's first call"
+
+    count = prepared.count
+    model[2].register_forward_hook(lambda module, args, out: out * 2.0)
+    assert_kernels_close(torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2), reference_ntk(model, x1, x2))
+    assert prepared.count == count + 1
+
+
+def test_shared_plans_keep_no_model_and_no_option_alive():
+    """The registry holds the model and identity-compared options weakly: both are freed with the
+    kernel functions, and a freed option's address, reused, matches nothing."""
+    from torchntk._plan import shared
+
+    model = _mlp()
+    x1, x2 = _inputs(5, 3)
+
+    def head(out):
+        return out[:, :2]
+
+    torchntk.empirical_ntk_fn(model, vmap_axes=0, output_fn=head)(x1, x2)
+    torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2)
+    watched = (weakref.ref(model), weakref.ref(head))
+    assert id(model) in shared._MODELS
+    identity = id(model)
+    del model, head
+    gc.collect()
+    assert all(reference() is None for reference in watched)
+    assert identity not in shared._MODELS
+
+
+def test_options_that_would_hold_their_objects_and_captured_kernels_are_not_shared(monkeypatch):
+    """An option that takes no weak reference (a tuple subclass) would have to be held, and may hold
+    the model: its kernel functions plan alone, like captured ones (``compile=``), which keep
+    their planner beside their graphs."""
+    from torchntk._plan import Planner
+    from torchntk._plan.shared import shared_planner
+
+    model = _mlp()
+
+    class Pair(tuple):
+        pass
+
+    held = ("empirical_ntk_fn", (("groups", Pair((model,))),))
+    made = [shared_planner(model, held, lambda: Planner(False, True)) for _ in range(2)]
+    assert made[0] is not made[1]
+    plain = ("empirical_ntk_fn", (("trace_axes", (0, 1)),))
+    assert shared_planner(model, plain, lambda: Planner(False, True)) is shared_planner(model, plain, lambda: 1 / 0)
+
+    prepared = _PreparedInFull(monkeypatch)
+    x1, x2 = _inputs(5, 3)
+    counts = []
+    for _ in range(2):
+        captured = torchntk.empirical_ntk_fn(model, vmap_axes=0, compile="eager")
+        assert_kernels_close(captured(x1, x2), reference_ntk(model, x1, x2))
+        counts.append(prepared.count)
+    assert counts[0] > 0 and counts[1] == 2 * counts[0]  # the second prepares all that the first did
+
+
+@pytest.mark.parametrize("implementation", [0, 3], ids=["AUTO", "SD"])
+def test_facts_learnt_again_leave_the_plans_in_place(implementation, monkeypatch):
+    """``auto_choice`` prepares its own call, which learns what the first call learnt; the kernel
+    calls after it stay bound, and a second ``auto_choice`` is bound too."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _mlp()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
+    x1, x2 = _inputs(5, 3)
+    ntk_fn(x1, x2)
+    choice = ntk_fn.auto_choice(x1, x2)
+    assert prepared.count == 2
+    for seed in range(2, 5):
+        x1, x2 = _inputs(5, 3, seed=seed)
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+        assert ntk_fn.auto_choice(x1, x2).implementation == choice.implementation
+    assert prepared.count == 2

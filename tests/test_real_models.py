@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 import torchntk
 from tests import zoo
 from tests.cases import DEVICE, to_device
+from torchntk._kernel import preparation
 from torchntk.testing import ModuleSnapshot, assert_kernels_close, reference_ntk
 
 IMPLEMENTATIONS = (1, 2, 3, 0)
@@ -84,6 +86,17 @@ def _check_defaults(name: str) -> None:
     assert_kernels_close(kernel.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
     assert choice.vmap_axes is not None, choice.vmap_axes_reason
     assert choice.vmap_axes[2] == (case.vmap_axes[2] if isinstance(case.vmap_axes, tuple) else None)
+    # NOTE: [Plans shared by kernel functions]: built again, its first call is bound to these plans
+    prepared = []
+    original = preparation.prepare_call
+    with mock.patch.object(preparation, "prepare_call", lambda *args, **kwargs: prepared.append(1) or original(*args, **kwargs)):
+        again = torchntk.empirical_ntk_fn(case.module, output_fn=case.output_fn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torchntk.ExampleLoopWarning)
+            kernel = again(case.x1, case.x2, **case.kwargs)
+    assert not prepared, "a kernel function built again plans its first call anew"
+    assert_kernels_close(kernel.double(), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    assert again.auto_choice(case.x1, case.x2, **case.kwargs).implementation == choice.implementation
     snapshot.assert_unchanged()
 
 

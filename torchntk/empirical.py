@@ -174,7 +174,9 @@ def empirical_ntk_fn(
             neither a model that couples examples nor a vmap bug gives silently wrong kernels.
             ``"first"``: both checks on the first call per input shapes, module structure and
             train/eval modes (the key of the call's plan); later calls with that key skip the
-            checks and the whole-batch forward pass (a model whose coupling depends on the values,
+            checks and the whole-batch forward pass, also those of a kernel function built again
+            for the same model with the same options, which shares this one's plans (a model
+            whose coupling depends on the values,
             not on the shapes, such as a mixture of experts whose capacity overflows for some
             batches, is caught only if the first call shows it). ``True``: the output check, and
             its whole-batch forward pass, on every call as well. ``False``: no check (and with

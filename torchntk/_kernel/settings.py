@@ -36,7 +36,7 @@ from .._implementations.choice import AutoChoice
 from .._implementations.structured import StructuredOptions
 from .._layout.notices import OutputNotices
 from .._memory import CallerPlan, memory_argument, resolve_budget
-from .._plan import UNDECIDED, PlanKey, Planner, Purpose, Scope, input_shape_key, plan_key
+from .._plan import UNDECIDED, PlanKey, Planner, Purpose, Scope, input_shape_key, plan_key, shared_planner
 from .._utils import checks as _checks
 from .._utils.bounded_cache import BoundedCache
 from .._utils.tree import is_all_none
@@ -169,6 +169,7 @@ class NtkSettings:
             TypeError, ValueError: an argument of the wrong type or value, named in the message.
         """
         _checks.callable_model_argument(f, where)
+        as_given = given
         chosen = _checks.implementation_argument(given.implementation, where)
         parsed_groups = groups_argument(given.groups, f, where)
         if parsed_groups is not None:  # resolved (submodules as paths), so that a replica is grouped alike
@@ -197,8 +198,13 @@ class NtkSettings:
             OutputNotices(),
             finds_axes=finds_axes and checks is not False,  # nothing would prove the axes found
         )
+        def planner() -> Planner:
+            return Planner(keeps_forward_pass=compiling is not None, watches_aliases=isinstance(f, torch.nn.Module))
+
+        # NOTE: [Plans shared by kernel functions]: a kernel function built again plans nothing again
+        options_given = (where, tuple((name, value) for name, value in as_given.as_keywords().items()))
         state = KernelFunctionState(
-            Planner(keeps_forward_pass=compiling is not None, watches_aliases=isinstance(f, torch.nn.Module)),
+            planner() if compiling is not None else shared_planner(f, options_given, planner),
             captured=None if compiling is None else CapturedCalls(compiling, f, where),
         )
         return cls(

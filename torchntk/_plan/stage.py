@@ -12,6 +12,7 @@ from typing import Any, Callable, Hashable, Optional
 
 from .._model.fingerprint import FingerprintMemo
 from .._utils.bounded_cache import BoundedCache
+from .._utils.values import PLAIN
 from .plan import CallPlan, CallTemplate, Facts, Purpose
 from .scope import Scope
 
@@ -96,10 +97,16 @@ class Planner:
         return self.record(key).facts
 
     def learn(self, key: Hashable, **facts: Any) -> None:
-        """Adds facts about ``key``; plans decided from the older facts are not used again."""
+        """Adds facts about ``key``; plans decided from the older facts are not used again. Facts
+        known already change nothing: a call that learns again what an earlier one learnt (every
+        ``auto_choice``, the first call of a kernel function that shares the planner) leaves the
+        plans, and their templates, in place."""
         record = self.record(key)
         with self._lock:
-            record.facts = record.facts.learnt(**facts)
+            known = record.facts
+            if all(_same(getattr(known, name), value) for name, value in facts.items()):
+                return
+            record.facts = known.learnt(**facts)
 
     def plan(self, key: Hashable, purpose: Purpose) -> CallPlan:
         """The plan for ``key`` and ``purpose``: the kept one, else one decided from the facts."""
@@ -170,6 +177,12 @@ class Planner:
         if memory is not None:
             memory[choices] = made
         return made
+
+
+def _same(known: Any, value: Any) -> bool:
+    """Whether a fact's ``value`` is the one ``known``: the same object, or an equal plain value
+    (an output description holds trees, compared by identity only)."""
+    return known is value or (type(known) is type(value) and type(value) in PLAIN and known == value)
 
 
 def _still_holds(plan: Any, budget: float) -> bool:
