@@ -465,7 +465,8 @@ def test_a_kernel_function_built_again_keeps_every_guarantee_of_a_warm_call(monk
 
 def test_shared_plans_keep_no_model_and_no_option_alive():
     """The registry holds the model and identity-compared options weakly: both are freed with the
-    kernel functions, and a freed option's address, reused, matches nothing."""
+    kernel functions, a planner whose option object is gone is dropped, and a freed option's
+    address, reused, matches nothing."""
     from torchntk._plan import shared
 
     model = _mlp()
@@ -477,8 +478,13 @@ def test_shared_plans_keep_no_model_and_no_option_alive():
     torchntk.empirical_ntk_fn(model, vmap_axes=0, output_fn=head)(x1, x2)
     torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2)
     watched = (weakref.ref(model), weakref.ref(head))
-    assert id(model) in shared._MODELS
     identity = id(model)
+    assert len(shared._MODELS[identity][1]) == 2
+    for _ in range(3):  # an output_fn written anew for each kernel function, as in a training loop
+        torchntk.empirical_ntk_fn(model, vmap_axes=0, output_fn=lambda out: out[:, :2])(x1, x2)
+    gc.collect()
+    torchntk.empirical_ntk_fn(model, vmap_axes=0)(x1, x2)  # builds drop the planners of options gone
+    assert len(shared._MODELS[identity][1]) == 2  # the default options' and head's
     del model, head
     gc.collect()
     assert all(reference() is None for reference in watched)
@@ -489,7 +495,7 @@ def test_options_that_would_hold_their_objects_and_captured_kernels_are_not_shar
     """An option that takes no weak reference (a tuple subclass) would have to be held, and may hold
     the model: its kernel functions plan alone, like captured ones (``compile=``), which keep
     their planner beside their graphs."""
-    from torchntk._plan import Planner
+    from torchntk._plan import Planner, shared
     from torchntk._plan.shared import shared_planner
 
     model = _mlp()
@@ -502,6 +508,10 @@ def test_options_that_would_hold_their_objects_and_captured_kernels_are_not_shar
     assert made[0] is not made[1]
     plain = ("empirical_ntk_fn", (("trace_axes", (0, 1)),))
     assert shared_planner(model, plain, lambda: Planner(False, True)) is shared_planner(model, plain, lambda: 1 / 0)
+    sized = [("empirical_ntk_fn", (("chunk_size", size),)) for size in range(1, 12)]
+    last = [shared_planner(model, options, lambda: Planner(False, True)) for options in sized][-1]
+    assert len(shared._MODELS[id(model)][1]) == shared._OPTION_SETS  # the least recently built dropped
+    assert shared_planner(model, sized[-1], lambda: 1 / 0) is last
 
     prepared = _PreparedInFull(monkeypatch)
     x1, x2 = _inputs(5, 3)
@@ -529,3 +539,26 @@ def test_facts_learnt_again_leave_the_plans_in_place(implementation, monkeypatch
         assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
         assert ntk_fn.auto_choice(x1, x2).implementation == choice.implementation
     assert prepared.count == 2
+
+
+@pytest.mark.parametrize("implementation", [1, 3], ids=["JC", "SD"])
+def test_kernel_functions_built_in_threads_share_one_planner_and_stay_exact(implementation):
+    """Threads building kernel functions of one model at once get one planner (made under a lock)
+    and exact kernels on their first and later calls."""
+    import concurrent.futures
+
+    model = _mlp()
+    inputs = [_inputs(5, 3, seed=seed) for seed in range(4)]
+    expected = [reference_ntk(model, x1, x2) for x1, x2 in inputs]
+
+    def build_and_call(index: int):
+        ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=implementation)
+        kernels = [ntk_fn(*inputs[(index + step) % 4]) for step in range(3)]
+        return ntk_fn._settings.planner, kernels
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(build_and_call, range(4)))
+    assert len({id(planner) for planner, _ in results}) == 1
+    for index, (_, kernels) in enumerate(results):
+        for step, kernel in enumerate(kernels):
+            assert_kernels_close(kernel, expected[(index + step) % 4])

@@ -19,9 +19,11 @@ The options are compared by value where they are plain (numbers, strings, dtypes
 enumerations, and tuples, lists and dicts of them) and by identity otherwise (an ``output_fn``, a
 ``groups`` predicate or module): a lambda made anew for each kernel function is a new option, and
 its kernel functions plan anew. The model and the option objects are held weakly, so a shared
-planner never keeps a model or its options alive: it is dropped when the model is, and an option
-object that is gone matches nothing (its address may be reused by another). Options that take no
-weak reference (a named tuple holding a module, say) and models that take none are not shared.
+planner never keeps a model or its options alive: it is dropped when the model is, and when an
+option object it was built with is gone (a lambda ``output_fn`` written anew in a training loop
+leaves at most one planner behind, dropped when the next kernel function of the model is built;
+the gone object's address, which another may reuse, matches nothing). Options that take no weak
+reference (a named tuple holding a module, say) and models that take none are not shared.
 Captured kernels (``compile=``) keep their own planner, beside their graphs. At most
 :data:`_OPTION_SETS` option sets are kept per model, the least recently built dropped first.
 """
@@ -31,19 +33,18 @@ from __future__ import annotations
 import enum
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-from .._utils.bounded_cache import BoundedCache
 from .._utils.values import PLAIN, Identity
 from .stage import Planner
 
 __all__ = ["forget_shared_planners", "shared_planner"]
 
 _OPTION_SETS = 8
-"""Option sets whose planners are kept per model."""
+"""Option sets whose planners are kept per model, the least recently built dropped first."""
 
-_MODELS: dict[int, tuple[weakref.ref, BoundedCache]] = {}
-"""``id(model) -> (weak reference to it, {options: planner})``."""
+_MODELS: dict[int, tuple[weakref.ref, dict]] = {}
+"""``id(model) -> (weak reference to it, {options: (planner, weak references to its option objects)})``."""
 
 _LOCK = threading.Lock()
 
@@ -56,8 +57,10 @@ def shared_planner(model: Any, options: tuple, make: Callable[[], Planner]) -> P
     """The planner of the kernel functions of ``model`` built with ``options`` (the builder's name
     and its arguments), made by ``make()`` the first time; a planner of its own where the model or
     an option cannot be held weakly (NOTE: [Plans shared by kernel functions])."""
-    key = _options_key(options)
-    if key is None:
+    held: list[weakref.ref] = []
+    try:
+        key = _described(options, 0, held)
+    except _Unshared:
         return make()
     identity = id(model)
     with _LOCK:
@@ -67,11 +70,15 @@ def shared_planner(model: Any, options: tuple, make: Callable[[], Planner]) -> P
                 reference = weakref.ref(model, lambda gone, identity=identity: _forget(identity, gone))
             except TypeError:  # a model without weak references: nothing can be kept for it
                 return make()
-            entry = _MODELS[identity] = (reference, BoundedCache(_OPTION_SETS))
-        planner = entry[1].get(key)
-        if planner is None:
-            planner = make()
-            entry[1][key] = planner
+            entry = _MODELS[identity] = (reference, {})
+        planners = entry[1]
+        for options_gone in [key for key, (_, objects) in planners.items() if any(one() is None for one in objects)]:
+            del planners[options_gone]  # an option object is gone, and with it its kernel functions
+        found = planners.pop(key, None)
+        planner, objects = (make(), held) if found is None else found
+        planners[key] = (planner, objects)  # the most recently built last
+        while len(planners) > _OPTION_SETS:
+            del planners[next(iter(planners))]
     return planner
 
 
@@ -82,30 +89,26 @@ def _forget(identity: int, gone: weakref.ref) -> None:
         _MODELS.pop(identity, None)
 
 
-def _options_key(options: tuple) -> Optional[tuple]:
-    try:
-        return _described(options, 0)
-    except _Unshared:
-        return None
-
-
 _DEPTH = 8
 
 
-def _described(value: Any, depth: int) -> Any:
+def _described(value: Any, depth: int, held: list) -> Any:
     """``value`` as a key part: plain values by value, exact tuples, lists and dicts by their
-    entries, enumeration members by type and value, anything else by weak identity."""
+    entries, enumeration members by type and value, anything else by weak identity (a weak
+    reference to it appended to ``held``)."""
     kind = type(value)
     if kind in PLAIN:
         return (kind, value)
     if isinstance(value, enum.Enum):
-        return (kind, _described(value.value, depth + 1))
+        return (kind, _described(value.value, depth + 1, held))
     if depth < _DEPTH and (kind is tuple or kind is list):
-        return (kind, tuple(_described(entry, depth + 1) for entry in value))
+        return (kind, tuple(_described(entry, depth + 1, held) for entry in value))
     if depth < _DEPTH and kind is dict:
-        return (kind, tuple((_described(name, depth + 1), _described(entry, depth + 1)) for name, entry in value.items()))
+        return (kind, tuple(
+            (_described(name, depth + 1, held), _described(entry, depth + 1, held)) for name, entry in value.items()
+        ))
     try:
-        weakref.ref(value)
+        held.append(weakref.ref(value))
     except TypeError:
         raise _Unshared from None  # Identity would hold it, and it may hold the model
     return (kind, Identity(value))
