@@ -169,7 +169,7 @@ class NtkSettings:
             TypeError, ValueError: an argument of the wrong type or value, named in the message.
         """
         _checks.callable_model_argument(f, where)
-        as_given = given
+        as_given = given  # what kernel functions built again compare (NOTE: [Plans shared by kernel functions])
         chosen = _checks.implementation_argument(given.implementation, where)
         parsed_groups = groups_argument(given.groups, f, where)
         if parsed_groups is not None:  # resolved (submodules as paths), so that a replica is grouped alike
@@ -198,11 +198,12 @@ class NtkSettings:
             OutputNotices(),
             finds_axes=finds_axes and checks is not False,  # nothing would prove the axes found
         )
+
         def planner() -> Planner:
             return Planner(keeps_forward_pass=compiling is not None, watches_aliases=isinstance(f, torch.nn.Module))
 
-        # NOTE: [Plans shared by kernel functions]: a kernel function built again plans nothing again
-        options_given = (where, tuple((name, value) for name, value in as_given.as_keywords().items()))
+        # a kernel function built again for the model with these options plans nothing again
+        options_given = (where, tuple(as_given.as_keywords().items()))
         state = KernelFunctionState(
             planner() if compiling is not None else shared_planner(f, options_given, planner),
             captured=None if compiling is None else CapturedCalls(compiling, f, where),

@@ -72,8 +72,9 @@ def shared_planner(model: Any, options: tuple, make: Callable[[], Planner]) -> P
                 return make()
             entry = _MODELS[identity] = (reference, {})
         planners = entry[1]
-        for options_gone in [key for key, (_, objects) in planners.items() if any(one() is None for one in objects)]:
-            del planners[options_gone]  # an option object is gone, and with it its kernel functions
+        gone = [options for options, (_, objects) in planners.items() if any(one() is None for one in objects)]
+        for options in gone:  # an option object is gone, and with it the kernel functions built with it
+            del planners[options]
         found = planners.pop(key, None)
         planner, objects = (make(), held) if found is None else found
         planners[key] = (planner, objects)  # the most recently built last
