@@ -562,3 +562,57 @@ def test_kernel_functions_built_in_threads_share_one_planner_and_stay_exact(impl
     for index, (_, kernels) in enumerate(results):
         for step, kernel in enumerate(kernels):
             assert_kernels_close(kernel, expected[(index + step) % 4])
+
+
+class _Configured(nn.Module):
+    """Its output follows fields of an object it holds (as Hugging Face models follow their
+    config), which a plan key sees by identity only: changed in place, the key stays the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 3).to(F64)
+        self.config = type("Config", (), {})()
+        self.config.wide = False
+        self.config.extra = False
+
+    def forward(self, x: torch.Tensor):
+        y = torch.tanh(self.layer(x))
+        y = torch.cat([y, 2.0 * y], -1) if self.config.wide else y
+        return (y, y[..., :1] ** 2) if self.config.extra else y
+
+
+@IMPLEMENTATIONS
+@pytest.mark.parametrize("x2_given", [True, False], ids=["x2", "x2-None"])
+def test_outputs_that_outgrow_their_plan_are_planned_anew(implementation, x2_given, monkeypatch):
+    """NOTE: [Outputs that outgrow their plan]: a field changed in place widens the output or adds
+    one; the next call (warm by its key) is prepared in full again and exact, and so are the later
+    ones, in this kernel function and in one built again (which shares its plans)."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _Configured()
+    ntk_fn = torchntk.empirical_ntk_fn(model, implementation=implementation)  # vmap_axes found: the default
+    x1, x2 = _inputs(5, 3)
+    x2 = x2 if x2_given else None
+    for _ in range(2):
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2))
+    assert prepared.count == 1
+    for count, (wide, extra) in enumerate([(True, False), (True, True), (False, False)], start=2):
+        model.config.wide, model.config.extra = wide, extra
+        for kernel_fn in (ntk_fn, ntk_fn, torchntk.empirical_ntk_fn(model, implementation=implementation)):
+            assert_kernels_close(kernel_fn(x1, x2), reference_ntk(model, x1, x2))
+        assert prepared.count == count
+
+
+def test_batch_reports_outputs_that_outgrew_their_plan(monkeypatch):
+    """``batch``'s spans raise the clear error instead of a wrong kernel, and the call after it is
+    planned anew and exact."""
+    model = _Configured()
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=1)
+    x1, x2 = _inputs(5, 3)
+    batched = torchntk.batch(ntk_fn, 2)
+    assert_kernels_close(batched(x1, x2), reference_ntk(model, x1, x2))
+    assert_kernels_close(batched(x1, x2), reference_ntk(model, x1, x2))
+    model.config.wide = True
+    with pytest.raises(ValueError, match=r"output leaf 0 now has shape \(6,\) per example .* where the plan has \(3,\)"):
+        batched(x1, x2)
+    assert_kernels_close(batched(x1, x2), reference_ntk(model, x1, x2))

@@ -30,7 +30,7 @@ from .._utils.checks import input_argument, leaves_with_names, show
 from .._utils.tree import Flat, describe, is_all_none
 from .._utils.types import promoted
 from .groups import GroupKernels, ParameterGroups
-from .per_example import Side, is_out_of_memory
+from .per_example import PlannedOutputs, Side, is_out_of_memory
 from .vmap_axes import ParsedVmapAxes, broadcast_axes, resolve_inputs, resolve_outputs, split_kwargs
 from .vmap_check import PendingDerivatives, VmapAxesCheck, miscounted_examples
 
@@ -403,14 +403,16 @@ def prepare_call(
 
 def bind_call(
     kept: CallTemplate, f: Any, x1: Any, x2: Any, params: Any, kwargs: Mapping[str, Any], *,
-    output_fn: Optional[OutputFn], groups: Optional[ParameterGroups], loop: bool,
+    output_fn: Optional[OutputFn], groups: Optional[ParameterGroups], loop: bool, forget: Callable[[], None],
 ) -> Optional[KernelCall]:
     """A warm call: the template an earlier call with the same plan key left in its plan (``kept``,
     NOTE: [The planning stage]) with this call's model and inputs. Everything the key decides
     (axes, layouts, output shapes, dtypes, the checks that passed) is taken from the template; what
     values decide is done again: the model's private copies, the parameters differentiated (None
     when they are not ``kept.names`` any more: the caller prepares the call in full), the groups,
-    the keyword arguments split between x1 and x2 (whose halves must be equal when x2 is None)."""
+    the keyword arguments split between x1 and x2 (whose halves must be equal when x2 is None).
+    The sides compare the model's outputs with the template's, and call ``forget`` (which drops the
+    key's plans) before they raise where those differ (NOTE: [Outputs that outgrow their plan])."""
     template, names, axes1, axes2, out_axes = kept.call, kept.names, kept.axes1, kept.axes2, kept.out_axes
     where = template.where
     model = functional_model(f, params, where, output_fn, lazy=True, survey=kept.survey)  # dies with the call
@@ -420,12 +422,14 @@ def bind_call(
     if model.names != names:
         return None
     kwargs1, kwargs2 = split_kwargs(kwargs, x2_is_none=axes2 is None, where=where)
+    planned1 = PlannedOutputs.of(template.output_tree, template.outputs1, out_axes, forget)
     side1 = Side(model, Flat.of(x1), {key: Flat.of(value) for key, value in kwargs1.items()}, *axes1, out_axes,
-                 where, "x1", loop=loop)
+                 where, "x1", loop=loop, planned=planned1)
     side2 = None
     if axes2 is not None:
+        planned2 = PlannedOutputs.of(template.output_tree, template.outputs2, out_axes, forget)
         side2 = Side(model, Flat.of(x2), {key: Flat.of(value) for key, value in kwargs2.items()}, *axes2, out_axes,
-                     where, "x2", loop=loop)
+                     where, "x2", loop=loop, planned=planned2)
     return replace(template, model=model, side1=side1, side2=side2, groups=index_groups)
 
 

@@ -45,6 +45,83 @@ class OutputAxisError(ValueError):
         super().__init__(f"{where}: with `vmap_axes`, {self.symptom}. Check `vmap_axes`, or pass vmap_axes=None.")
 
 
+class PlanOutdated(ValueError):
+    """A warm call's model returned outputs of other shapes than its plan was made for (NOTE:
+    [Outputs that outgrow their plan])."""
+
+
+# NOTE: [Outputs that outgrow their plan]
+# A warm call takes the outputs' shapes from its plan's template (NOTE: [Remembered output shapes])
+# and makes no whole-batch forward pass. The plan key sees the module's structure, but not an
+# object the module holds changed in place (a config field that adds an output, widens a head) or
+# a global switch the model reads: the model then returns outputs of other shapes than the plan's,
+# and a kernel laid out and normalised by the plan's shapes (a traced kernel divided by the old
+# traced size) would be wrong without an error. So a warm call's sides carry the shapes the plan
+# expects (:class:`PlannedOutputs`) and every evaluation of the model by the implementations
+# compares its output leaves with them (a few shape comparisons per pass, at trace time under
+# vmap): a difference drops the key's plans and raises :class:`PlanOutdated` before anything is
+# computed with them. A kernel function's call then prepares itself again, in full, from the model
+# as it is (``NtkSettings.called``: once; a call prepared in full has no planned outputs to differ
+# from), so the user sees the right kernel, at a first call's price; ``batch`` and ``auto_choice``
+# let the error through, and their next call is planned anew. Like a failure of vmap (NOTE:
+# [Switching to example loops]), only evaluating the model tells, and an evaluation that finds it
+# cannot return a value: hence the exception.
+
+
+@dataclass(frozen=True)
+class PlannedOutputs:
+    """The outputs a warm call's plan was made for: their tree, and each leaf's shape (without its
+    batch axis where the side is mapped) and dtype; ``forget`` drops the plans of the key."""
+
+    spec: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    forget: Any
+
+    @classmethod
+    def of(cls, flat: Flat, leaves: tuple, out_axes: Optional[tuple[int, ...]], forget: Any) -> "PlannedOutputs":
+        axes = out_axes if out_axes is not None else (None,) * len(leaves)
+        shapes = tuple(_without(tuple(leaf.shape), axis) for leaf, axis in zip(leaves, axes))
+        return cls(flat.spec, shapes, tuple(leaf.dtype for leaf in leaves), forget)
+
+    def check(self, flat: Flat, out_axes: Optional[tuple[int, ...]], where: str) -> None:
+        """Raises :class:`PlanOutdated` (after ``forget``) where ``flat``, the outputs of one
+        evaluation, differ from the plan's."""
+        leaves = flat.leaves
+        axes = out_axes if out_axes is not None else (None,) * len(leaves)
+        if flat.spec == self.spec and len(leaves) == len(self.shapes):
+            # the pass's function modes (a recorder's, the perturbed model's) would see every read of
+            # a shape or dtype, at several microseconds each: read them without
+            with torch._C.DisableTorchFunction():
+                found = [
+                    index for index, (leaf, axis, shape, dtype) in enumerate(zip(leaves, axes, self.shapes, self.dtypes))
+                    if leaf.dtype != dtype or (axis is not None and leaf.ndim <= axis)
+                    or _without(tuple(leaf.shape), axis) != shape
+                ]
+            if not found:
+                return
+            index = found[0]
+            leaf = leaves[index]
+            shown = "" if axes[index] is None or leaf.ndim <= axes[index] else " per example"
+            what = (
+                f"output leaf {index} now has shape {_without(tuple(leaf.shape), axes[index])}{shown} and dtype "
+                f"{leaf.dtype} where the plan has {self.shapes[index]} and {self.dtypes[index]}"
+            )
+        else:
+            what = f"the outputs now have another structure ({len(leaves)} leaves where the plan has {len(self.shapes)})"
+        self.forget()
+        raise PlanOutdated(
+            f"{where}: {what}: something the plan of calls with these input shapes does not see changed since it "
+            f"was made (an object the module holds, changed in place, such as a config field; a global switch the "
+            f"model reads). Nothing was computed with the old plan; calls with these input shapes are planned "
+            f"anew from the next call on."
+        )
+
+
+def _without(shape: tuple[int, ...], axis: Optional[int]) -> tuple[int, ...]:
+    return shape if axis is None or axis >= len(shape) else shape[:axis] + shape[axis + 1:]
+
+
 @contextlib.contextmanager
 def transformed(model: FunctionalModel, where: str, unfuse: bool = True) -> Iterator[None]:
     """What a pass of ``model`` under ``torch.func`` transforms runs under: vmap's errors explained,
@@ -79,6 +156,8 @@ class Side:
     name: str = "x1"
     offset: int = 0
     loop: bool = False
+    planned: Optional[PlannedOutputs] = None
+    """A warm call's: the outputs its plan was made for (NOTE: [Outputs that outgrow their plan])."""
 
     @classmethod
     def build(
@@ -169,8 +248,10 @@ class Side:
     def _call(self, params: tuple, x_leaves: tuple, kwarg_leaves: tuple) -> tuple:
         x = self.x.rebuild(x_leaves)
         kwargs = {key: flat.rebuild(leaves) for (key, flat), leaves in zip(self.kwargs.items(), kwarg_leaves)}
-        output = self.model.apply(params, x, kwargs)
-        return tuple(Flat.of(output).leaves)
+        output = Flat.of(self.model.apply(params, x, kwargs))
+        if self.planned is not None:
+            self.planned.check(output, self.out_axes, self.where)
+        return tuple(output.leaves)
 
     def whole_batch(self):
         """``params -> output leaves`` on the whole batch (no mapping)."""

@@ -53,14 +53,18 @@ _PLAN_CHECKED = (NtkImplementation.AUTO, NtkImplementation.STRUCTURED_DERIVATIVE
 settle the derivative check (NOTE: [The derivative check within a plan's check])."""
 
 
-def bind(settings: NtkSettings, plan: CallPlan, x1: Any, x2: Any, params: Any, kwargs: dict) -> Optional[KernelCall]:
+def bind(
+    settings: NtkSettings, key: Any, plan: CallPlan, x1: Any, x2: Any, params: Any, kwargs: dict,
+) -> Optional[KernelCall]:
     """A warm call: the plan's template with this call's tensors, or None where the differentiated
-    parameters changed since (their ``requires_grad`` flags are not part of the key)."""
+    parameters changed since (their ``requires_grad`` flags are not part of the key). Its sides
+    check that the model still returns the outputs the plan was made for (NOTE: [Outputs that
+    outgrow their plan] in ``_call/per_example.py``), and drop ``key``'s plans where it does not."""
     template = plan.template
     with alias_checks(skip=True) if isinstance(settings.f, torch.nn.Module) else contextlib.nullcontext():
         return bind_call(
             template, settings.f, x1, x2, params, kwargs, output_fn=settings.output_fn, groups=settings.groups,
-            loop=plan.example_loop,
+            loop=plan.example_loop, forget=functools.partial(settings.planner.forget, key),
         )
 
 

@@ -30,6 +30,7 @@ from .._call.finite import all_finite, raise_for_non_finite_outputs
 from .._call.groups import groups_argument
 from .._call.kernel_call import CallSpec, KernelCall
 from .._call.outputs import output_fn_argument
+from .._call.per_example import PlanOutdated
 from .._call.vmap_axes import FOUND, ParsedVmapAxes, parse_vmap_axes
 from .._implementations import implementation_table, policy
 from .._implementations.choice import AutoChoice
@@ -218,7 +219,10 @@ class NtkSettings:
         ``caller``: the budget ``batch`` gives the call (NOTE: [Budgets of callers]); a replay plans
         nothing, so it only matters to eager calls."""
         if self.captured is None:
-            return compute(self, *arguments, caller)
+            try:
+                return compute(self, *arguments, caller)
+            except PlanOutdated:  # NOTE: [Outputs that outgrow their plan]: the key's plans are gone
+                return compute(self, *arguments, caller)  # planned anew, from the model as it is
         return self.captured(
             arguments, functools.partial(_last, compute, self, caller=caller),
             functools.partial(_last, compute, self._unchecked, caller=caller),
@@ -266,7 +270,7 @@ class NtkSettings:
         purpose = Purpose(mapped, for_ntk, computes_ntk, needs_outputs, forward_run_length, admit, self.check_vmap_axes)
         plan = self.planner.plan(key, purpose)
         if plan.warm:
-            call = preparation.bind(self, plan, x1, x2, params, kwargs)
+            call = preparation.bind(self, key, plan, x1, x2, params, kwargs)
             if call is not None:
                 return replace(call, plan_key=key)
         prepared = preparation.prepare_in_full(

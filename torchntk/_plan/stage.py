@@ -108,6 +108,11 @@ class Planner:
                 return
             record.facts = known.learnt(**facts)
 
+    def forget(self, key: Hashable) -> None:
+        """Drops the record of ``key``: its next call is planned anew (NOTE: [Outputs that outgrow
+        their plan] in ``_call/per_example.py``)."""
+        self._records.pop(key)
+
     def plan(self, key: Hashable, purpose: Purpose) -> CallPlan:
         """The plan for ``key`` and ``purpose``: the kept one, else one decided from the facts."""
         record = self.record(key)
