@@ -62,10 +62,11 @@ class PlanOutdated(ValueError):
 # vmap): a difference drops the key's plans and raises :class:`PlanOutdated` before anything is
 # computed with them. A kernel function's call then prepares itself again, in full, from the model
 # as it is (``NtkSettings.called``: once; a call prepared in full has no planned outputs to differ
-# from), so the user sees the right kernel, at a first call's price; ``batch`` and ``auto_choice``
-# let the error through, and their next call is planned anew. Like a failure of vmap (NOTE:
-# [Switching to example loops]), only evaluating the model tells, and an evaluation that finds it
-# cannot return a value: hence the exception.
+# from), so the user sees the right kernel, at a first call's price; ``batch`` lets the error
+# through, and its next call is planned anew (``auto_choice``, which evaluates nothing once its key
+# is planned, reports the plan's choice until a kernel call finds the change). Like a failure of
+# vmap (NOTE: [Switching to example loops]), only evaluating the model tells, and an evaluation
+# that finds it cannot return a value: hence the exception.
 
 
 @dataclass(frozen=True)
