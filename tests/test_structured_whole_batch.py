@@ -74,6 +74,26 @@ def _build(module_type, *args) -> nn.Module:
     return module_type(*args).double().eval().to(DEVICE)
 
 
+def _assert_replays_exact(
+    model: nn.Module, weight: Tensor, shape1: tuple, shape2: tuple, calls: int, eager_computations: list,
+) -> None:
+    """Implementation 3's full kernel of ``model`` with ``compile="eager"`` on ``calls`` pairs of
+    normal inputs of ``shape1`` and ``shape2``, ``weight`` scaled in place before each: exact on the first call, its capture
+    and the replays, with one eager computation and one trace in all (no capture refused, no replay
+    failed)."""
+    import warnings
+
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), compile="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a capture refused or a replay failed
+        for seed in range(calls):
+            with torch.no_grad():
+                weight.mul_(1.1)
+            x1, x2 = _normal(*shape1, seed=seed), _normal(*shape2, seed=seed + 10)
+            assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
+    assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
+
+
 def _normal(*shape: int, seed: int) -> Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(DEVICE)
 
@@ -318,36 +338,16 @@ def test_one_output_entry_per_example_is_pulled_back_without_vmap(same, passes, 
 def test_one_output_entry_per_example_replays_exactly(eager_computations):
     """The same pass with ``compile=``: the graph captured from the first call replays, exact on
     other inputs and on weights written in place."""
-    import warnings
-
     model = _build(lambda: nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 1)))
-    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), compile="eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a capture refused or a replay failed
-        for seed in range(3):
-            with torch.no_grad():
-                model[0].weight.mul_(1.1)
-            x1, x2 = _normal(5, 4, seed=seed), _normal(3, 4, seed=seed + 10)
-            assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
-    assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
+    _assert_replays_exact(model, model[0].weight, (5, 4), (3, 4), 3, eager_computations)
 
 
 def test_an_output_shared_by_every_example_keeps_per_example_passes_on_replays(passes, eager_computations):
     """NOTE: [The layout read from the check's own pass]: the guessed pass that stops at the shared
     row decides the plan on the first call; the kernel is exact on that call, on a warm one and on
     replays of the graph ``compile=`` captured, with other inputs and weights written in place."""
-    import warnings
-
     model = _build(_SharedRow)
-    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), compile="eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a capture refused or a replay failed
-        for seed in range(4):
-            with torch.no_grad():
-                model.offset.weight.mul_(1.1)
-            x1, x2 = _normal(5, 4, seed=seed), _normal(3, 4, seed=seed + 10)
-            assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
-    assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
+    _assert_replays_exact(model, model.offset.weight, (5, 4), (3, 4), 4, eager_computations)
     assert passes.plan.whole_batch is None and "does not hold the examples" in passes.plan.whole_batch_reason
     assert passes.whole_batch == 0
 
@@ -562,18 +562,8 @@ def test_replays_of_the_unfusing_passes_stay_exact(kind, eager_computations):
     """NOTE: [The recorder unfuses] with ``compile=``: the graph captured from the first call's
     passes (with the recorder's decompositions) replays, and its kernels of other inputs and of
     weights written in place are exact."""
-    import warnings
-
     model = _build(FrozenRecurrenceBetween, kind)
-    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=(), compile="eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a capture refused or a replay failed
-        for seed in range(3):
-            with torch.no_grad():
-                model.first.weight.mul_(1.1)
-            x1, x2 = _normal(4, 6, 3, seed=seed), _normal(4, 6, 3, seed=seed + 10)
-            assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
-    assert len(eager_computations) == 2  # the first call's eager computation and its trace; the others replayed
+    _assert_replays_exact(model, model.first.weight, (4, 6, 3), (4, 6, 3), 3, eager_computations)
 
 
 @pytest.mark.parametrize("case_id", [case for case in WHOLE_BATCH_CASES if case != "mixed_ruled_unruled"])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch.func import jacrev, vjp, vmap
@@ -71,42 +71,38 @@ class PlanOutdated(ValueError):
 
 @dataclass(frozen=True)
 class PlannedOutputs:
-    """The outputs a warm call's plan was made for: their tree, and each leaf's shape (without its
-    batch axis where the side is mapped) and dtype; ``forget`` drops the plans of the key."""
+    """The outputs a warm call's plan was made for (a warm call's sides are mapped): their tree, and
+    each leaf's shape without its batch axis and dtype; ``forget`` drops the plans of the key."""
 
     spec: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
-    forget: Any
+    forget: Callable[[], None]
 
     @classmethod
-    def of(cls, flat: Flat, leaves: tuple, out_axes: Optional[tuple[int, ...]], forget: Any) -> "PlannedOutputs":
-        axes = out_axes if out_axes is not None else (None,) * len(leaves)
-        shapes = tuple(_without(tuple(leaf.shape), axis) for leaf, axis in zip(leaves, axes))
+    def of(cls, flat: Flat, leaves: tuple, out_axes: tuple[int, ...], forget: Callable[[], None]) -> "PlannedOutputs":
+        shapes = tuple(_without(tuple(leaf.shape), axis) for leaf, axis in zip(leaves, out_axes))
         return cls(flat.spec, shapes, tuple(leaf.dtype for leaf in leaves), forget)
 
-    def check(self, flat: Flat, out_axes: Optional[tuple[int, ...]], where: str) -> None:
+    def check(self, flat: Flat, out_axes: tuple[int, ...], where: str) -> None:
         """Raises :class:`PlanOutdated` (after ``forget``) where ``flat``, the outputs of one
-        evaluation, differ from the plan's."""
+        evaluation (of one example or of several, on ``out_axes``), differ from the plan's."""
         leaves = flat.leaves
-        axes = out_axes if out_axes is not None else (None,) * len(leaves)
         if flat.spec == self.spec and len(leaves) == len(self.shapes):
             # the pass's function modes (a recorder's, the perturbed model's) would see every read of
             # a shape or dtype, at several microseconds each: read them without
             with torch._C.DisableTorchFunction():
                 found = [
-                    index for index, (leaf, axis, shape, dtype) in enumerate(zip(leaves, axes, self.shapes, self.dtypes))
-                    if leaf.dtype != dtype or (axis is not None and leaf.ndim <= axis)
-                    or _without(tuple(leaf.shape), axis) != shape
+                    index for index, (leaf, axis, shape, dtype) in enumerate(zip(leaves, out_axes, self.shapes, self.dtypes))
+                    if leaf.dtype != dtype or leaf.ndim <= axis or _without(tuple(leaf.shape), axis) != shape
                 ]
             if not found:
                 return
             index = found[0]
             leaf = leaves[index]
-            shown = "" if axes[index] is None or leaf.ndim <= axes[index] else " per example"
             what = (
-                f"output leaf {index} now has shape {_without(tuple(leaf.shape), axes[index])}{shown} and dtype "
-                f"{leaf.dtype} where the plan has {self.shapes[index]} and {self.dtypes[index]}"
+                f"output leaf {index} now has shape {_without(tuple(leaf.shape), out_axes[index])} per example and "
+                f"dtype {leaf.dtype} where the plan has {self.shapes[index]} and {self.dtypes[index]}"
             )
         else:
             what = f"the outputs now have another structure ({len(leaves)} leaves where the plan has {len(self.shapes)})"
@@ -119,8 +115,9 @@ class PlannedOutputs:
         )
 
 
-def _without(shape: tuple[int, ...], axis: Optional[int]) -> tuple[int, ...]:
-    return shape if axis is None or axis >= len(shape) else shape[:axis] + shape[axis + 1:]
+def _without(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """``shape`` without ``axis`` (the whole ``shape`` where it has no such axis)."""
+    return shape if axis >= len(shape) else shape[:axis] + shape[axis + 1:]
 
 
 @contextlib.contextmanager

@@ -170,7 +170,8 @@ class NtkSettings:
             TypeError, ValueError: an argument of the wrong type or value, named in the message.
         """
         _checks.callable_model_argument(f, where)
-        as_given = given  # what kernel functions built again compare (NOTE: [Plans shared by kernel functions])
+        # what kernel functions built again compare (NOTE: [Plans shared by kernel functions]): the arguments as given
+        options_given = (where, tuple(given.as_keywords().items()))
         chosen = _checks.implementation_argument(given.implementation, where)
         parsed_groups = groups_argument(given.groups, f, where)
         if parsed_groups is not None:  # resolved (submodules as paths), so that a replica is grouped alike
@@ -203,8 +204,6 @@ class NtkSettings:
         def planner() -> Planner:
             return Planner(keeps_forward_pass=compiling is not None, watches_aliases=isinstance(f, torch.nn.Module))
 
-        # a kernel function built again for the model with these options plans nothing again
-        options_given = (where, tuple(as_given.as_keywords().items()))
         state = KernelFunctionState(
             planner() if compiling is not None else shared_planner(f, options_given, planner),
             captured=None if compiling is None else CapturedCalls(compiling, f, where),
