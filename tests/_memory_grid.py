@@ -80,11 +80,11 @@ FULL_GRID = [
 ]
 """The grid of docs/benchmarks.md ("Memory plans: predicted and measured peaks"), and of the slow tests."""
 GIGABYTE = [
-    dict(model="transformer", tokens=12, n1=36, n2=None, implementation=implementation, trace_axes=(-1,),
+    dict(model="transformer", tokens=12, n1=48, n2=None, implementation=implementation, trace_axes=(-1,),
          memory=memory)
     for implementation, memory in ((3, "inf"), (3, "96MB"), (0, "96MB"), (3, "320MB"))
 ]
-"""Structured derivatives' traced kernel of the transformer block for 36 examples of 12 tokens holds
+"""Structured derivatives' traced kernel of the transformer block for 48 examples of 12 tokens holds
 about 1 GB of pair intermediates at once; within 96 or 320 MB it runs in blocks of a few examples.
 (With 8 tokens, the order of NOTE: [Contraction order] holds 0.1 GB for 24 examples, where the order
 of fewest FLOPs held 1 GB.) The blocks of x1 with itself off the diagonal hold both runs' factors

@@ -206,3 +206,72 @@ def test_the_search_for_an_order_by_price_is_skipped_where_it_could_save_less_th
     _, writes, _ = _contract._walked(order(tiny)[0], terms, output, sizes)
     assert _contract._WRITE_COST * writes < _contract._CALL_COST and order(tiny)[1] == 0
     assert order(((4, 2, 8, 256), (4, 8, 33), (4, 2, 8, 256), (4, 8, 33)))[1] == 1
+
+
+def _every_order(count: int):
+    """Every sequence of pair contractions of ``count`` terms, in opt_einsum's path format."""
+    if count == 1:
+        yield []
+        return
+    for first in range(count):
+        for second in range(first + 1, count):
+            for rest in _every_order(count - 1):
+                yield [(first, second)] + rest
+
+
+@st.composite
+def _small_equations(draw):
+    """An einsum of three to five terms over a few letters, with sizes up to 9 (the test reduces it
+    as the pairs are: ``_reduced`` sums out the letters of one term only)."""
+    letters = "abcdefg"
+    count = draw(st.integers(3, 5))
+    terms = [draw(st.text(letters, min_size=1, max_size=4).map(lambda text: "".join(dict.fromkeys(text))))
+             for _ in range(count)]
+    used = sorted(set("".join(terms)))
+    output = "".join(draw(st.lists(st.sampled_from(used), unique=True, max_size=3)))
+    sizes = {letter: draw(st.integers(1, 9)) for letter in used}
+    equation = ",".join(terms) + "->" + output
+    return equation, tuple(tuple(sizes[letter] for letter in term) for term in terms)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_small_equations())
+def test_the_search_by_price_finds_the_cheapest_of_every_order(case):
+    """NOTE: [Contraction order]: the search by price takes the lowest price among every order of a
+    pair's terms (each enumerated here) and never one above opt_einsum's dynamic programming's."""
+    from torchntk._implementations.structured import _contract
+
+    equation, shapes = case
+    terms, output, sizes, _ = _contract._reduced(equation, shapes)
+    path = _contract._ORDER(terms, output, sizes)
+
+    def price(order):
+        flops, written, largest = _contract._walked(order, list(terms), output, sizes)
+        return _contract._price(flops, written) if largest <= _contract._MAX_INTERMEDIATE else float("inf")
+
+    assert price(path) == min(price(order) for order in _every_order(len(terms)))
+    assert price(path) <= price(list(_contract._DYNAMIC_PROGRAMMING(terms, output, sizes)))
+
+
+def test_the_search_by_price_finds_an_order_the_dynamic_programming_left_out():
+    """The linear layer of a transformer block over tokens with the tokens kept in the kernel (the
+    memory grid's GIGABYTE kernel): opt_einsum's dynamic programming priced no order below the
+    fewest FLOPs', which holds a 48M-element intermediate; the search by price takes one whose
+    largest holds 14M (on 36 examples that kernel then took 0.68 GB and 1.7 s instead of 0.94 GB
+    and 2.4 s: docs/benchmarks.md, "The search by price over every order")."""
+    import opt_einsum
+
+    from torchntk._implementations.structured import _contract
+
+    equation = "cegtw,cti,dfgsw,dsi->cdef"
+    shapes = ((18, 12, 32, 12, 32), (18, 12, 65), (18, 12, 32, 12, 32), (18, 12, 65))
+    terms, output, sizes, _ = _contract._reduced(equation, shapes)
+    fewest = list(opt_einsum.paths.optimal(terms, output, sizes, _contract._MAX_INTERMEDIATE))
+    searched = list(_contract._DYNAMIC_PROGRAMMING(terms, output, sizes))
+    price = lambda order: _contract._price(*_contract._walked(order, list(terms), output, sizes)[:2])  # noqa: E731
+    assert price(searched) > price(fewest)  # the dynamic programming's order would not be taken
+    taken = [tuple(step) for step in _contract._path(equation, shapes)]
+    assert price(taken) < price(fewest)
+    _, largest = _contract.pair_cost(equation, shapes)
+    assert _contract._walked(fewest, list(terms), output, sizes)[2] == 47_775_744
+    assert largest == 18 * 12 * 32 * 32 * 65  # one side's G with its inputs: (examples, tokens, 32, 32, 65)

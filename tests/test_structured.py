@@ -501,15 +501,21 @@ _NAMED = torch.return_types.max((torch.ones(1), torch.zeros(1, dtype=torch.long)
     [
         ((_TENSOR, 1, [_TENSOR, _TENSOR], None), {"dim": 0}),
         ((_TENSOR, "mean", torch.float32, torch.device("cpu")), {"out": None}),
+        ((_TENSOR,), {"layout": torch.strided, "memory_format": torch.contiguous_format}),
         ((_TENSOR, torch.Size([2, 1])), {}),  # a tuple subclass: pytree's way
         (([_TENSOR, (_TENSOR, 2.0)],), {"nested": {"inner": _TENSOR}}),
         ((_NAMED,), {}),
         ((), {}),
     ],
-    ids=["flat", "scalars", "size", "nested", "named-tuple", "empty"],
+    ids=["flat", "scalars", "layout", "size", "nested", "named-tuple", "empty"],
 )
-def test_the_recorders_argument_leaves_are_pytrees(args, kwargs):
-    from torchntk._implementations.structured._recorder import _argument_leaves
+def test_the_argument_leaves_the_modes_read_are_pytrees(args, kwargs):
+    """The recorder's and the counting mode's walk of an op's arguments (and, as ``((result,),
+    {})``, of its result) is pytree's, leaf for leaf."""
+    from torchntk._utils.tree import argument_leaves
 
-    fast, reference = _argument_leaves(args, kwargs), pytree.tree_leaves((args, kwargs))
+    fast, reference = argument_leaves(args, kwargs), pytree.tree_leaves((args, kwargs))
+    assert len(fast) == len(reference) and all(one is two for one, two in zip(fast, reference))
+    result = (args, kwargs)
+    fast, reference = argument_leaves((result,), {}), pytree.tree_leaves(result)
     assert len(fast) == len(reference) and all(one is two for one, two in zip(fast, reference))

@@ -195,7 +195,14 @@ def _with_wrapped_parameters(
         aliases.pop()
 
 
-_ALIASES = threading.local()  # NOTE: [Thread-local state] in _utils/threads.py
+class _AliasStack(threading.local):  # NOTE: [Thread-local state] in _utils/threads.py
+    # A thread's own list from its first level on, this empty default before: read for every
+    # argument of every op a recorder sees, where a missing thread-local attribute costs ten
+    # times one found.
+    stack: Any = ()
+
+
+_ALIASES = _AliasStack()
 """Per thread, a stack of ``{id(wrapped): (wrapped, parameter)}``: the parameters wrapped for the levels of
 models that differentiate with respect to their own parameters, innermost last."""
 
@@ -204,7 +211,7 @@ def parameter_behind(value: Any) -> Optional[torch.Tensor]:
     """The parameter that ``value`` wraps for a model's own level (NOTE: [Derivatives inside the
     forward pass]), or None: what implementation 3's recorder and the sketches' capture look through,
     so that such a parameter is still known as the parameter it is."""
-    for level in reversed(getattr(_ALIASES, "stack", ())):
+    for level in reversed(_ALIASES.stack):
         entry = level.get(id(value))
         if entry is not None and entry[0] is value:
             return entry[1]

@@ -264,25 +264,97 @@ def _ordered(
 
 # NOTE: [Contraction order]
 # A pair contraction runs in the order that costs the fewest FLOPs plus ``_WRITE_COST`` per
-# element of every intermediate it writes (opt_einsum's dynamic programming, ``combo``; the price
-# merged uses are judged by), not in the order of fewest FLOPs. The two differ on a linear layer
-# applied to tokens: by FLOPs alone, one side's ``G`` meets the inputs' Gram first, an
-# intermediate of ``N^2 T O`` times the layer's width (``(8, 32, 3072, 8, 2)`` for RoBERTa's
-# feed-forward layers at N = 8: 50 MB, and 50 MB more for its permuted copy), where the ``G``-Gram
-# first writes ``N^2 O^2 T^2`` elements (1 MB) for 1.8x the FLOPs. On the CPU such intermediates
-# are fresh memory on every call wherever the allocator returns them to the system (glibc maps
-# anything above 32 MB anew), and faulting it in costs more than the FLOPs saved
-# (docs/benchmarks.md, "Contraction order: FLOPs and the intermediates written"). Where no order
-# keeps every intermediate within ``_MAX_INTERMEDIATE``, and where the price is no lower, the
-# order of fewest FLOPs is kept, as opt_einsum's ``optimal`` gives it under that limit. The search
-# by price (opt_einsum's dynamic programming, 0.5-2 ms an equation) runs once per equation
-# (``_ordered``) and only where it can pay: every order within the limit costs at least the fewest
-# FLOPs and writes the result, so none saves more than what the order of fewest FLOPs writes
-# besides the result; where that is less than ``_CALL_COST``, that order is taken at once. On a
-# MobileNetV3-small's first call 120 searches took 250 ms; 23 remain, and no order changed on the
-# models of ``benchmarks/bench_first_call.py`` (docs/benchmarks.md, "The contraction order's
-# search, only where it can pay").
-_ORDER = opt_einsum.paths.DynamicProgramming(minimize=f"combo-{int(_WRITE_COST)}")
+# element of every intermediate it writes (the price merged uses are judged by), not in the order
+# of fewest FLOPs. The two differ on a linear layer applied to tokens: by FLOPs alone, one side's
+# ``G`` meets the inputs' Gram first, an intermediate of ``N^2 T O`` times the layer's width
+# (``(8, 32, 3072, 8, 2)`` for RoBERTa's feed-forward layers at N = 8: 50 MB, and 50 MB more for
+# its permuted copy), where the ``G``-Gram first writes ``N^2 O^2 T^2`` elements (1 MB) for 1.8x
+# the FLOPs. On the CPU such intermediates are fresh memory on every call wherever the allocator
+# returns them to the system (glibc maps anything above 32 MB anew), and faulting it in costs more
+# than the FLOPs saved (docs/benchmarks.md, "Contraction order: FLOPs and the intermediates
+# written"). Where no order keeps every intermediate within ``_MAX_INTERMEDIATE``, and where the
+# price is no lower, the order of fewest FLOPs is kept, as opt_einsum's ``optimal`` gives it under
+# that limit. The search by price runs once per equation (``_ordered``) and only where it can pay:
+# every order within the limit costs at least the fewest FLOPs and writes the result, so none
+# saves more than what the order of fewest FLOPs writes besides the result; where that is less
+# than ``_CALL_COST``, that order is taken at once. On a MobileNetV3-small's first call 120
+# searches took 250 ms; 23 remain, and no order changed on the models of
+# ``benchmarks/bench_first_call.py`` (docs/benchmarks.md, "The contraction order's search, only
+# where it can pay"). The search itself (:func:`_cheapest_order`) tries every order of a pair's
+# few terms, as binary trees over subsets of them, within the memory limit: 43 us an equation
+# (median of the 98 searched on the benchmarks' and the tests' models) where opt_einsum's dynamic
+# programming (``combo``) took 365 us (0.4-1 ms on the first calls of MobileNetV3-small and an
+# LSTM: 2-6% of them); and it never takes a dearer order than that search, which leaves out the
+# products of two terms sharing no letter (an operand of one side with the other side's ``G``) and
+# so missed a transformer block's cheaper order (docs/benchmarks.md, "The search by price over
+# every order").
+_EXACT_TERMS = 8
+"""Terms up to which :func:`_cheapest_order` tries every order (about 3^n splits); a pair has
+four, merged uses a few more. Beyond, opt_einsum's dynamic programming searches, without a memory
+limit (with one, where no order fits it, its search never ends)."""
+
+_DYNAMIC_PROGRAMMING = opt_einsum.paths.DynamicProgramming(minimize=f"combo-{int(_WRITE_COST)}")
+
+
+def _cheapest_order(
+    terms: list[frozenset], output: frozenset, sizes: dict[str, int]
+) -> Optional[list[tuple[int, ...]]]:
+    """The steps of the order of the lowest price (FLOPs plus ``_WRITE_COST`` per element written)
+    whose intermediates all fit ``_MAX_INTERMEDIATE``, in opt_einsum's path format; None where
+    none fits. Every binary tree over the terms, each subset's cheapest tree built from the
+    cheapest trees of its two parts."""
+    count = len(terms)
+    if count > _EXACT_TERMS:
+        return list(_DYNAMIC_PROGRAMMING(terms, output, sizes))
+    full = (1 << count) - 1
+    letters = [frozenset()] * (full + 1)
+    for mask in range(1, full + 1):
+        low = mask & -mask
+        letters[mask] = letters[mask ^ low] | terms[low.bit_length() - 1]
+    # a subset contracted into one tensor keeps the letters the output or another term still needs
+    kept = [letters[mask] & (output | letters[full ^ mask]) for mask in range(full + 1)]
+    best: dict[int, tuple[float, Optional[tuple[int, int]]]] = {1 << index: (0.0, None) for index in range(count)}
+    for mask in sorted(range(1, full + 1), key=lambda mask: bin(mask).count("1")):
+        if mask in best:
+            continue
+        size = opt_einsum.helpers.compute_size_by_dict(kept[mask], sizes)
+        if size > _MAX_INTERMEDIATE:
+            continue
+        low, chosen = mask & -mask, None
+        part = (mask - 1) & mask
+        while part:  # each split once: the part holding the lowest term, and the rest
+            rest = mask ^ part
+            if part & low and rest and part in best and rest in best:
+                involved = kept[part] | kept[rest]
+                flops = opt_einsum.helpers.flop_count(involved, involved != kept[mask], 2, sizes)
+                price = best[part][0] + best[rest][0] + flops + _WRITE_COST * size
+                if chosen is None or price < chosen[0]:
+                    chosen = (price, (part, rest))
+            part = (part - 1) & mask
+        if chosen is not None:
+            best[mask] = chosen
+    if full not in best:
+        return None
+    steps: list[tuple[int, ...]] = []
+    current = [1 << index for index in range(count)]
+
+    def emit(mask: int) -> None:
+        split = best[mask][1]
+        if split is None:
+            return
+        emit(split[0])
+        emit(split[1])
+        positions = sorted((current.index(split[0]), current.index(split[1])))
+        steps.append(tuple(positions))
+        for position in reversed(positions):
+            del current[position]
+        current.append(mask)
+
+    emit(full)
+    return steps
+
+
+_ORDER = _cheapest_order
 
 
 def _order(terms: list[frozenset], output: frozenset, sizes: dict[str, int]) -> list[tuple[int, ...]]:
@@ -295,8 +367,9 @@ def _order(terms: list[frozenset], output: frozenset, sizes: dict[str, int]) -> 
     # no other order saves more than this one writes besides the result (NOTE: [Contraction order])
     if _WRITE_COST * (writes - opt_einsum.helpers.compute_size_by_dict(output, sizes)) < _CALL_COST:
         return fewest
-    # without a memory limit: where no order fits one, opt_einsum's search never ends
-    written = list(_ORDER(terms, output, sizes))
+    written = _ORDER(terms, output, sizes)
+    if written is None:
+        return fewest
     written_flops, written_writes, largest = _walked(written, terms, output, sizes)
     # ties (orders of the same price, e.g. which side's Gram comes first) keep the order of fewest FLOPs
     if largest <= _MAX_INTERMEDIATE and _price(written_flops, written_writes) < _price(flops, writes):

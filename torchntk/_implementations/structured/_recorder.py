@@ -53,6 +53,7 @@ from torch.utils import _pytree as pytree
 
 from ..._model.inner_derivatives import INNER_DERIVATIVES, parameter_behind
 from ..._model.unfused import DECOMPOSITIONS, RECURRENT
+from ..._utils.tree import argument_leaves
 from ._roles import OutputSpec, ParamRef, RuleCall
 from ._views import (
     CAST_OPS,
@@ -85,7 +86,8 @@ class Recorder(TorchFunctionMode):
         self._looped = looped  # examples mapped by a Python loop: NOTE: [Indices that depend on the example]
         # NOTE: [The recorder unfuses]
         self._decompositions = DECOMPOSITIONS if unfuse else None
-        self._index = {id(param): position for position, param in enumerate(params)}
+        # one ParamRef per parameter, shared by every use: ``ref_of`` answers for every argument of every op
+        self._index = {id(param): ParamRef(position) for position, param in enumerate(params)}
         self._views: dict[int, tuple[torch.Tensor, ParamRef]] = {}
         self._deltas = deltas
         self._count = 0
@@ -99,23 +101,22 @@ class Recorder(TorchFunctionMode):
 
     def ref_of(self, value: Any) -> Optional[ParamRef]:
         """The parameter ``value`` is (or is a tracked view, slice or cast of); ``None`` if none."""
-        if not isinstance(value, torch.Tensor):
-            return None
-        position = self._index.get(id(value))
-        if position is not None:
-            return ParamRef(position)
+        # the parameters and the tracked tensors are kept alive (in ``_params``, in the table), so
+        # their ids are never another object's, whatever ``value`` is
+        ref = self._index.get(id(value))
+        if ref is not None:
+            return ref
         behind = parameter_behind(value)  # wrapped for a model's own level (NOTE: [Derivatives inside the forward pass])
         if behind is not None and id(behind) in self._index:
-            return ParamRef(self._index[id(behind)])
+            return self._index[id(behind)]
         tracked = self._views.get(id(value))
-        # the tensor itself is kept alive in the table, so an id is never reused for another tensor
         if tracked is not None and tracked[0] is value:
             return tracked[1]
         return None
 
     def __torch_function__(self, func: Callable, types_: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        found = [(leaf, ref) for leaf in _argument_leaves(args, kwargs) if (ref := self.ref_of(leaf)) is not None]
+        found = [(leaf, ref) for leaf in argument_leaves(args, kwargs) if (ref := self.ref_of(leaf)) is not None]
         if not found:
             return func(*args, **kwargs) if self._decompositions is None else self._run(func, args, kwargs)
         if _current_level() != self._level:
@@ -242,7 +243,7 @@ class Recorder(TorchFunctionMode):
     def _rule_call(self, call: RuleCall, func: Callable, args: tuple, kwargs: dict, found: list) -> torch.Tensor:
         inputs = [
             (tensor, _storage_version(tensor))
-            for tensor in _argument_leaves(args, kwargs)
+            for tensor in argument_leaves(args, kwargs)
             if isinstance(tensor, torch.Tensor) and self.ref_of(tensor) is None
         ]
         self._inputs.append((_name(func), {ref.param for _, ref in found}, inputs))
@@ -394,20 +395,3 @@ def _without_outer_check(func: types.FunctionType) -> types.FunctionType:
     copy = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
     copy.__kwdefaults__ = func.__kwdefaults__
     return copy
-
-
-_PLAIN_LEAVES = (torch.Tensor, int, float, bool, type(None), str, torch.dtype, torch.device)
-
-
-def _argument_leaves(args: tuple, kwargs: dict) -> list:
-    """``pytree.tree_leaves((args, kwargs))``, without pytree for the usual arguments (leaves, and
-    plain lists or tuples of leaves): pytree's flattening was a fifth of a probe pass's time."""
-    leaves: list = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, _PLAIN_LEAVES):
-            leaves.append(value)
-        elif type(value) in (list, tuple) and all(isinstance(item, _PLAIN_LEAVES) for item in value):
-            leaves.extend(value)
-        else:
-            return pytree.tree_leaves((args, kwargs))
-    return leaves
