@@ -177,9 +177,10 @@ def empirical_ntk_fn(
             checks and the whole-batch forward pass, also those of a kernel function built again
             for the same model with the same options, which shares this one's plans (a model
             whose coupling depends on the values, not on the shapes, such as a mixture of experts
-            whose capacity overflows for some batches, is caught only if the first call shows it). ``True``: the output check, and
-            its whole-batch forward pass, on every call as well. ``False``: no check (and with
-            ``vmap_axes="auto"``, no axes found: nothing would prove them).
+            whose capacity overflows for some batches, is caught only if the first call shows it).
+            ``True``: the output check, and its whole-batch forward pass, on every call as well.
+            ``False``: no check (and with ``vmap_axes="auto"``, no axes found: nothing would prove
+            them).
             Default: ``"first"`` (``docs/guarantees.md`` says why).
         structure_rules: implementation 3 (and AUTO) only. ``False`` sends every parameter to the
             Jacobian fallback, which makes implementation 3 compute Jacobian contraction (a test

@@ -92,8 +92,9 @@ class PlannedOutputs:
             # the pass's function modes (a recorder's, the perturbed model's) would see every read of
             # a shape or dtype, at several microseconds each: read them without
             with torch._C.DisableTorchFunction():
+                planned = zip(leaves, out_axes, self.shapes, self.dtypes)
                 found = [
-                    index for index, (leaf, axis, shape, dtype) in enumerate(zip(leaves, out_axes, self.shapes, self.dtypes))
+                    index for index, (leaf, axis, shape, dtype) in enumerate(planned)
                     if leaf.dtype != dtype or leaf.ndim <= axis or _without(tuple(leaf.shape), axis) != shape
                 ]
             if not found:
@@ -105,7 +106,9 @@ class PlannedOutputs:
                 f"dtype {leaf.dtype} where the plan has {self.shapes[index]} and {self.dtypes[index]}"
             )
         else:
-            what = f"the outputs now have another structure ({len(leaves)} leaves where the plan has {len(self.shapes)})"
+            what = (
+                f"the outputs now have another structure ({len(leaves)} leaves where the plan has {len(self.shapes)})"
+            )
         self.forget()
         raise PlanOutdated(
             f"{where}: {what}: something the plan of calls with these input shapes does not see changed since it "
