@@ -23,7 +23,10 @@ Printed: the table of first-call and warm times and the ratios the issue's targe
 function built again for the same model after those calls (the one-liner run again: it shares the
 first one's plans), against the warm call, and with ``--profile`` the
 first call of each row timed by stage (:data:`STAGES`: torchntk's stage functions wrapped with
-a timer in a third process; stages nest, so the shares do not add up).
+a timer in a third process; stages nest, so the shares do not add up). With ``--choice``, what
+AUTO's choice adds to a first call: AUTO's first call against the first call of a kernel function
+built with the implementation AUTO picked (``implementation=K``), in alternating fresh processes
+(:func:`choice_trials`), the difference against the pick's warm call.
 
 Rows (``--rows``): ``mlp`` MLP 784-512-512-10, N = 64; ``cnn`` 3x[conv 3x3 32ch + ReLU] on
 3x16x16, 10 logits, N = 16; ``resnet18`` torchvision ResNet-18 with 10 logits, N = 8, 3x32x32,
@@ -37,6 +40,7 @@ not load), the ``bert`` row transformers; a row whose library does not import is
 
     python benchmarks/bench_first_call.py                       # every row, about 8 minutes on 2 cores
     python benchmarks/bench_first_call.py --rows mlp,resnet18 --profile
+    python benchmarks/bench_first_call.py --choice --trials 5      # and what AUTO's choice adds
 """
 
 from __future__ import annotations
@@ -200,10 +204,12 @@ def worker(row: str, side: str, repeats: int, profile: bool) -> dict:
     except Exception as error:  # noqa: BLE001 - a library that does not import
         return {"row": row, "side": side, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
     result: dict[str, Any] = {"row": row, "side": side}
-    if side == "torchntk":
+    if side.startswith("torchntk"):
         import torchntk
 
-        ntk_fn = torchntk.empirical_ntk_fn(model, output_fn=output_fn)
+        # "torchntk:K": implementation K named instead of AUTO's default (the choice's own cost)
+        implementation = int(side.partition(":")[2] or 0)
+        ntk_fn = torchntk.empirical_ntk_fn(model, output_fn=output_fn, implementation=implementation)
         call = lambda: ntk_fn(x, **kwargs)  # noqa: E731
     else:
         try:
@@ -229,7 +235,7 @@ def worker(row: str, side: str, repeats: int, profile: bool) -> dict:
         times.append(time.perf_counter() - start)
     result["warm"] = statistics.median(times)
     result["shape"] = list(kernel.shape)
-    if side == "torchntk":
+    if side == "torchntk":  # AUTO's: what it picked, and the one-liner built again
         choice = ntk_fn.auto_choice(x, **kwargs)
         result["pick"] = int(choice.implementation)
         result["vmap_axes"] = choice.vmap_axes is not None
@@ -288,6 +294,26 @@ def run_trials(row: str, side: str, repeats: int, threads: Optional[int], trials
     return merged
 
 
+def choice_trials(row: str, pick: int, repeats: int, threads: Optional[int], trials: int) -> dict:
+    """AUTO's first call against the first call of the implementation it picks, named (``pick``),
+    fresh processes alternating: the medians of both, and of the differences of each pair, which
+    is what the choice adds to a first call (the count and pricing of every candidate, the probes
+    of those that lose; the plan of the one picked is the named implementation's first call too)."""
+    pairs = [
+        (run_side(row, "torchntk", repeats, False, threads), run_side(row, f"torchntk:{pick}", repeats, False, threads))
+        for _ in range(trials)
+    ]
+    failed = [result for pair in pairs for result in pair if "error" in result]
+    if failed:
+        return failed[0]
+    return {
+        "auto": statistics.median(auto["first"] for auto, _ in pairs),
+        "named": statistics.median(named["first"] for _, named in pairs),
+        "difference": statistics.median(auto["first"] - named["first"] for auto, named in pairs),
+        "warm": statistics.median(named["warm"] for _, named in pairs),
+    }
+
+
 def run_side(row: str, side: str, repeats: int, profile: bool, threads: Optional[int]) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--worker", row, side, "--repeats", str(repeats)]
     if profile:
@@ -310,6 +336,8 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("--profile", action="store_true", help="profile torchntk's first call by stage")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the workers")
     parser.add_argument("--trials", type=int, default=3, help="fresh processes per side and row (median)")
+    parser.add_argument("--choice", action="store_true",
+                        help="also time AUTO's first call against that of the implementation it picks")
     parser.add_argument("--worker", nargs=2, metavar=("ROW", "SIDE"), help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
     if arguments.worker:
@@ -327,7 +355,7 @@ def main(argv: Optional[list] = None) -> None:
     print("| row | torchntk first (s) | torchntk warm (s) | tutorial first (s) | tutorial warm (s) | first / warm | "
           "first / tutorial's first | AUTO's pick | axes found | tutorial | rebuilt's first / warm |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    profiles = {}
+    profiles, choices = {}, {}
     for row in rows:
         ours = run_trials(row, "torchntk", arguments.repeats, arguments.threads, arguments.trials)
         theirs = run_trials(row, "tutorial", arguments.repeats, arguments.threads, arguments.trials)
@@ -342,6 +370,23 @@ def main(argv: Optional[list] = None) -> None:
         )
         if arguments.profile:
             profiles[row] = run_side(row, "torchntk", 1, True, arguments.threads)
+        if arguments.choice:
+            choices[row] = ours["pick"], choice_trials(
+                row, ours["pick"], arguments.repeats, arguments.threads, arguments.trials
+            )
+    if choices:
+        print()
+        print("| row | AUTO's pick | AUTO's first (s) | the pick's first, named (s) | the choice: difference (s) | "
+              "the pick's warm (s) | difference / warm |")
+        print("|---|---|---|---|---|---|---|")
+        for row, (pick, result) in choices.items():
+            if "error" in result:
+                print(f"| {row} | {pick} | {result['error']} |||||")
+                continue
+            print(
+                f"| {row} | {pick} | {result['auto']:.3f} | {result['named']:.3f} | {result['difference']:.4f} | "
+                f"{result['warm']:.3f} | {result['difference'] / result['warm']:.2f} |"
+            )
     if profiles:
         print()
         labels = list(STAGES)
