@@ -208,8 +208,8 @@ def worker(row: str, side: str, repeats: int, profile: bool) -> dict:
         import torchntk
 
         # "torchntk:K": implementation K named instead of AUTO's default (the choice's own cost)
-        implementation = int(side.partition(":")[2] or 0)
-        ntk_fn = torchntk.empirical_ntk_fn(model, output_fn=output_fn, implementation=implementation)
+        named = {"implementation": int(side.partition(":")[2])} if ":" in side else {}
+        ntk_fn = torchntk.empirical_ntk_fn(model, output_fn=output_fn, **named)
         call = lambda: ntk_fn(x, **kwargs)  # noqa: E731
     else:
         try:

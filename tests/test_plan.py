@@ -434,6 +434,25 @@ def test_kernel_functions_of_other_options_models_or_builders_plan_anew(monkeypa
     assert prepared.count == 6
 
 
+def test_options_written_otherwise_with_one_meaning_share_plans(monkeypatch):
+    """``implementation`` as an int or a member, the axes as an int, a list or a tuple: the
+    builder parses them to one value, and kernel functions built with any of them share."""
+    prepared = _PreparedInFull(monkeypatch)
+    model = _mlp()
+    x1, x2 = _inputs(5, 3)
+    spellings = (
+        {}, {"implementation": 0}, {"implementation": torchntk.NtkImplementation.AUTO},
+        {"trace_axes": [-1]}, {"trace_axes": -1, "diagonal_axes": []},
+    )
+    for options in spellings:
+        kernel = torchntk.empirical_ntk_fn(model, vmap_axes=0, **options)(x1, x2)
+        assert_kernels_close(kernel, reference_ntk(model, x1, x2))
+    assert prepared.count == 1
+    for options in ({"implementation": 3}, {"implementation": torchntk.NtkImplementation.STRUCTURED_DERIVATIVES}):
+        assert_kernels_close(torchntk.empirical_ntk_fn(model, vmap_axes=0, **options)(x1, x2), reference_ntk(model, x1, x2))
+    assert prepared.count == 2
+
+
 def test_a_kernel_function_built_again_keeps_every_guarantee_of_a_warm_call(monkeypatch):
     """The NaN explanation on the rebuilt function's first call, the output check on every call with
     ``check_vmap_axes=True``, and a new key (a hook registered between the builds) planned in full."""

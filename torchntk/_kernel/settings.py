@@ -170,9 +170,14 @@ class NtkSettings:
             TypeError, ValueError: an argument of the wrong type or value, named in the message.
         """
         _checks.callable_model_argument(f, where)
-        # what kernel functions built again compare (NOTE: [Plans shared by kernel functions]): the arguments as given
-        options_given = (where, tuple(given.as_keywords().items()))
         chosen = _checks.implementation_argument(given.implementation, where)
+        trace_axes = _checks.axes_argument(given.trace_axes, "trace_axes", where)
+        diagonal_axes = _checks.axes_argument(given.diagonal_axes, "diagonal_axes", where)
+        # what kernel functions built again compare (NOTE: [Plans shared by kernel functions]): the
+        # arguments as given, those parsed to plain values as parsed (``implementation=0`` is the
+        # default ``NtkImplementation.AUTO``, ``trace_axes=[-1]`` the default ``(-1,)``)
+        parsed = {"implementation": int(chosen), "trace_axes": trace_axes, "diagonal_axes": diagonal_axes}
+        options_given = (where, tuple({**given.as_keywords(), **parsed}.items()))
         parsed_groups = groups_argument(given.groups, f, where)
         if parsed_groups is not None:  # resolved (submodules as paths), so that a replica is grouped alike
             given = dataclasses.replace(given, groups=parsed_groups)
@@ -191,8 +196,8 @@ class NtkSettings:
                 f"(in_axes, out_axes, kwargs_axes), got {_checks.show(given.vmap_axes)}."
             )
         spec = CallSpec(
-            _checks.axes_argument(given.trace_axes, "trace_axes", where),
-            _checks.axes_argument(given.diagonal_axes, "diagonal_axes", where),
+            trace_axes,
+            diagonal_axes,
             parse_vmap_axes(None if finds_axes else given.vmap_axes, where),
             _checks.positive_int_argument(given.chunk_size, "chunk_size", where, none_allowed=True),
             output_fn_argument(given.output_fn, where),

@@ -16,9 +16,11 @@ output check on every call with ``check_vmap_axes=True``; the checks that run on
 the first call of the first kernel function).
 
 The options are compared by value where they are plain (numbers, strings, dtypes, devices,
-enumerations, and tuples, lists and dicts of them) and by identity otherwise (an ``output_fn``, a
-``groups`` predicate or module): a lambda made anew for each kernel function is a new option, and
-its kernel functions plan anew. The model and the option objects are held weakly, so a shared
+enumerations, and tuples, lists and dicts of them; ``implementation``, ``trace_axes`` and
+``diagonal_axes`` as the builder parses them, so that ``implementation=0`` shares with the
+default ``NtkImplementation.AUTO`` and ``trace_axes=[-1]`` with ``(-1,)``) and by identity
+otherwise (an ``output_fn``, a ``groups`` predicate or module): a lambda made anew for each kernel
+function is a new option, and its kernel functions plan anew. The model and the option objects are held weakly, so a shared
 planner never keeps a model or its options alive: it is dropped when the model is, and when an
 option object it was built with is gone (a lambda ``output_fn`` written anew in a training loop
 leaves at most one planner behind, dropped when the next kernel function of the model is built;
