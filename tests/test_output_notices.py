@@ -91,6 +91,22 @@ def test_traced_examples_of_an_n_output_are_warned_once(vmap_axes, implementatio
     assert len(_notices(caught)) == 1
 
 
+def test_a_kernel_function_built_again_gives_its_notice_once_too():
+    """NOTE: [Plans shared by kernel functions]: a kernel function built again with the same
+    options binds its first call to the plans of the first one, and still gives the notice once,
+    from the user's line; its later calls say nothing more."""
+    model = _seeded(_Regression)
+    x1, x2 = _inputs(5, 5)
+    for _ in range(3):  # the first kernel function plans; the later ones bind to its plans
+        ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0)
+        kernel, caught = _recorded(lambda: ntk_fn(x1, x2))
+        [warning] = [w for w in caught if issubclass(w.category, torchntk.OutputWarning)]
+        assert "one entry per example" in str(warning.message) and warning.filename == __file__
+        assert_kernels_close(kernel, reference_ntk(model, x1, x2), rtol=1e-10)
+        _, caught = _recorded(lambda: (ntk_fn(x1, x2), ntk_fn(x1)))
+        assert _notices(caught) == []
+
+
 def test_what_the_notice_says_to_pass_is_not_warned():
     model = _seeded(_Regression)
     x1, x2 = _inputs()

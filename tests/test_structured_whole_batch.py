@@ -21,6 +21,7 @@ import torchntk
 import torchntk._implementations.structured as structured
 from tests.cases import DEVICE
 from tests.structured_cases import STRUCTURED_CASES, make_x1_x2
+from tests.test_structured_safety import _CustomFunction
 from torchntk._implementations.structured import _side, _whole_batch
 from torchntk._implementations.structured._plan import Fold, Plan
 from torchntk.testing import assert_kernels_close, reference_ntk
@@ -648,3 +649,68 @@ def test_a_use_hidden_from_the_recorder_shows_in_the_whole_batch_checks_products
     assert True in made, made  # the check's products came from the merged pass
     choice = ntk_fn.auto_choice(x1, x2)  # AUTO may then price 3 out: its pick is not the point
     assert "scale" in choice.fallback_parameters and "linear.weight" not in choice.fallback_parameters, choice
+
+
+# NOTE: [The whole-batch pass by plain autograd]
+
+
+def _counted_vjp(monkeypatch) -> list:
+    """The ``torch.func.vjp`` calls of ``_side``'s whole-batch pass (its per-example passes call the
+    same name, so only calls from ``_whole_batch_vjp`` are counted)."""
+    made = []
+    original = _side._whole_batch_vjp
+
+    def counted(function, primals, custom_functions):
+        vjp = _side.vjp
+
+        def transform(*args, **kwargs):
+            made.append(True)
+            return vjp(*args, **kwargs)
+
+        monkeypatch.setattr(_side, "vjp", transform)
+        try:
+            return original(function, primals, custom_functions)
+        finally:
+            monkeypatch.setattr(_side, "vjp", vjp)
+
+    monkeypatch.setattr(_side, "_whole_batch_vjp", counted)
+    return made
+
+
+@pytest.mark.parametrize("context", ["grad", "no_grad", "inference_mode"])
+def test_the_whole_batch_pass_runs_on_plain_autograd(context, passes, monkeypatch):
+    """Outside any ``torch.func`` transform the whole-batch pass records no grad level of its own
+    (plain autograd and ``vmap`` over its pullback), under the caller's ``no_grad`` too; inference
+    mode, which records no graph, keeps ``torch.func.vjp``. Exact on the first, a second and a
+    later call, with the weights written in place in between."""
+    made = _counted_vjp(monkeypatch)
+    model = _build(lambda: nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3)))
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())
+    contexts = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+    for seed in range(3):
+        x1, x2 = _normal(5, 4, seed=seed), _normal(3, 4, seed=seed + 10)
+        with contexts[context]():
+            kernel = ntk_fn(x1, x2)
+        assert_kernels_close(kernel.clone(), reference_ntk(model, x1, x2, trace_axes=()))
+        with torch.no_grad():
+            model[0].weight.mul_(1.1)
+    assert passes.plan.whole_batch is not None and passes.whole_batch >= 3
+    assert bool(made) == (context == "inference_mode")  # inference mode records no graph: torch.func.vjp
+
+
+def test_a_custom_function_keeps_the_transform_of_the_probe(passes, monkeypatch):
+    """A custom ``torch.autograd.Function`` reaches the recorder as one call only under a transform:
+    where the probe met one, the whole-batch pass runs under ``torch.func.vjp`` as the probe did
+    (plain autograd would show its forward's ops to the recorder and lose the whole batch), and
+    the kernel follows the Function's own backward on every call."""
+    made = _counted_vjp(monkeypatch)
+    model = _build(_CustomFunction)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())
+    for seed in range(3):
+        x1, x2 = _normal(5, 4, seed=seed), _normal(3, 4, seed=seed + 10)
+        assert_kernels_close(ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=()))
+    assert passes.plan.custom_functions and passes.plan.whole_batch is not None, passes.plan.whole_batch_reason
+    assert passes.whole_batch >= 3 and made
+    plain = _build(lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)))
+    torchntk.empirical_ntk_fn(plain, vmap_axes=0, implementation=3)(x1, x2)
+    assert not passes.plan.custom_functions

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._layout.kernel_layout import KernelLayout, check_shapes, make_layout
-from .._layout.notices import OutputNotices
+from .._layout.notices import OutputNotices, found_notices
 from .._layout.runs import runs
 from .._model.functional import (
     FunctionalModel,
@@ -95,6 +95,9 @@ class KernelCall:
             what the call learns (a switch to the example loop) is kept; None outside a kernel function.
         derivative_check: the derivative check of a key's first call, left to the plan and settled
             before the call goes on (NOTE: [The derivative check within a plan's check]), or None.
+        notices: the output notices the call's outputs call for (NOTE: [Output notices]), as
+            ``(kind, message)``: a warm call of another kernel function bound to the same plans
+            gives them once too.
     """
 
     where: str
@@ -115,6 +118,7 @@ class KernelCall:
     tangents_per_pass: Optional[int] = None
     plan_key: Any = None
     derivative_check: Optional[PendingDerivatives] = None
+    notices: tuple[tuple[str, str], ...] = ()
 
     @property
     def run_length(self) -> Optional[int]:
@@ -370,8 +374,10 @@ def prepare_call(
     if resolved1 is not None:
         out_axes = resolve_outputs(vmap_axes, output1.rebuild(leaves1), where)
         reject_vmap_with_coupling(model, where)
+    found = ()
     if notices is not None:
-        notices.check(output1, layouts, out_axes, x1, trace_axes, output_fn is not None, where)
+        found = found_notices(output1, layouts, out_axes, x1, trace_axes, output_fn is not None, where)
+        notices.give(found)
     side1 = Side.build(model, x1, kwargs1, resolved1, out_axes, where, "x1", example_loop)
     side2 = None if reuse else Side.build(model, x2, kwargs2, resolved2, out_axes, where, "x2", example_loop)
     pending = derivatives = None
@@ -397,7 +403,7 @@ def prepare_call(
     dtypes = tuple(promoted((leaf.dtype, param_dtype)) for leaf in leaves1)
     return KernelCall(
         where, model, side1, side2, leaves1, leaves2, output1, tuple(layouts), dtypes, chunk_size, pending,
-        index_groups, groups.names if groups is not None else (), derivative_check=derivatives,
+        index_groups, groups.names if groups is not None else (), derivative_check=derivatives, notices=found,
     )
 
 

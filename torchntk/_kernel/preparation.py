@@ -59,8 +59,12 @@ def bind(
     """A warm call: the plan's template with this call's tensors, or None where the differentiated
     parameters changed since (their ``requires_grad`` flags are not part of the key). Its sides
     check that the model still returns the outputs the plan was made for (NOTE: [Outputs that
-    outgrow their plan] in ``_call/per_example.py``), and drop ``key``'s plans where it does not."""
+    outgrow their plan] in ``_call/per_example.py``), and drop ``key``'s plans where it does not.
+    The output notices of the key are given here too, once per kernel function: the plans may be
+    another kernel function's (NOTE: [Plans shared by kernel functions])."""
     template = plan.template
+    if template.call.notices and settings.spec.notices is not None:
+        settings.spec.notices.give(template.call.notices)
     with alias_checks(skip=True) if isinstance(settings.f, torch.nn.Module) else contextlib.nullcontext():
         return bind_call(
             template, settings.f, x1, x2, params, kwargs, output_fn=settings.output_fn, groups=settings.groups,

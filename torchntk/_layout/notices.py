@@ -61,41 +61,49 @@ class OutputNotices:
             self._given.add(notice)
             return True
 
-    def check(
-        self, output: Flat, layouts: Sequence[KernelLayout], out_axes: Optional[Sequence[int]], x1: Any,
-        trace_axes: tuple[int, ...], selected: bool, where: str,
-    ) -> None:
-        """Warns about the layouts of ``output`` (x1's output) that NOTE: [Output notices] lists.
+    def give(self, notices: Sequence[tuple[str, str]]) -> None:
+        """Warns each of ``notices`` (``(kind, message)``, from :func:`found_notices`) that this
+        kernel function has not given yet: on a first call, and on the first call of a kernel
+        function bound to plans another one made (NOTE: [Plans shared by kernel functions])."""
+        for kind, message in notices:
+            if self._first(kind):
+                _warn(message)
 
-        ``out_axes``: the examples' axis of every output leaf where ``vmap_axes`` maps the
-        examples, else None. ``trace_axes``: as the user gave them. ``selected``: ``output_fn``
-        was given.
-        """
-        if len(self._given) == 2:
-            return  # both given: nothing left to say
-        leaves = output.leaves
-        names = _leaf_names(output)
-        examples_axes = [
-            _examples_axis(leaf, None if out_axes is None else out_axes[index], x1) for index, leaf in enumerate(leaves)
-        ]
-        for leaf, name, layout, axis in zip(leaves, names, layouts, examples_axes):
-            if axis is None or layout.kind(axis) != "trace":
-                continue
-            if not any(entry < 0 and entry % leaf.ndim == axis for entry in trace_axes):
-                continue  # the examples' axis named by its index: on purpose
-            if self._first("traced examples"):
-                _warn(_traced_examples_message(name, tuple(leaf.shape), axis, trace_axes, where))
-            break
-        if selected:
-            return
-        entries = kept = 0
-        for leaf, layout, examples in zip(leaves, layouts, _leading(leaves, out_axes)):
-            sizes = [(axis, size) for axis, size in enumerate(leaf.shape) if axis != examples]
-            entries += math.prod(size for _, size in sizes)
-            kept += math.prod(size for axis, size in sizes if layout.kind(axis) != "trace")
-        several = len(leaves) > 1 and entries > LARGE_OUTPUT_ENTRIES
-        if (several or kept > LARGE_OUTPUT_ENTRIES) and self._first("large outputs"):
-            _warn(_large_outputs_message(names, leaves, entries, kept, several, where))
+
+def found_notices(
+    output: Flat, layouts: Sequence[KernelLayout], out_axes: Optional[Sequence[int]], x1: Any,
+    trace_axes: tuple[int, ...], selected: bool, where: str,
+) -> tuple[tuple[str, str], ...]:
+    """The notices of NOTE: [Output notices] that the layouts of ``output`` (x1's output) call for,
+    as ``(kind, message)``.
+
+    ``out_axes``: the examples' axis of every output leaf where ``vmap_axes`` maps the examples,
+    else None. ``trace_axes``: as the user gave them. ``selected``: ``output_fn`` was given.
+    """
+    found = []
+    leaves = output.leaves
+    names = _leaf_names(output)
+    examples_axes = [
+        _examples_axis(leaf, None if out_axes is None else out_axes[index], x1) for index, leaf in enumerate(leaves)
+    ]
+    for leaf, name, layout, axis in zip(leaves, names, layouts, examples_axes):
+        if axis is None or layout.kind(axis) != "trace":
+            continue
+        if not any(entry < 0 and entry % leaf.ndim == axis for entry in trace_axes):
+            continue  # the examples' axis named by its index: on purpose
+        found.append(("traced examples", _traced_examples_message(name, tuple(leaf.shape), axis, trace_axes, where)))
+        break
+    if selected:
+        return tuple(found)
+    entries = kept = 0
+    for leaf, layout, examples in zip(leaves, layouts, _leading(leaves, out_axes)):
+        sizes = [(axis, size) for axis, size in enumerate(leaf.shape) if axis != examples]
+        entries += math.prod(size for _, size in sizes)
+        kept += math.prod(size for axis, size in sizes if layout.kind(axis) != "trace")
+    several = len(leaves) > 1 and entries > LARGE_OUTPUT_ENTRIES
+    if several or kept > LARGE_OUTPUT_ENTRIES:
+        found.append(("large outputs", _large_outputs_message(names, leaves, entries, kept, several, where)))
+    return tuple(found)
 
 
 def _warn(message: str) -> None:

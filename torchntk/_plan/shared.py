@@ -13,7 +13,8 @@ model built by one builder with the same options share one :class:`~.stage.Plann
 kernel function's first call is a warm call of the key, bound to the plan the first kernel
 function made, with the same guarantees as any warm call (the NaN check on every call, the
 output check on every call with ``check_vmap_axes=True``; the checks that run once per key ran on
-the first call of the first kernel function).
+the first call of the first kernel function), and the key's output notices given once by each
+kernel function (NOTE: [Output notices]).
 
 The options are compared by value where they are plain (numbers, strings, dtypes, devices,
 enumerations, and tuples, lists and dicts of them; ``implementation``, ``trace_axes`` and

@@ -72,6 +72,7 @@ class ProbedPlan:
     local_jacobian: Optional[str]
     thorough: bool
     one_pass: bool  # one side probed with closed-form rules: its perturbed shapes serve every pass
+    custom_functions: bool = False  # NOTE: [The whole-batch pass by plain autograd] in _side.py
 
     def build(self, demoted: dict[int, str]) -> Plan:
         """The plan with the ``demoted`` parameters (index: reason) in the fallback."""
@@ -83,7 +84,7 @@ class ProbedPlan:
 
     def unchecked(self) -> Plan:
         """The plan as probed, nothing demoted: what pricing needs."""
-        return _with_probe(self.build({}), self.calls, self.thorough)
+        return _with_probe(self.build({}), self)
 
 
 def probe_plan(call: KernelCall, options: StructuredOptions, thorough: bool = False) -> ProbedPlan:
@@ -94,16 +95,18 @@ def probe_plan(call: KernelCall, options: StructuredOptions, thorough: bool = Fa
     unruled: set[int] = set()
     shapes: list[OutputSpec] = []
     reasons: dict[int, str] = {}
+    custom_functions = False
     for side in sides:
         probed = probe(side, first_example_only=False)
         calls.extend(probed.calls)
         unruled |= probed.unruled
         shapes.extend(probed.output_specs)
         reasons = {**probed.reasons, **reasons}  # the first side's reason wins
+        custom_functions |= probed.custom_functions
     local = None if options.closed_form_rules else options.local_jacobian
     return ProbedPlan(
         tuple(calls), frozenset(unruled), tuple(shapes), reasons, len(call.model.params), local, thorough,
-        one_pass=len(sides) == 1 and local is None,
+        one_pass=len(sides) == 1 and local is None, custom_functions=custom_functions,
     )
 
 
@@ -151,7 +154,7 @@ def plan_for(
         return make_plan([], set(), n_params, structure_rules=False, local_jacobian=local)
     if probed is None or probed.thorough != thorough:
         probed = probe_plan(call, options, thorough)
-    plan = _with_probe(probed.build({}), probed.calls, thorough)
+    plan = _with_probe(probed.build({}), probed)
     single = done = None  # NOTE: [One pass for both checks of a plan]
     if not (options.verify or len(plan.fallback) == n_params):  # verify=True checks every call; nothing to check
         demoted: dict[int, str] = {}
@@ -169,7 +172,7 @@ def plan_for(
         except PlanMismatch:
             raise _nondeterministic(call.where) from None
         if demoted:
-            plan, single, done = _with_probe(probed.build(demoted), probed.calls, thorough), None, None
+            plan, single, done = _with_probe(probed.build(demoted), probed), None, None
     if thorough:  # probed on every example: no one-example probe to read the whole batch by
         return dataclasses.replace(plan, whole_batch_reason="the plan comes from probes of every example")
     if is_unrolled(call.model):
@@ -222,9 +225,12 @@ def _may_settle_derivatives(call: KernelCall, plan: Plan) -> bool:
     return pending is not None and pending.open and not plan.fallback
 
 
-def _with_probe(plan: Plan, calls: list[RuleCall], thorough: bool) -> Plan:
-    """The plan, keeping the calls of a quick plan's probe for AUTO's pricing (``structured_cost``)."""
-    return plan if thorough else dataclasses.replace(plan, first_example_calls=tuple(calls))
+def _with_probe(plan: Plan, probed: ProbedPlan) -> Plan:
+    """The plan, keeping the calls of a quick plan's probe for AUTO's pricing (``structured_cost``),
+    and whether the probe met a custom ``torch.autograd.Function`` (for the whole-batch pass)."""
+    if probed.thorough:
+        return plan
+    return dataclasses.replace(plan, first_example_calls=probed.calls, custom_functions=probed.custom_functions)
 
 
 def _nondeterministic(where: str) -> RuntimeError:

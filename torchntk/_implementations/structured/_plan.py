@@ -47,6 +47,10 @@ class Plan:
     (AUTO prices the plan from them without probing again)."""
     whole_batch: Optional["WholeBatchLayout"] = dataclasses.field(default=None, compare=False)
     whole_batch_reason: Optional[str] = dataclasses.field(default=None, compare=False)
+    custom_functions: bool = dataclasses.field(default=False, compare=False)
+    """Whether the probe met a custom ``torch.autograd.Function``: the whole-batch pass then runs
+    under a ``torch.func`` transform, as the probe did (NOTE: [The whole-batch pass by plain
+    autograd] in ``_side.py``)."""
 
     def roles(self, call: RuleCall) -> list[Role]:
         """The roles of ``call`` that contribute: ruled parameters, joint pairs stated jointly."""

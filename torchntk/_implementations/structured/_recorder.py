@@ -75,6 +75,9 @@ class Recorder(TorchFunctionMode):
             read while the pass runs: the outputs' wrappers do not outlive its transforms.
         unruled: parameter indices consumed by an op without an applicable rule.
         reasons: why each unruled parameter is (the first reason met).
+        met_custom_function: whether a custom ``torch.autograd.Function`` ran (seen as one
+            ``custom_function_call``, under a transform; NOTE: [The whole-batch pass by plain
+            autograd] in ``_side.py``).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Recorder(TorchFunctionMode):
         self.output_specs: list[OutputSpec] = []
         self.unruled: set[int] = set()
         self.reasons: dict[int, str] = {}
+        self.met_custom_function = False
 
     def ref_of(self, value: Any) -> Optional[ParamRef]:
         """The parameter ``value`` is (or is a tracked view, slice or cast of); ``None`` if none."""
@@ -116,6 +120,8 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types_: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func is _CUSTOM_FUNCTION_CALL:
+            self.met_custom_function = True
         found = [(leaf, ref) for leaf in argument_leaves(args, kwargs) if (ref := self.ref_of(leaf)) is not None]
         if not found:
             return func(*args, **kwargs) if self._decompositions is None else self._run(func, args, kwargs)
@@ -358,6 +364,11 @@ def _storage_version(tensor: torch.Tensor) -> int:
 
 
 _current_level = torch._C._functorch.maybe_current_level
+
+try:  # what a custom autograd.Function reaches a function mode as, under a torch.func transform
+    from torch._functorch.autograd_function import custom_function_call as _CUSTOM_FUNCTION_CALL
+except ImportError:  # pragma: no cover - every supported torch has it
+    _CUSTOM_FUNCTION_CALL = None
 
 _is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda tensor: False)
 _unwrapped = getattr(torch._C._functorch, "get_unwrapped", None)

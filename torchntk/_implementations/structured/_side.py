@@ -43,6 +43,24 @@ whole batch already). The output check of ``vmap_axes`` cannot use this pass's o
 the whole batch's: a call with a pending check (``check_vmap_axes=True`` after the first call)
 keeps the per-example pass, whose outputs the check compares for free, rather than pay the
 check's own per-example forward pass (``KernelCall.check_outputs``) on top of this one.
+
+NOTE: [The whole-batch pass by plain autograd]
+The whole-batch pass needs no per-example ``vmap``, and its VJP needs no ``torch.func`` either: the
+deltas are made leaves that require grad, the perturbed model runs under ``torch.enable_grad()``,
+and the pullback is ``torch.autograd.grad`` on the graph kept (``vmap`` over the basis, as
+before). ``torch.func.vjp`` wraps every tensor of the forward for its grad level, a few
+microseconds per operation: the tiny MLP of ``bench_overhead.py``'s forward took 43 us plain and
+117 us wrapped, and its warm call fell from 0.91 to 0.80 of the tutorial's time; the LSTM row of
+``bench_first_call.py`` (an unfused cell per step), 7% of a warm call (docs/benchmarks.md, "The
+whole-batch pass by plain autograd"). The ATen count grows by a few views (the deltas detached
+as leaves of their own: 141 to 149 on the tiny MLP). Its gradients are the same:
+autograd follows every op's derivative, a custom ``autograd.Function``'s own backward included,
+and the layout check of ``_whole_batch.py`` compares this pass with the per-example pass, which
+runs under ``vmap``, when the plan is made. It keeps ``torch.func.vjp`` where plain autograd would
+see the model otherwise than the probe did: a custom ``torch.autograd.Function`` reaches the
+recorder as one call only under a transform (``under_a_transform``), so where the probe met one
+(``Plan.custom_functions``) the pass runs as the probe did; and where a transform is active already
+(a caller's ``vmap``, the recorder's own passes) or inference mode forbids recording a graph.
 """
 
 from __future__ import annotations
@@ -53,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch.func import jacfwd, jacrev, vjp, vmap
 
 from ..._call.per_example import Side, transformed
@@ -139,12 +158,14 @@ class Probe:
         output_specs: the per-example shape and dtype of each call's output.
         unruled: parameter indices consumed by an op without an applicable rule.
         reasons: why each unruled parameter is.
+        custom_functions: whether a custom ``torch.autograd.Function`` ran in the pass.
     """
 
     calls: list[RuleCall]
     output_specs: list[OutputSpec]
     unruled: set[int]
     reasons: dict[int, str]
+    custom_functions: bool = False
 
 
 def probe(side: Side, first_example_only: bool = True) -> Probe:
@@ -174,7 +195,7 @@ def probe(side: Side, first_example_only: bool = True) -> Probe:
         return torch.zeros(())
 
     side.per_example(run, unfuse=not unfuse)
-    return Probe(recorder.calls, recorder.output_specs, recorder.unruled, recorder.reasons)
+    return Probe(recorder.calls, recorder.output_specs, recorder.unruled, recorder.reasons, recorder.met_custom_function)
 
 
 def recorder_unfuses(side: Side) -> bool:
@@ -553,7 +574,7 @@ def whole_batch_pass(
     primals = (zeros, tuple(params)) if parameters and cotangents is not None else (zeros,)
     with whole_batch_context(side):
         try:
-            outputs, pullback, operands = vjp(perturbed_model, *primals, has_aux=True)
+            outputs, pullback, operands = _whole_batch_vjp(perturbed_model, primals, plan.custom_functions)
         except (ShapeMismatch, PlanMismatch) as error:
             if raise_mismatch and isinstance(error, ShapeMismatch):
                 raise
@@ -578,6 +599,30 @@ def whole_batch_pass(
         examples, outputs, kept, tuple(gradients), tuple(operands), operand_folds,
         tuple(products[0]) if products else None,
     )
+
+
+def _whole_batch_vjp(function: Callable, primals: tuple, custom_functions: bool) -> tuple:
+    """``torch.func.vjp(function, *primals, has_aux=True)``, by plain autograd where nothing needs
+    the transform (NOTE: [The whole-batch pass by plain autograd]): the outputs (detached), the
+    pullback and ``function``'s auxiliary result. ``custom_functions``: the plan's probe met a
+    custom ``torch.autograd.Function``."""
+    if custom_functions or torch._C._are_functorch_transforms_active() or torch.is_inference_mode_enabled():
+        return vjp(function, *primals, has_aux=True)
+    flat, spec = pytree.tree_flatten(primals)
+    leaves = [primal.detach().requires_grad_() for primal in flat]
+    with torch.enable_grad():
+        outputs, aux = function(*pytree.tree_unflatten(leaves, spec))
+    output_leaves, output_spec = pytree.tree_flatten(outputs)
+
+    def pullback(cotangents: Any) -> Any:
+        gradients = torch.autograd.grad(
+            output_leaves, leaves, pytree.tree_leaves(cotangents), retain_graph=True, allow_unused=True,
+            materialize_grads=True,
+        )
+        return pytree.tree_unflatten(list(gradients), spec)
+
+    detached = pytree.tree_unflatten([leaf.detach() for leaf in output_leaves], output_spec)
+    return detached, pullback, aux
 
 
 def whole_batch_factors(
