@@ -71,7 +71,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch.func import jacfwd, jacrev, vjp, vmap
 
 from ..._call.per_example import Side, transformed
@@ -195,7 +194,9 @@ def probe(side: Side, first_example_only: bool = True) -> Probe:
         return torch.zeros(())
 
     side.per_example(run, unfuse=not unfuse)
-    return Probe(recorder.calls, recorder.output_specs, recorder.unruled, recorder.reasons, recorder.met_custom_function)
+    return Probe(
+        recorder.calls, recorder.output_specs, recorder.unruled, recorder.reasons, recorder.met_custom_function
+    )
 
 
 def recorder_unfuses(side: Side) -> bool:
@@ -601,28 +602,30 @@ def whole_batch_pass(
     )
 
 
-def _whole_batch_vjp(function: Callable, primals: tuple, custom_functions: bool) -> tuple:
+def _whole_batch_vjp(
+    function: Callable, primals: tuple[tuple[torch.Tensor, ...], ...], custom_functions: bool,
+) -> tuple:
     """``torch.func.vjp(function, *primals, has_aux=True)``, by plain autograd where nothing needs
-    the transform (NOTE: [The whole-batch pass by plain autograd]): the outputs (detached), the
-    pullback and ``function``'s auxiliary result. ``custom_functions``: the plan's probe met a
+    the transform (NOTE: [The whole-batch pass by plain autograd]): the output leaves (detached),
+    the pullback (a tuple of cotangents, one per output leaf, to a tuple of gradients per primal)
+    and ``function``'s auxiliary result. ``primals``: tuples of tensors; ``function`` returns a
+    tuple of output tensors and the auxiliary result. ``custom_functions``: the plan's probe met a
     custom ``torch.autograd.Function``."""
     if custom_functions or torch._C._are_functorch_transforms_active() or torch.is_inference_mode_enabled():
         return vjp(function, *primals, has_aux=True)
-    flat, spec = pytree.tree_flatten(primals)
-    leaves = [primal.detach().requires_grad_() for primal in flat]
+    groups = tuple(tuple(primal.detach().requires_grad_() for primal in group) for group in primals)
+    leaves = tuple(primal for group in groups for primal in group)
     with torch.enable_grad():
-        outputs, aux = function(*pytree.tree_unflatten(leaves, spec))
-    output_leaves, output_spec = pytree.tree_flatten(outputs)
+        outputs, aux = function(*groups)
+    outputs = tuple(outputs)
 
-    def pullback(cotangents: Any) -> Any:
-        gradients = torch.autograd.grad(
-            output_leaves, leaves, pytree.tree_leaves(cotangents), retain_graph=True, allow_unused=True,
-            materialize_grads=True,
-        )
-        return pytree.tree_unflatten(list(gradients), spec)
+    def pullback(cotangents: tuple[torch.Tensor, ...]) -> tuple:
+        gradients = iter(torch.autograd.grad(
+            outputs, leaves, tuple(cotangents), retain_graph=True, allow_unused=True, materialize_grads=True,
+        ))
+        return tuple(tuple(next(gradients) for _ in group) for group in groups)
 
-    detached = pytree.tree_unflatten([leaf.detach() for leaf in output_leaves], output_spec)
-    return detached, pullback, aux
+    return tuple(output.detach() for output in outputs), pullback, aux
 
 
 def whole_batch_factors(
