@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 import torchntk
 import torchntk._implementations.structured as structured
@@ -714,3 +715,42 @@ def test_a_custom_function_keeps_the_transform_of_the_probe(passes, monkeypatch)
     plain = _build(lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)))
     torchntk.empirical_ntk_fn(plain, vmap_axes=0, implementation=3)(x1, x2)
     assert not passes.plan.custom_functions
+
+
+class _InputOnlyLeaf(nn.Module):
+    """Two output leaves, one computed from the inputs alone: no delta reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> dict:
+        return {"features": torch.tanh(self.linear(x)), "scaled": 2.0 * x[:, :2]}
+
+
+class _UnusedLayer(nn.Module):
+    """A layer whose output never reaches the outputs: no output depends on any delta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.linear(x)
+        return torch.tanh(x[:, :3])
+
+
+@pytest.mark.parametrize("model_type", [_InputOnlyLeaf, _UnusedLayer], ids=["input-only leaf", "unused layer"])
+def test_outputs_no_delta_reaches_keep_the_whole_batch_pass(model_type, passes):
+    """Plain autograd has no graph for an output no perturbed operation reaches (its share of
+    ``G`` is zero): the pass leaves it out instead of failing, keeps the whole batch, and the
+    kernel is exact on every call."""
+    model = _build(model_type)
+    ntk_fn = torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3, trace_axes=())
+    for seed in range(3):
+        x1, x2 = _normal(5, 4, seed=seed), _normal(3, 4, seed=seed + 10)
+        kernels, expected = ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=())
+        for kernel, reference in zip(pytree.tree_leaves(kernels), pytree.tree_leaves(expected)):
+            assert_kernels_close(kernel, reference)
+    assert passes.plan.whole_batch is not None, passes.plan.whole_batch_reason
+    assert passes.whole_batch >= 3

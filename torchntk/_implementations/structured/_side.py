@@ -618,11 +618,17 @@ def _whole_batch_vjp(
     with torch.enable_grad():
         outputs, aux = function(*groups)
     outputs = tuple(outputs)
+    # an output leaf no delta reaches (computed from the inputs alone) has no graph: its share is zero
+    live = [index for index, output in enumerate(outputs) if output.requires_grad]
 
     def pullback(cotangents: tuple[torch.Tensor, ...]) -> tuple:
-        gradients = iter(torch.autograd.grad(
-            outputs, leaves, tuple(cotangents), retain_graph=True, allow_unused=True, materialize_grads=True,
-        ))
+        if live:
+            gradients = iter(torch.autograd.grad(
+                [outputs[index] for index in live], leaves, [cotangents[index] for index in live],
+                retain_graph=True, allow_unused=True, materialize_grads=True,
+            ))
+        else:
+            gradients = iter([torch.zeros_like(leaf) for leaf in leaves])
         return tuple(tuple(next(gradients) for _ in group) for group in groups)
 
     return tuple(output.detach() for output in outputs), pullback, aux
