@@ -496,3 +496,64 @@ def test_the_plan_check_compares_one_parameter_at_a_time():
     reference = reference_ntk(model, x)
     for kernel in kernels:
         assert_kernels_close(kernel, reference)
+
+
+# NOTE: [Kernels that are constants of the inputs]
+
+
+def _tanh_mlp() -> nn.Module:
+    return _build(lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), seed=0)
+
+
+def _two_inputs(n1: int, n2: int, seed: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(to_device(torch.randn(n, 4, generator=generator, dtype=torch.float64)) for n in (n1, n2))
+
+
+def _finite_difference(ntk_fn, x1: Tensor, x2: Tensor, index: tuple, eps: float = 1e-6) -> float:
+    """d sum(K(x1, x2)) / d x1[index] by central differences."""
+    plus, minus = x1.clone(), x1.clone()
+    plus[index] += eps
+    minus[index] -= eps
+    with torch.no_grad():
+        return ((ntk_fn(plus, x2).sum() - ntk_fn(minus, x2).sum()) / (2 * eps)).item()
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"check_vmap_axes": True}, {"vmap_axes": None}], ids=["whole-batch", "per-example", "unmapped"]
+)
+def test_a_derivative_through_3s_kernel_with_respect_to_the_inputs_raises(options):
+    """Implementation 3's kernel is a constant of x1 and x2: with inputs that require grad its
+    values are unchanged and a backward pass through it raises, naming implementations 1 and 2,
+    on the whole-batch, the per-example and the unmapped pass, on every call (it used to return
+    part of the derivative, or none, without an error); 1 and 2 give the exact derivative."""
+    model = _tanh_mlp()
+    x1, x2 = _two_inputs(5, 3, seed=0)
+    structured = torchntk.empirical_ntk_fn(model, implementation=3, **options)
+    expected = reference_ntk(model, x1, x2)
+    for _ in range(3):  # the first, a second and a later call
+        x = x1.clone().requires_grad_()
+        kernel = structured(x, x2)
+        assert_kernels_close(kernel.detach(), expected)
+        with pytest.raises(RuntimeError, match="constant of x1 and x2.*implementation=1 or implementation=2"):
+            torch.autograd.grad(kernel.sum(), x)
+        assert not structured(x1, x2).requires_grad  # inputs without grad: a plain kernel
+        with torch.no_grad():
+            assert not structured(x, x2).requires_grad
+    for implementation in (1, 2):
+        ntk_fn = torchntk.empirical_ntk_fn(model, implementation=implementation, **options)
+        x = x1.clone().requires_grad_()
+        (gradient,) = torch.autograd.grad(ntk_fn(x, x2).sum(), x)
+        assert gradient[0, 1].item() == pytest.approx(_finite_difference(ntk_fn, x1, x2, (0, 1)), rel=1e-6)
+
+
+def test_batch_of_3s_kernel_with_inputs_that_require_grad_raises_on_backward():
+    """``batch``'s blocks of implementation 3 (prepared spans) are tied to the inputs alike."""
+    model = _tanh_mlp()
+    x1, x2 = _two_inputs(6, 4, seed=1)
+    batched = torchntk.batch(torchntk.empirical_ntk_fn(model, vmap_axes=0, implementation=3), batch_size=2)
+    x = x1.clone().requires_grad_()
+    kernel = batched(x, x2)
+    assert_kernels_close(kernel.detach(), reference_ntk(model, x1, x2))
+    with pytest.raises(RuntimeError, match="constant of x1 and x2"):
+        torch.autograd.grad(kernel.sum(), x)

@@ -30,8 +30,10 @@ from .._call.per_example import Side
 from .._implementations import policy
 from .._implementations.memory import modelled_peak
 from .._implementations.nngp import nngp
+from .._implementations.structured import constant_of_inputs
 from .._layout.kernel_layout import KernelLayout
 from .._plan import input_shape_key
+from .._utils.types import NtkImplementation
 from .preparation import trial
 
 if TYPE_CHECKING:
@@ -112,7 +114,10 @@ class BlockSource:
             kernels["nngp"] = block.normalise(self._explained(block, nngp(block)), dtypes=self.call.output_dtypes)
         if "ntk" in self.names:
             needed = [True] * len(block.layouts)
-            kernels["ntk"] = block.normalise(self._explained(block, self.plan.contract(first.data, second.data, needed)))
+            ntk = block.normalise(self._explained(block, self.plan.contract(first.data, second.data, needed)))
+            if self.plan.implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
+                ntk = constant_of_inputs(block, ntk)  # NOTE: [Kernels that are constants of the inputs]
+            kernels["ntk"] = ntk
         return combine(kernels, self.names, self.bare)
 
     def _explained(self, block: KernelCall, kernels: list) -> list:

@@ -17,7 +17,9 @@ The pieces, in the order they run:
 * ``_verify.py``: the check of a plan against autograd (when it is made, or on every call);
 * ``_redone.py``: a call's plan made again from every example where a pass meets what it did not foresee;
 * ``_unrolled.py``: models that differentiate inside their forward pass, evaluated through a
-  traced graph of it so that the rules see the derivatives' products.
+  traced graph of it so that the rules see the derivatives' products;
+* ``_constant.py``: the kernels are constants of the inputs, and a backward pass through them
+  raises instead of returning a wrong derivative.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..._call.per_example import Side
 from ..._plan.scope import Scope, cached
 from ..._utils.types import NtkImplementation
 from ..choice import AutoChoice
+from ._constant import constant_of_inputs
 from ._contract import contract_sides
 from ._joint import gradients_per_example, joined
 from ._plan import Plan, make_plan
@@ -282,7 +285,8 @@ class StructuredDerivatives:
     # -- NOTE: [The implementation table] ------------------------------------------------------
 
     def kernels(self, call: KernelCall, scope: Optional[Scope]) -> list[torch.Tensor]:
-        return self(call, scope)
+        # NOTE: [Kernels that are constants of the inputs]: no wrong derivative through them
+        return constant_of_inputs(call, self(call, scope))
 
     def blocks(self, call: KernelCall, scope: Optional[Scope], block: Optional[tuple] = None) -> BlockPlan:
         return self.block_plan(call, scope)
