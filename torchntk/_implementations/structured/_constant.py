@@ -39,6 +39,7 @@ def constant_of_inputs(call: KernelCall, kernels: Any) -> Any:
     ]
     if not inputs:
         return kernels
+
     def tied(kernel: Any) -> Any:
         return _ConstantOfInputs.apply(call.where, kernel, *inputs) if isinstance(kernel, torch.Tensor) else kernel
 
