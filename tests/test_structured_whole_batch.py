@@ -750,6 +750,7 @@ def test_outputs_no_delta_reaches_keep_the_whole_batch_pass(model_type, passes):
     for seed in range(3):
         x1, x2 = _normal(5, 4, seed=seed), _normal(3, 4, seed=seed + 10)
         kernels, expected = ntk_fn(x1, x2), reference_ntk(model, x1, x2, trace_axes=())
+        assert len(pytree.tree_leaves(kernels)) == len(pytree.tree_leaves(expected))
         for kernel, reference in zip(pytree.tree_leaves(kernels), pytree.tree_leaves(expected)):
             assert_kernels_close(kernel, reference)
     assert passes.plan.whole_batch is not None, passes.plan.whole_batch_reason
